@@ -1,0 +1,116 @@
+"""Belayer's error hierarchy. Every error that crosses a process boundary is one of these.
+
+    BelayerError                      base; carries ``code`` and a ``data`` dict
+    ├── RetryableError                the same call may succeed later
+    │   ├── BusUnavailable            NATS unreachable / no responders / timed out
+    │   ├── EngineUnavailable         no healthy engine can take the request now
+    │   └── CheckpointBusy            a checkpoint/exec holds the sandbox
+    └── FatalError                    the call will fail the same way again
+        ├── InvalidRequest            malformed or wrongly typed message (names the field)
+        ├── NotFound                  unknown engine, request, sandbox, checkpoint, version
+        ├── Conflict                  stale epoch, duplicate id, compare-and-set lost
+        ├── ResourceLimit             oversized prompt, output cap, memory
+        ├── CheckpointInvalid         corrupt or hostile checkpoint archive
+        ├── SandboxError              container/CRIU/Docker failure
+        └── Timeout                   an operation ran past its deadline
+
+On the bus an error travels as ``schemas.common.ErrorReply`` (code, message, data, retryable);
+``from_reply`` turns it back into the matching class, so callers catch typed errors.
+Library exceptions (nats, docker, OSError) are translated at the service boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class BelayerError(Exception):
+    """Base error: ``code`` is stable (users match on it), ``data`` holds the details."""
+
+    code: ClassVar[str] = "error"
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, **data: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.data = data
+
+    def __str__(self) -> str:
+        if not self.data:
+            return self.message
+        extras = ", ".join(f"{k}={v!r}" for k, v in self.data.items())
+        return f"{self.message} ({extras})"
+
+
+class RetryableError(BelayerError):
+    code = "retryable"
+    retryable = True
+
+
+class FatalError(BelayerError):
+    code = "fatal"
+
+
+class BusUnavailable(RetryableError):
+    code = "bus_unavailable"
+
+
+class EngineUnavailable(RetryableError):
+    code = "engine_unavailable"
+
+
+class CheckpointBusy(RetryableError):
+    code = "checkpoint_busy"
+
+
+class InvalidRequest(FatalError):
+    code = "invalid_request"
+
+
+class NotFound(FatalError):
+    code = "not_found"
+
+
+class Conflict(FatalError):
+    code = "conflict"
+
+
+class ResourceLimit(FatalError):
+    code = "resource_limit"
+
+
+class CheckpointInvalid(FatalError):
+    code = "checkpoint_invalid"
+
+
+class SandboxError(FatalError):
+    code = "sandbox_error"
+
+
+class Timeout(FatalError):
+    code = "timeout"
+
+
+_BY_CODE: dict[str, type[BelayerError]] = {
+    cls.code: cls
+    for cls in (
+        BelayerError,
+        RetryableError,
+        FatalError,
+        BusUnavailable,
+        EngineUnavailable,
+        CheckpointBusy,
+        InvalidRequest,
+        NotFound,
+        Conflict,
+        ResourceLimit,
+        CheckpointInvalid,
+        SandboxError,
+        Timeout,
+    )
+}
+
+
+def error_class(code: str) -> type[BelayerError]:
+    """The error class for a wire ``code`` (unknown codes map to ``BelayerError``)."""
+    return _BY_CODE.get(code, BelayerError)

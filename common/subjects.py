@@ -1,0 +1,148 @@
+"""Every NATS subject, JetStream stream and KV bucket name Belayer uses, in one place.
+
+Services never build subject strings themselves: they call these functions, so a rename is one
+edit and ``docs/protocol.md`` can be checked against this module. Subjects are prefixed
+``belayer.``; streams are UPPER_SNAKE, KV buckets lower_snake.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "belayer"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def check_token(value: str, what: str = "id") -> str:
+    """Return ``value`` if it is safe as one subject token (no dots, spaces or wildcards)."""
+    if not value or not _TOKEN.match(value) or len(value) > 128:
+        raise ValueError(f"{what} {value!r} is not a valid subject token ([A-Za-z0-9_-]{{1,128}})")
+    return value
+
+
+# --- weight store -------------------------------------------------------------------------
+def weights_get() -> str:
+    """Request: the manifest of the current (or a given) weight version."""
+    return f"{PREFIX}.weights.get"
+
+
+def weights_push() -> str:
+    """Request: adopt a new weight version (trainer → weight store)."""
+    return f"{PREFIX}.weights.push"
+
+
+def weights_release() -> str:
+    """Publish: a reader stopped using a version (lets the store garbage-collect old ones)."""
+    return f"{PREFIX}.weights.release"
+
+
+# --- KV arena -----------------------------------------------------------------------------
+def kv_get() -> str:
+    """Request: the arena descriptor of one engine."""
+    return f"{PREFIX}.kv.get"
+
+
+def kv_flush() -> str:
+    """Request: zero an engine's arena (handover step 3)."""
+    return f"{PREFIX}.kv.flush"
+
+
+# --- rollout workers / router -------------------------------------------------------------
+def engine_generate(engine_id: str) -> str:
+    """Router → worker: submit (or resume) requests on one engine."""
+    return f"{PREFIX}.engine.{check_token(engine_id, 'engine id')}.generate"
+
+
+def engine_abort(engine_id: str) -> str:
+    """Router → worker: abort requests on one engine."""
+    return f"{PREFIX}.engine.{check_token(engine_id, 'engine id')}.abort"
+
+
+def engine_ping(engine_id: str) -> str:
+    """Request: liveness/health of one engine's worker (answers with its pid and epoch)."""
+    return f"{PREFIX}.engine.{check_token(engine_id, 'engine id')}.ping"
+
+
+def router_generate() -> str:
+    """Request (streamed replies): generate tokens for a request."""
+    return f"{PREFIX}.router.generate"
+
+
+def router_register() -> str:
+    """Request: a worker registers (engine id, epoch, pid) with the router."""
+    return f"{PREFIX}.router.register"
+
+
+def router_tokens() -> str:
+    """Worker → router: one message per engine step with every request's new tokens."""
+    return f"{PREFIX}.router.tokens"
+
+
+def router_status() -> str:
+    """Request: the router's view of engines and requests."""
+    return f"{PREFIX}.router.status"
+
+
+def router_cancel() -> str:
+    """Request: cancel a request by id."""
+    return f"{PREFIX}.router.cancel"
+
+
+def token_log(request_id: str) -> str:
+    """JetStream subject of one request's token log chunks."""
+    return f"{PREFIX}.tokenlog.{check_token(request_id, 'request id')}"
+
+
+def request_log(request_id: str) -> str:
+    """JetStream subject holding the accepted request itself (so a restarted router can resume)."""
+    return f"{PREFIX}.requests.{check_token(request_id, 'request id')}"
+
+
+# --- environment --------------------------------------------------------------------------
+def env(op: str) -> str:
+    """Request: environment operation ``op`` (create, exec, checkpoint, restore, destroy, list)."""
+    return f"{PREFIX}.env.{check_token(op, 'env op')}"
+
+
+# --- controller / trainer -----------------------------------------------------------------
+def rollout_submit() -> str:
+    """Request: submit a rollout task to the controller."""
+    return f"{PREFIX}.rollout.submit"
+
+
+def trajectory(trajectory_id: str) -> str:
+    """JetStream subject of one finished trajectory."""
+    return f"{PREFIX}.trajectories.{check_token(trajectory_id, 'trajectory id')}"
+
+
+# --- events -------------------------------------------------------------------------------
+def event(kind: str) -> str:
+    """Lifecycle and recovery events (``belayer.events.<kind>``), persisted in EVENTS."""
+    return f"{PREFIX}.events.{check_token(kind, 'event kind')}"
+
+
+EVENTS_ALL = f"{PREFIX}.events.>"
+
+
+# --- supervisor ---------------------------------------------------------------------------
+def supervisor_status() -> str:
+    """Request: the node supervisor's process table."""
+    return f"{PREFIX}.supervisor.status"
+
+
+def supervisor_stop() -> str:
+    """Request: stop every service of this node (``belayer down``)."""
+    return f"{PREFIX}.supervisor.stop"
+
+
+# --- JetStream streams and KV buckets -----------------------------------------------------
+STREAM_TOKENS = "TOKENS"
+STREAM_REQUESTS = "REQUESTS"
+STREAM_EVENTS = "EVENTS"
+STREAM_TRAJECTORIES = "TRAJECTORIES"
+
+BUCKET_WEIGHT_VERSION = "weight_version"
+BUCKET_ENGINE_EPOCHS = "engine_epochs"
+BUCKET_REQUESTS = "request_status"
+BUCKET_SANDBOX_PREFIX = "sandbox_prefix"

@@ -1,0 +1,233 @@
+"""Messages of the serving path: callers ↔ router ↔ rollout workers, and the token log."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from schemas.base import ErrorReply, Message
+
+RequestId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_\-]{1,128}$")]
+"""Caller-chosen request id: letters, digits, ``_`` and ``-``, at most 128 characters."""
+
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How to sample. ``temperature == 0`` is greedy."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 1.0
+    """Softmax temperature; 0 selects the argmax."""
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    """Nucleus sampling mass."""
+    seed: int | None = None
+    """With a seed, token j of a request depends only on (seed, j, logits): resumes reproduce."""
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 64
+    """Most new tokens to generate."""
+    stop_token_ids: list[TokenId] = []
+    """Extra ids that end the request (the model's EOS ids always do unless ``ignore_eos``)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+
+
+class GenerateRequest(Message, tag="GenerateRequest.v1"):
+    """Caller → router (``belayer.router.generate``). Replies stream to the message's reply inbox:
+    ``TokenDelta`` messages (if ``stream``), then one ``GenerateResult`` or ``ErrorReply``."""
+
+    request_id: RequestId
+    """Caller-chosen id; resubmitting it never generates twice (the result is replayed)."""
+    prompt: str | None = None
+    """Prompt text (tokenized by the router). Exactly one of prompt / prompt_token_ids."""
+    prompt_token_ids: list[TokenId] | None = None
+    """Prompt as token ids."""
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    """Sampling parameters."""
+    stream: bool = True
+    """Send a ``TokenDelta`` per engine step before the final result."""
+    engine_id: str | None = None
+    """Pin to one engine (unknown → ``not_found``); default: least-loaded healthy engine."""
+
+
+class TokenDelta(Message, tag="TokenDelta.v1"):
+    """Router → caller: new tokens of one request. ``start`` is the index of the first one."""
+
+    request_id: str
+    start: int
+    """Index (among generated tokens) of ``token_ids[0]``; lets callers detect gaps."""
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_version: int
+    """Weight version that produced these tokens."""
+
+
+class GenerateResult(Message, tag="GenerateResult.v1"):
+    """Router → caller: the finished request."""
+
+    request_id: str
+    token_ids: list[int]
+    """Generated tokens (not the prompt)."""
+    text: str
+    """Decoded ``token_ids``."""
+    logprobs: list[float]
+    """Log-probability of each generated token under the sampling distribution."""
+    weight_version: int
+    """Weight version of the generated tokens (the version of the last one if it changed)."""
+    finish_reason: FinishReason
+    prompt_token_ids: list[int] = []
+    token_weight_versions: list[int] = []
+    """Weight version per generated token."""
+    engine_ids: list[str] = []
+    """Engines that worked on the request, in order (more than one after a handover)."""
+    resumes: int = 0
+    """How many times the request was resumed on another worker."""
+    version_changed: bool = False
+    """True if the weight version changed between the prefix and a resumed continuation."""
+
+
+GenerateReply = TokenDelta | GenerateResult | ErrorReply
+"""Anything the router sends to a caller's reply inbox."""
+
+
+class CancelRequest(Message, tag="CancelRequest.v1"):
+    """Caller → router: abort a request."""
+
+    request_id: RequestId
+
+
+# --- router ↔ worker -----------------------------------------------------------------------
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """One request as the router hands it to a worker (fresh or resumed)."""
+
+    request_id: str
+    token_ids: list[int]
+    """Prompt + every token the router already holds (a resume rebuilds KV by prefill)."""
+    generated_offset: int = 0
+    """How many of ``token_ids`` were generated before (0 for a fresh request)."""
+    sampling: SamplingParams
+    """``max_tokens`` is what is left to generate."""
+
+
+class EngineSubmit(Message, tag="EngineSubmit.v1"):
+    """Router → worker (``belayer.engine.<id>.generate``); the worker replies ``Ok`` once queued."""
+
+    engine_id: str
+    epoch: int
+    """The engine epoch the router believes current; a worker of another epoch refuses."""
+    requests: list[EngineRequest]
+
+
+class EngineAbort(Message, tag="EngineAbort.v1"):
+    """Router → worker: drop requests."""
+
+    engine_id: str
+    epoch: int
+    request_ids: list[str]
+
+
+class SeqDelta(msgspec.Struct, kw_only=True):
+    """One request's output in one engine step."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+class StepBatch(Message, tag="StepBatch.v1"):
+    """Worker → router (``belayer.router.tokens``): every request's new tokens of one step."""
+
+    engine_id: str
+    epoch: int
+    """Epoch of the worker that produced it; the router drops batches of stale epochs."""
+    worker_pid: int
+    step: int
+    """Monotonic per worker."""
+    weight_version: int
+    deltas: list[SeqDelta]
+
+
+class RegisterWorker(Message, tag="RegisterWorker.v1"):
+    """Worker → router (``belayer.router.register``) when it becomes the engine's main worker."""
+
+    engine_id: str
+    epoch: int
+    pid: int
+    device: str = "cpu"
+    weight_version: int = 0
+    max_num_seqs: int = 16
+    role: Literal["main", "shadow"] = "main"
+
+
+class RegisterReply(Message, tag="RegisterReply.v1"):
+    """Router → worker: accepted registration (with the epoch now current)."""
+
+    engine_id: str
+    epoch: int
+    resumed_requests: int = 0
+    """Interrupted requests the router is resubmitting to the new worker."""
+
+
+class PingReply(Message, tag="PingReply.v1"):
+    """Worker → caller of ``belayer.engine.<id>.ping``."""
+
+    engine_id: str
+    epoch: int
+    pid: int
+    running: int
+    waiting: int
+    weight_version: int
+    steps: int
+
+
+# --- token log (JetStream) -----------------------------------------------------------------
+class TokenLogChunk(Message, tag="TokenLogChunk.v1"):
+    """Durable copy of a request's tokens (stream TOKENS), published every k tokens and at the
+    end with ``Nats-Msg-Id = <request_id>:<chunk_index>`` so a replay never duplicates."""
+
+    request_id: str
+    chunk_index: int
+    start: int
+    """Index of ``token_ids[0]`` among generated tokens."""
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    final: bool = False
+    finish_reason: FinishReason | None = None
+
+
+class AcceptedRequest(Message, tag="AcceptedRequest.v1"):
+    """The request as the router accepted it (stream REQUESTS, msg id = request id)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_to: str | None = None
+    engine_id: str | None = None
+    accepted_at: float = 0.0
+
+
+# --- status --------------------------------------------------------------------------------
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """The router's view of one engine."""
+
+    id: str
+    epoch: int
+    worker_pid: int
+    healthy: bool
+    device: str = "cpu"
+    running: int = 0
+    weight_version: int = 0
+    failures: int = 0
+
+
+class RouterStatus(Message, tag="RouterStatus.v1"):
+    """Reply of ``belayer.router.status``."""
+
+    engines: list[EngineInfo]
+    inflight: int
+    finished: int
+    token_log_chunk: int

@@ -1,0 +1,140 @@
+"""The model hyper-parameters Belayer needs, read from a Hugging Face ``config.json``.
+
+Only dense Qwen3 causal LMs are supported (``model_type == "qwen3"``). Anything the
+compact implementation in :mod:`services.model.qwen3` cannot reproduce exactly (RoPE
+scaling, sliding windows, attention biases, another activation) is refused here with a
+``ValueError`` instead of silently producing different logits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Qwen3 causal LM (names follow the HF ``config.json``)."""
+
+    vocab_size: int
+    """Rows of the embedding and of the output layer."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the SiLU-gated MLP."""
+    num_hidden_layers: int
+    """Number of decoder layers."""
+    num_attention_heads: int
+    """Query heads per layer."""
+    num_key_value_heads: int
+    """Key/value heads per layer (grouped-query attention when fewer than query heads)."""
+    head_dim: int
+    """Width of one attention head (Qwen3 sets it explicitly, not hidden/heads)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 1_000_000.0
+    """Base of the rotary position embedding."""
+    max_position_embeddings: int = 32768
+    """Longest position the rotary tables cover."""
+    tie_word_embeddings: bool = False
+    """When true the output layer reuses ``model.embed_tokens.weight``."""
+    torch_dtype: str = "float32"
+    """Dtype the checkpoint is stored in (``float32``, ``bfloat16`` or ``float16``)."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token, if the model defines one."""
+    eos_token_id: tuple[int, ...] = ()
+    """End-of-sequence tokens (HF allows an int or a list; always a tuple here)."""
+    model_type: str = "qwen3"
+    """HF model type; only ``qwen3`` is supported."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """``torch_dtype`` as a :class:`torch.dtype`."""
+        return _DTYPES[self.torch_dtype]
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads sharing one key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Build from the parsed JSON of a HF ``config.json``; refuse what we cannot run."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}: Belayer's engine runs only "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} models"
+            )
+        _refuse_unsupported_features(raw)
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        # transformers 5 writes "dtype" and nests rope_theta in rope_parameters; 4.x did not.
+        dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported torch_dtype {dtype!r}; expected one of {list(_DTYPES)}")
+        rope = raw.get("rope_parameters") or {}
+        cfg = cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            torch_dtype=dtype,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=_as_tuple(raw.get("eos_token_id")),
+            model_type=str(model_type),
+        )
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={cfg.num_key_value_heads}"
+            )
+        return cfg
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read ``<model_dir>/config.json`` into a :class:`ModelConfig`."""
+    path = Path(model_dir) / "config.json"
+    with path.open() as f:
+        return ModelConfig.from_dict(json.load(f))
+
+
+def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _refuse_unsupported_features(raw: dict[str, Any]) -> None:
+    """Raise on HF options that would change the maths of a plain Qwen3 forward."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"unsupported RoPE scaling {rope_type!r}; only default RoPE is supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; expected 'silu'")
+    if raw.get("attention_bias", False):
+        raise ValueError("attention_bias=true is not supported")
+    if raw.get("use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported")
