@@ -23,6 +23,7 @@ class NodeInfo:
     engines: list[str] = field(default_factory=list)
     recovery: str = "belayer"
     started_at: float = 0.0
+    ready: bool = False
 
     def write(self, paths: RunPaths) -> None:
         paths.root.mkdir(parents=True, exist_ok=True)

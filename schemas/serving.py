@@ -231,3 +231,11 @@ class RouterStatus(Message, tag="RouterStatus.v1"):
     inflight: int
     finished: int
     token_log_chunk: int
+
+
+class Ping(Message, tag="Ping.v1"):
+    """Request on ``belayer.engine.<id>.ping``: answered with ``PingReply``."""
+
+
+class StatusRequest(Message, tag="StatusRequest.v1"):
+    """Request on ``belayer.router.status``: answered with ``RouterStatus``."""

@@ -79,6 +79,8 @@ class ArenaDesc(Message, tag="ArenaDesc.v1"):
     num_blocks: int
     generation: int
     """Bumped by every flush."""
+    epoch: int = 0
+    """Engine epoch of the last accepted flush (0 before any); older epochs are refused."""
 
 
 class KvFlush(Message, tag="KvFlush.v1"):

@@ -1,0 +1,76 @@
+"""``belayer generate``: one request through the router, streamed to the terminal."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from typing import Any
+
+import msgspec
+import typer
+
+from schemas.serving import GenerateRequest, SamplingParams, TokenDelta
+from services.cli.common import fail, print_json, run, with_bus
+from services.router.client import generate as generate_request
+
+
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Most new tokens."),
+    temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (0, 1]."),
+    seed: int | None = typer.Option(
+        None,
+        "--seed",
+        help="Seed: the same seed reproduces the same tokens, even across a handover.",
+    ),
+    request_id: str = typer.Option(
+        "",
+        "--request-id",
+        help="Caller-chosen id (default: random); resubmitting an id never generates twice.",
+    ),
+    engine: str | None = typer.Option(None, "--engine", help="Pin to an engine id."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    timeout: float = typer.Option(300.0, help="Seconds to wait for the result."),
+    nats_url: str = typer.Option("", "--nats-url", help="NATS URL (default: the running node's)."),
+) -> None:
+    """Generate text from a prompt on the running node."""
+    if not 0.0 < top_p <= 1.0:
+        fail("--top-p must be in (0, 1]", 2)
+    req = GenerateRequest(
+        request_id=request_id or f"cli-{uuid.uuid4().hex[:12]}",
+        prompt=prompt,
+        sampling=SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+        ),
+        stream=not json_out,
+        engine_id=engine,
+    )
+
+    state: dict[str, Any] = {"tokens": []}
+
+    def on_delta(d: TokenDelta) -> None:
+        state["tokens"] += d.token_ids
+        sys.stdout.write(".")
+        sys.stdout.flush()
+
+    async def go(nc: Any) -> Any:
+        return await generate_request(
+            nc, req, timeout=timeout, on_delta=None if json_out else on_delta
+        )
+
+    result = run(with_bus(nats_url or None, go))
+    if json_out:
+        print_json(msgspec.to_builtins(result))
+        return
+    sys.stdout.write("\n")
+    typer.echo(result.text)
+    typer.echo(
+        f"[{result.request_id}: {len(result.token_ids)} tokens, finish={result.finish_reason}, "
+        f"weights v{result.weight_version}, engines {','.join(result.engine_ids)}, resumes {result.resumes}]"
+    )

@@ -1,0 +1,32 @@
+"""Router configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Every field defaulted; loaded once in ``__main__`` and passed down."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    """The bus."""
+    model_dir: str = ""
+    """Model directory whose tokenizer the router uses for text prompts and results."""
+    token_log_chunk: int = 256
+    """k: tokens per durable token-log chunk (JetStream stream TOKENS)."""
+    max_prompt_tokens: int = 1536
+    """Longer prompts are rejected with ``resource_limit``."""
+    max_new_tokens: int = 4096
+    """Upper bound on ``sampling.max_tokens``."""
+    failure_window_s: float = 60.0
+    """A second failure of the same engine inside this window marks its device unhealthy."""
+    recovery: Literal["belayer", "baseline"] = "belayer"
+    """``baseline`` regenerates interrupted requests from scratch (for comparison)."""
+    finished_cache: int = 10_000
+    """Finished results kept in memory for replay to a resubmitted request id."""
+    submit_timeout_s: float = 2.0
+    """How long a worker may take to acknowledge a submit before the engine counts as failed."""
+    log_file: str = ""
+    """JSON log file (empty: stderr)."""

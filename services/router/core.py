@@ -1,0 +1,538 @@
+"""The router's state machine: pure and synchronous, no NATS. ``service.py`` feeds it inputs
+(requests, step batches, registrations, failures) and executes the actions it returns.
+
+Invariants it maintains:
+- a request is assigned to at most one engine at a time and only output from that engine's
+  *current epoch* is accepted (no split brain);
+- the caller gets each token exactly once, in order (``TokenDelta.start`` is contiguous);
+- a resume hands the new worker prompt + every token already held (token-level recovery), so
+  nothing is regenerated — except in ``baseline`` mode, which restarts from the prompt and
+  counts the regenerated tokens;
+- every k tokens the held tokens are persisted as a ``TokenLogChunk`` with a deterministic id.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, ResourceLimit
+from schemas.base import Message
+from schemas.serving import (
+    EngineInfo,
+    EngineRequest,
+    GenerateResult,
+    SamplingParams,
+    StepBatch,
+    TokenDelta,
+    TokenLogChunk,
+)
+from services.router.config import RouterConfig
+
+
+# --- actions the service executes -----------------------------------------------------------
+@dataclass
+class SendToCaller:
+    inbox: str
+    message: Message
+
+
+@dataclass
+class SubmitToEngine:
+    engine_id: str
+    epoch: int
+    requests: list[EngineRequest]
+
+
+@dataclass
+class AbortOnEngine:
+    engine_id: str
+    epoch: int
+    request_ids: list[str]
+
+
+@dataclass
+class PersistChunk:
+    chunk: TokenLogChunk
+
+
+@dataclass
+class EmitEvent:
+    kind: str
+    engine_id: str | None = None
+    request_id: str | None = None
+    data: dict[str, object] = field(default_factory=dict)
+
+
+Action = SendToCaller | SubmitToEngine | AbortOnEngine | PersistChunk | EmitEvent
+
+
+class EngineStatus(enum.Enum):
+    UP = "up"
+    """A worker of the current epoch is registered and serving."""
+    DOWN = "down"
+    """The worker failed; its requests wait for the next worker (shadow or restart)."""
+    UNHEALTHY = "unhealthy"
+    """Repeated failure: excluded; its requests were spread over healthy engines."""
+
+
+@dataclass
+class EngineState:
+    id: str
+    epoch: int
+    worker_pid: int
+    device: str = "cpu"
+    max_num_seqs: int = 16
+    weight_version: int = 0
+    status: EngineStatus = EngineStatus.UP
+    assigned: set[str] = field(default_factory=set)
+    failures: list[float] = field(default_factory=list)
+
+    @property
+    def load(self) -> float:
+        return len(self.assigned) / max(1, self.max_num_seqs)
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            id=self.id,
+            epoch=self.epoch,
+            worker_pid=self.worker_pid,
+            healthy=self.status is not EngineStatus.UNHEALTHY,
+            device=self.device,
+            running=len(self.assigned),
+            weight_version=self.weight_version,
+            failures=len(self.failures),
+        )
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    pinned_engine: str | None = None
+    subscribers: dict[str, bool] = field(default_factory=dict)
+    """reply inbox → wants deltas."""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    engine_id: str | None = None
+    engine_history: list[str] = field(default_factory=list)
+    resumes: int = 0
+    logged: int = 0
+    chunk_index: int = 0
+    version_changed: bool = False
+    skip: int = 0
+    """Baseline mode: tokens the restarted worker regenerates that the caller already holds."""
+    regenerated: int = 0
+
+
+class RouterCore:
+    """All routing decisions. ``now`` is injected so tests control time."""
+
+    def __init__(self, config: RouterConfig, decode: Callable[[list[int]], str]) -> None:
+        self.config = config
+        self.decode = decode
+        self.engines: dict[str, EngineState] = {}
+        self.active: dict[str, RequestState] = {}
+        self.pending: list[str] = []
+        """Requests waiting for any healthy engine."""
+        self.finished: OrderedDict[str, GenerateResult] = OrderedDict()
+        self.regenerated_tokens = 0
+
+    # --- requests ---------------------------------------------------------------------------
+    def validate(
+        self, prompt_ids: list[int], sampling: SamplingParams, engine_id: str | None
+    ) -> None:
+        """Reject requests that can never run (raises a typed error naming the problem)."""
+        if not prompt_ids:
+            raise InvalidRequest("empty prompt", field="$.prompt")
+        if len(prompt_ids) > self.config.max_prompt_tokens:
+            raise ResourceLimit(
+                "prompt too long",
+                field="$.prompt",
+                tokens=len(prompt_ids),
+                limit=self.config.max_prompt_tokens,
+            )
+        if sampling.max_tokens > self.config.max_new_tokens:
+            raise ResourceLimit(
+                "max_tokens too large",
+                field="$.sampling.max_tokens",
+                limit=self.config.max_new_tokens,
+            )
+        if engine_id is not None:
+            eng = self.engines.get(engine_id)
+            if eng is None:
+                raise NotFound("unknown engine", engine_id=engine_id)
+            if eng.status is EngineStatus.UNHEALTHY:
+                raise EngineUnavailable("engine is marked unhealthy", engine_id=engine_id)
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        inbox: str | None,
+        stream: bool = True,
+        engine_id: str | None = None,
+    ) -> list[Action]:
+        """A caller's request. A known id is never generated twice: the caller is attached to
+        the running request (with a catch-up delta) or handed the finished result."""
+        done = self.finished.get(request_id)
+        if done is not None:
+            return [SendToCaller(inbox, done)] if inbox else []
+        req = self.active.get(request_id)
+        if req is not None:
+            if req.prompt_ids != prompt_ids:
+                raise Conflict("request id reused with a different prompt", request_id=request_id)
+            actions: list[Action] = []
+            if inbox:
+                req.subscribers[inbox] = stream
+                if stream and req.tokens:
+                    actions.append(SendToCaller(inbox, self._delta(req, 0, len(req.tokens))))
+            return actions
+        self.validate(prompt_ids, sampling, engine_id)
+        req = RequestState(request_id, list(prompt_ids), sampling, pinned_engine=engine_id)
+        if inbox:
+            req.subscribers[inbox] = stream
+        self.active[request_id] = req
+        return self._place([req])
+
+    def cancel(self, request_id: str) -> list[Action]:
+        req = self.active.get(request_id)
+        if req is None:
+            if request_id in self.finished:
+                raise Conflict("request already finished", request_id=request_id)
+            raise NotFound("unknown request", request_id=request_id)
+        actions: list[Action] = []
+        if req.engine_id is not None:
+            eng = self.engines[req.engine_id]
+            actions.append(AbortOnEngine(eng.id, eng.epoch, [request_id]))
+        actions += self._finish(req, "abort")
+        return actions
+
+    # --- placement --------------------------------------------------------------------------
+    def _healthy_up(self) -> list[EngineState]:
+        return [e for e in self.engines.values() if e.status is EngineStatus.UP]
+
+    def _place(self, reqs: list[RequestState]) -> list[Action]:
+        """Assign each request to the least-loaded up engine (or its pinned one); requests with
+        nowhere to go wait in ``pending``. One submit per engine."""
+        by_engine: dict[str, list[EngineRequest]] = {}
+        for req in reqs:
+            target: EngineState | None = None
+            if req.pinned_engine is not None:
+                pinned = self.engines.get(req.pinned_engine)
+                if pinned is not None and pinned.status is EngineStatus.UP:
+                    target = pinned
+                elif pinned is None or pinned.status is EngineStatus.UNHEALTHY:
+                    req.pinned_engine = None  # its engine left: any healthy engine will do
+            if target is None and req.pinned_engine is None:
+                ups = self._healthy_up()
+                if ups:
+                    target = min(ups, key=lambda e: (e.load, e.id))
+            if target is None:
+                if req.request_id not in self.pending:
+                    self.pending.append(req.request_id)
+                req.engine_id = None
+                continue
+            req.engine_id = target.id
+            if not req.engine_history or req.engine_history[-1] != target.id:
+                req.engine_history.append(target.id)
+            target.assigned.add(req.request_id)
+            by_engine.setdefault(target.id, []).append(self._engine_request(req))
+        return [SubmitToEngine(eid, self.engines[eid].epoch, ers) for eid, ers in by_engine.items()]
+
+    def _engine_request(self, req: RequestState) -> EngineRequest:
+        held = len(req.tokens)
+        if self.config.recovery == "baseline" and held:
+            # Baseline: start over from the prompt; the caller already has ``held`` tokens.
+            req.skip = held
+            return EngineRequest(
+                request_id=req.request_id,
+                token_ids=list(req.prompt_ids),
+                generated_offset=0,
+                sampling=req.sampling,
+            )
+        remaining = req.sampling.max_tokens - held
+        sampling = SamplingParams(
+            temperature=req.sampling.temperature,
+            top_p=req.sampling.top_p,
+            seed=req.sampling.seed,
+            max_tokens=max(1, remaining),
+            stop_token_ids=req.sampling.stop_token_ids,
+            ignore_eos=req.sampling.ignore_eos,
+        )
+        return EngineRequest(
+            request_id=req.request_id,
+            token_ids=req.prompt_ids + req.tokens,
+            generated_offset=held,
+            sampling=sampling,
+        )
+
+    # --- workers ----------------------------------------------------------------------------
+    def register(
+        self,
+        engine_id: str,
+        epoch: int,
+        pid: int,
+        *,
+        device: str = "cpu",
+        max_num_seqs: int = 16,
+        weight_version: int = 0,
+    ) -> list[Action]:
+        """A worker became the main worker of ``engine_id`` at ``epoch``. A newer epoch replaces
+        the old worker and resumes its requests on the new one; an older epoch is refused."""
+        eng = self.engines.get(engine_id)
+        if eng is None:
+            eng = EngineState(engine_id, epoch, pid, device, max_num_seqs, weight_version)
+            self.engines[engine_id] = eng
+            actions: list[Action] = [
+                EmitEvent("engine_registered", engine_id, data={"epoch": epoch, "pid": pid})
+            ]
+            return actions + self._place(self._take_pending())
+        if epoch < eng.epoch or (epoch == eng.epoch and pid != eng.worker_pid):
+            raise Conflict("stale epoch", engine_id=engine_id, epoch=epoch, current_epoch=eng.epoch)
+        if epoch == eng.epoch:
+            return []  # the same worker registering twice (retry): nothing to do
+        old_pid, old_epoch = eng.worker_pid, eng.epoch
+        eng.epoch, eng.worker_pid, eng.weight_version = epoch, pid, weight_version
+        eng.device, eng.max_num_seqs = device, max_num_seqs
+        if eng.status is not EngineStatus.UNHEALTHY:
+            eng.status = EngineStatus.UP
+        actions = [
+            EmitEvent(
+                "engine_registered",
+                engine_id,
+                data={"epoch": epoch, "pid": pid, "old_pid": old_pid, "old_epoch": old_epoch},
+            )
+        ]
+        if eng.status is EngineStatus.UNHEALTHY:
+            return actions
+        interrupted = [self.active[r] for r in sorted(eng.assigned) if r in self.active]
+        eng.assigned.clear()
+        for req in interrupted:
+            req.resumes += 1
+            req.engine_id = None
+        if interrupted:
+            actions.append(
+                EmitEvent(
+                    "requests_resumed",
+                    engine_id,
+                    data={
+                        "count": len(interrupted),
+                        "epoch": epoch,
+                        "held_tokens": sum(len(r.tokens) for r in interrupted),
+                    },
+                )
+            )
+        return actions + self._place(interrupted + self._take_pending())
+
+    def engine_failed(self, engine_id: str, now: float, *, reason: str) -> list[Action]:
+        """The engine's worker died or hung. A second failure inside the window marks the
+        device unhealthy and spreads its requests over healthy engines; otherwise they wait for
+        the next worker of this engine (shadow takeover or restart)."""
+        eng = self.engines.get(engine_id)
+        if eng is None:
+            raise NotFound("unknown engine", engine_id=engine_id)
+        if eng.status is not EngineStatus.UP:
+            return []
+        window = self.config.failure_window_s
+        eng.failures = [t for t in eng.failures if now - t <= window] + [now]
+        actions: list[Action] = [
+            EmitEvent(
+                "engine_failed",
+                engine_id,
+                data={"epoch": eng.epoch, "pid": eng.worker_pid, "reason": reason},
+            )
+        ]
+        if len(eng.failures) >= 2:
+            actions += self.mark_unhealthy(engine_id, reason="repeated failure")
+        else:
+            eng.status = EngineStatus.DOWN
+        return actions
+
+    def mark_unhealthy(self, engine_id: str, *, reason: str) -> list[Action]:
+        eng = self.engines[engine_id]
+        eng.status = EngineStatus.UNHEALTHY
+        moved = [self.active[r] for r in sorted(eng.assigned) if r in self.active]
+        eng.assigned.clear()
+        for req in moved:
+            req.resumes += 1
+            req.engine_id = None
+            if req.pinned_engine == engine_id:
+                req.pinned_engine = None
+        actions: list[Action] = [
+            EmitEvent(
+                "engine_unhealthy",
+                engine_id,
+                data={"reason": reason, "moved_requests": len(moved), "alert": True},
+            )
+        ]
+        # Spread evenly: place one at a time so each sees the load the previous one added.
+        for req in moved:
+            actions += self._place([req])
+        return actions
+
+    def _take_pending(self) -> list[RequestState]:
+        reqs = [self.active[r] for r in self.pending if r in self.active]
+        self.pending.clear()
+        return reqs
+
+    # --- tokens -----------------------------------------------------------------------------
+    def on_step(self, batch: StepBatch) -> list[Action]:
+        """Worker output of one step. Output of an unknown engine, a stale epoch or a down
+        engine never reaches a caller."""
+        eng = self.engines.get(batch.engine_id)
+        if eng is None or batch.epoch != eng.epoch or eng.status is not EngineStatus.UP:
+            return [
+                EmitEvent(
+                    "stale_output_rejected",
+                    batch.engine_id,
+                    data={
+                        "epoch": batch.epoch,
+                        "pid": batch.worker_pid,
+                        "current_epoch": eng.epoch if eng else None,
+                    },
+                )
+            ]
+        eng.weight_version = batch.weight_version
+        actions: list[Action] = []
+        for d in batch.deltas:
+            req = self.active.get(d.request_id)
+            if req is None or req.engine_id != eng.id:
+                continue  # aborted or moved: the worker learns through its abort
+            if d.error:
+                actions += self._finish(req, "error", error=d.error)
+                continue
+            toks, lps = list(d.token_ids), list(d.logprobs)
+            if req.skip:
+                # Baseline mode: the restarted worker recomputes tokens the caller already has.
+                n = min(req.skip, len(toks))
+                req.skip -= n
+                req.regenerated += n
+                self.regenerated_tokens += n
+                toks, lps = toks[n:], lps[n:]
+            if toks:
+                if req.versions and req.versions[-1] != batch.weight_version:
+                    req.version_changed = True
+                start = len(req.tokens)
+                req.tokens += toks
+                req.logprobs += lps
+                req.versions += [batch.weight_version] * len(toks)
+                actions += [
+                    SendToCaller(inbox, self._delta(req, start, len(req.tokens)))
+                    for inbox, stream in req.subscribers.items()
+                    if stream
+                ]
+                actions += self._log_full_chunks(req)
+            if d.finished and not req.skip:
+                actions += self._finish(req, d.finish_reason or "stop")
+        return actions
+
+    def _delta(self, req: RequestState, start: int, end: int) -> TokenDelta:
+        return TokenDelta(
+            request_id=req.request_id,
+            start=start,
+            token_ids=req.tokens[start:end],
+            logprobs=req.logprobs[start:end],
+            weight_version=req.versions[end - 1] if end else 0,
+        )
+
+    def _chunk(
+        self, req: RequestState, end: int, *, final: bool, reason: str | None
+    ) -> TokenLogChunk:
+        chunk = TokenLogChunk(
+            request_id=req.request_id,
+            chunk_index=req.chunk_index,
+            start=req.logged,
+            token_ids=req.tokens[req.logged : end],
+            logprobs=req.logprobs[req.logged : end],
+            weight_versions=req.versions[req.logged : end],
+            final=final,
+            finish_reason=reason,  # type: ignore[arg-type]
+        )
+        req.chunk_index += 1
+        req.logged = end
+        return chunk
+
+    def _log_full_chunks(self, req: RequestState) -> list[Action]:
+        k = self.config.token_log_chunk
+        out: list[Action] = []
+        while len(req.tokens) - req.logged >= k:
+            out.append(PersistChunk(self._chunk(req, req.logged + k, final=False, reason=None)))
+        return out
+
+    def _finish(self, req: RequestState, reason: str, *, error: str | None = None) -> list[Action]:
+        self.active.pop(req.request_id, None)
+        if req.request_id in self.pending:
+            self.pending.remove(req.request_id)
+        if req.engine_id is not None and req.engine_id in self.engines:
+            self.engines[req.engine_id].assigned.discard(req.request_id)
+        result = GenerateResult(
+            request_id=req.request_id,
+            token_ids=req.tokens,
+            text=self.decode(req.tokens),
+            logprobs=req.logprobs,
+            weight_version=req.versions[-1] if req.versions else 0,
+            finish_reason=reason,  # type: ignore[arg-type]
+            prompt_token_ids=req.prompt_ids,
+            token_weight_versions=req.versions,
+            engine_ids=req.engine_history,
+            resumes=req.resumes,
+            version_changed=req.version_changed,
+        )
+        self.remember(result)
+        actions: list[Action] = [
+            PersistChunk(self._chunk(req, len(req.tokens), final=True, reason=reason))
+        ]
+        actions += [SendToCaller(inbox, result) for inbox in req.subscribers]
+        if error:
+            actions.append(
+                EmitEvent("request_failed", req.engine_id, req.request_id, {"error": error})
+            )
+        return actions
+
+    def remember(self, result: GenerateResult) -> None:
+        """Keep a finished result for replay (bounded, oldest dropped first)."""
+        self.finished[result.request_id] = result
+        while len(self.finished) > self.config.finished_cache:
+            self.finished.popitem(last=False)
+
+    # --- restart recovery -------------------------------------------------------------------
+    def restore(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        chunks: list[TokenLogChunk],
+        *,
+        inbox: str | None,
+    ) -> None:
+        """Rebuild one request from the durable log after a router restart: finished requests
+        become replayable results; unfinished ones become active with their logged tokens held
+        (they are placed once engines register)."""
+        chunks = sorted(chunks, key=lambda c: c.chunk_index)
+        req = RequestState(request_id, list(prompt_ids), sampling)
+        if inbox:
+            req.subscribers[inbox] = True
+        for c in chunks:
+            if c.start != len(req.tokens):
+                break  # a gap: keep the contiguous prefix only
+            req.tokens += c.token_ids
+            req.logprobs += c.logprobs
+            req.versions += c.weight_versions
+            req.chunk_index = c.chunk_index + 1
+            req.logged = len(req.tokens)
+            if c.final:
+                self._finish(req, c.finish_reason or "stop")
+                return
+        self.active[request_id] = req
+        self.pending.append(request_id)
+
+    # --- status -----------------------------------------------------------------------------
+    def engine_infos(self) -> list[EngineInfo]:
+        return [e.info() for e in sorted(self.engines.values(), key=lambda e: e.id)]

@@ -1,0 +1,292 @@
+"""Router: adapts ``RouterCore`` to the bus.
+
+Inputs: ``router.generate`` (callers), ``router.register`` (workers), ``router.tokens`` (step
+batches), ``router.cancel``, ``router.status``. Outputs: replies streamed to callers' inboxes,
+submits to ``engine.<id>.generate``, token-log chunks on JetStream (deterministic msg ids),
+events. All core calls happen on the event loop thread, so the core needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from common import subjects
+from common.bus import Server, connect, ensure_jetstream, publish_event, request
+from common.errors import BelayerError, InvalidRequest
+from common.logging import get_logger
+from common.service import Status
+from schemas.base import Ok, decode, encode
+from schemas.events import Event
+from schemas.serving import (
+    AcceptedRequest,
+    CancelRequest,
+    EngineAbort,
+    EngineSubmit,
+    GenerateRequest,
+    Ping,
+    PingReply,
+    RegisterReply,
+    RegisterWorker,
+    RouterStatus,
+    StatusRequest,
+    StepBatch,
+)
+from services.model.tokenizer import load_tokenizer
+from services.router.config import RouterConfig
+from services.router.core import (
+    AbortOnEngine,
+    Action,
+    EmitEvent,
+    PersistChunk,
+    RouterCore,
+    SendToCaller,
+    SubmitToEngine,
+)
+from services.worker.epoch import current_epoch
+
+
+class Router:
+    def __init__(self, config: RouterConfig, nc: NATS, js: JetStreamContext) -> None:
+        self.config = config
+        self.nc = nc
+        self.js = js
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.core = RouterCore(config, decode=self.tokenizer.decode)
+        self.server = Server(nc, service="router")
+        self.status = Status.STARTING
+        self.persist_q: asyncio.Queue[PersistChunk | EmitEvent] = asyncio.Queue()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.log = get_logger(service="router")
+
+    # --- action execution -------------------------------------------------------------------
+    async def execute(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, SendToCaller):
+                try:
+                    await self.nc.publish(a.inbox, encode(a.message))
+                except nats.errors.Error as exc:
+                    self.log.warning("caller_publish_failed", error=repr(exc))
+            elif isinstance(a, SubmitToEngine):
+                self._spawn(self._submit(a))
+            elif isinstance(a, AbortOnEngine):
+                msg = EngineAbort(engine_id=a.engine_id, epoch=a.epoch, request_ids=a.request_ids)
+                await self.nc.publish(subjects.engine_abort(a.engine_id), encode(msg))
+            else:
+                self.persist_q.put_nowait(a)
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.create_task(coro)  # type: ignore[arg-type]
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _submit(self, a: SubmitToEngine) -> None:
+        msg = EngineSubmit(engine_id=a.engine_id, epoch=a.epoch, requests=a.requests)
+        try:
+            await request(
+                self.nc,
+                subjects.engine_generate(a.engine_id),
+                msg,
+                Ok,
+                timeout=self.config.submit_timeout_s,
+            )
+        except BelayerError as exc:
+            # The worker is gone or wedged: the engine is down until its next worker registers
+            # (which resumes these requests) or it is marked unhealthy.
+            self.log.warning("submit_failed", engine=a.engine_id, epoch=a.epoch, error=str(exc))
+            eng = self.core.engines.get(a.engine_id)
+            if eng is not None and eng.epoch == a.epoch:
+                await self.execute(
+                    self.core.engine_failed(a.engine_id, time.monotonic(), reason="submit failed")
+                )
+
+    async def persist_loop(self) -> None:
+        """Token-log chunks and events, in order, on JetStream (deterministic msg ids)."""
+        while True:
+            item = await self.persist_q.get()
+            try:
+                await self._persist(item)
+            finally:
+                self.persist_q.task_done()
+
+    async def _persist(self, item: PersistChunk | EmitEvent) -> None:
+        if isinstance(item, PersistChunk):
+            c = item.chunk
+            try:
+                await self.js.publish(
+                    subjects.token_log(c.request_id),
+                    encode(c),
+                    headers={"Nats-Msg-Id": f"{c.request_id}:{c.chunk_index}"},
+                    timeout=5.0,
+                )
+            except (TimeoutError, nats.errors.Error) as exc:
+                self.log.error("token_log_publish_failed", request=c.request_id, error=repr(exc))
+            return
+        event = Event(
+            kind=item.kind,
+            ts=time.time(),
+            source="router",
+            engine_id=item.engine_id,
+            request_id=item.request_id,
+            data=dict(item.data),
+        )
+        await publish_event(self.js, event)
+
+    # --- handlers ---------------------------------------------------------------------------
+    async def on_generate(self, req: GenerateRequest, msg: Msg) -> None:
+        if (req.prompt is None) == (req.prompt_token_ids is None):
+            raise InvalidRequest("give exactly one of prompt / prompt_token_ids", field="$.prompt")
+        ids = (
+            req.prompt_token_ids
+            if req.prompt_token_ids is not None
+            else self.tokenizer.encode(req.prompt or "")
+        )
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t in ids):
+            raise InvalidRequest(
+                "token id out of vocabulary", field="$.prompt_token_ids", vocab_size=vocab
+            )
+        fresh = req.request_id not in self.core.active and req.request_id not in self.core.finished
+        if fresh:
+            self.core.validate(ids, req.sampling, req.engine_id)
+            await self._persist_request(req, ids, msg.reply)
+        await self.execute(
+            self.core.submit(
+                req.request_id,
+                ids,
+                req.sampling,
+                inbox=msg.reply or None,
+                stream=req.stream,
+                engine_id=req.engine_id,
+            )
+        )
+        return None
+
+    async def _persist_request(self, req: GenerateRequest, ids: list[int], reply: str) -> None:
+        accepted = AcceptedRequest(
+            request_id=req.request_id,
+            prompt_token_ids=ids,
+            sampling=req.sampling,
+            reply_to=reply or None,
+            engine_id=req.engine_id,
+            accepted_at=time.time(),
+        )
+        try:
+            await self.js.publish(
+                subjects.request_log(req.request_id),
+                encode(accepted),
+                headers={"Nats-Msg-Id": req.request_id},
+                timeout=5.0,
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
+            self.log.warning("request_log_publish_failed", request=req.request_id, error=repr(exc))
+
+    async def on_register(self, req: RegisterWorker, _msg: Msg) -> RegisterReply:
+        before = {r for r, s in self.core.active.items() if s.engine_id is None}
+        actions = self.core.register(
+            req.engine_id,
+            req.epoch,
+            req.pid,
+            device=req.device,
+            max_num_seqs=req.max_num_seqs,
+            weight_version=req.weight_version,
+        )
+        await self.execute(actions)
+        resumed = sum(len(a.requests) for a in actions if isinstance(a, SubmitToEngine))
+        self.log.info(
+            "engine_registered",
+            engine=req.engine_id,
+            epoch=req.epoch,
+            pid=req.pid,
+            resumed=resumed,
+            waiting_before=len(before),
+        )
+        return RegisterReply(engine_id=req.engine_id, epoch=req.epoch, resumed_requests=resumed)
+
+    async def on_tokens(self, msg: Msg) -> None:
+        try:
+            batch = decode(msg.data, StepBatch)
+        except BelayerError as exc:
+            self.log.warning("bad_step_batch", error=str(exc))
+            return
+        await self.execute(self.core.on_step(batch))
+
+    async def on_cancel(self, req: CancelRequest, _msg: Msg) -> Ok:
+        await self.execute(self.core.cancel(req.request_id))
+        return Ok(detail=req.request_id)
+
+    async def on_status(self, _req: StatusRequest, _msg: Msg) -> RouterStatus:
+        return RouterStatus(
+            engines=self.core.engine_infos(),
+            inflight=len(self.core.active),
+            finished=len(self.core.finished),
+            token_log_chunk=self.config.token_log_chunk,
+        )
+
+    # --- discovery after a restart ----------------------------------------------------------
+    async def rediscover_engines(self) -> None:
+        """Re-register live workers from the epoch bucket (the router may have restarted)."""
+        kv = await self.js.key_value(subjects.BUCKET_ENGINE_EPOCHS)
+        try:
+            keys = await kv.keys()
+        except nats.js.errors.NoKeysError:
+            return
+        for engine_id in keys:
+            epoch, _ = await current_epoch(self.js, engine_id)
+            try:
+                pong: PingReply = await request(
+                    self.nc, subjects.engine_ping(engine_id), Ping(), PingReply, timeout=1.0
+                )
+            except BelayerError:
+                continue
+            if pong.epoch == epoch:
+                await self.execute(
+                    self.core.register(
+                        engine_id, epoch, pong.pid, weight_version=pong.weight_version
+                    )
+                )
+                self.log.info("engine_rediscovered", engine=engine_id, epoch=epoch, pid=pong.pid)
+
+    async def start(self) -> None:
+        await self.rediscover_engines()
+        await self.server.serve(subjects.router_generate(), GenerateRequest, self.on_generate)
+        await self.server.serve(subjects.router_register(), RegisterWorker, self.on_register)
+        await self.server.serve(subjects.router_cancel(), CancelRequest, self.on_cancel)
+        await self.server.serve(subjects.router_status(), StatusRequest, self.on_status)
+        await self.nc.subscribe(subjects.router_tokens(), cb=self.on_tokens)
+        self.status = Status.READY
+
+
+async def run(
+    config: RouterConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
+) -> None:
+    """Run the router until ``stop``."""
+    nc = await connect(config.nats_url, name="router")
+    js = nc.jetstream()
+    await ensure_jetstream(js)
+    router = Router(config, nc, js)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            persist = tg.create_task(router.persist_loop(), name="persist_loop")
+            await router.start()
+            router.log.info("router_ready", recovery=config.recovery, k=config.token_log_chunk)
+            if ready is not None:
+                ready.set()
+            await stop.wait()
+            router.status = Status.DRAINING
+            await router.server.drain(timeout=2.0)
+            # Let queued token-log chunks reach JetStream before leaving (bounded).
+            try:
+                await asyncio.wait_for(router.persist_q.join(), 3.0)
+            except TimeoutError:
+                router.log.warning("persist_queue_not_drained", left=router.persist_q.qsize())
+            persist.cancel()
+    finally:
+        router.status = Status.STOPPED
+        await nc.drain()

@@ -1,0 +1,312 @@
+"""Node supervisor: starts NATS (unless given one) and the services in dependency order, waits
+until each answers on the bus, restarts any that exits unexpectedly (with backoff), and on
+stop tears everything down: processes, NATS, shared-memory files, the node file."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from common import subjects
+from common.bus import Server, connect, ensure_jetstream, publish_event, request
+from common.config import SHM_DIR, RunPaths, shm_prefix
+from common.errors import BelayerError, Timeout
+from common.logging import get_logger
+from common.natsserver import NatsServer, start_nats_server
+from common.node import NodeInfo
+from schemas.base import Ok
+from schemas.events import Event
+from schemas.node import ProcInfo, StopNode, SupervisorStatus, SupervisorStatusRequest
+from schemas.serving import RouterStatus, StatusRequest
+from schemas.weights import ArenaDesc, KvGet, WeightManifest, WeightsGet
+from services.supervisor.backoff import Backoff
+from services.supervisor.config import SupervisorConfig
+from services.supervisor.procs import Child
+
+log = get_logger(service="supervisor")
+
+
+def ensure_model(config: SupervisorConfig, paths: RunPaths) -> Path:
+    """The configured model directory, or a tiny random Qwen3 made once under the run dir."""
+    if config.model_dir:
+        return Path(config.model_dir).resolve()
+    tiny = paths.models / "tiny"
+    if not (tiny / "config.json").exists():
+        from services.model.tiny import init_tiny_model
+
+        init_tiny_model(tiny)
+    return tiny.resolve()
+
+
+class Supervisor:
+    def __init__(self, config: SupervisorConfig) -> None:
+        self.config = config
+        self.paths = RunPaths(Path(config.run_dir).resolve())
+        self.run_id = config.run_id or uuid.uuid4().hex[:8]
+        self.nats: NatsServer | None = None
+        self.nats_url = config.nats_url
+        self.nc: NATS | None = None
+        self.children: dict[str, Child] = {}
+        self.ready = False
+        self.stop_requested = asyncio.Event()
+        self.model_dir = Path()
+        self.engine_ids = [f"e{i}" for i in range(config.engines)]
+        self.watchers: list[asyncio.Task[None]] = []
+
+    # --- specs ------------------------------------------------------------------------------
+    def _py(self, module: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", module, "--nats-url", self.nats_url, *args]
+
+    def _child(self, name: str, argv: list[str]) -> Child:
+        c = self.config
+        child = Child(
+            name=name,
+            argv=argv,
+            log_path=self.paths.logs / f"{name}.out",
+            backoff=Backoff(c.restart_backoff_s, c.restart_backoff_max_s, c.stable_after_s),
+            env={"OMP_NUM_THREADS": "1", "BELAYER_RUN_ID": self.run_id},
+        )
+        self.children[name] = child
+        return child
+
+    def _log_file(self, name: str) -> str:
+        return str(self.paths.logs / f"{name}.jsonl")
+
+    def worker_argv(self, engine_id: str, role: str = "main") -> list[str]:
+        c = self.config
+        return self._py(
+            "services.worker",
+            "--engine-id", engine_id,
+            "--role", role,
+            "--heartbeat-file", str(self.paths.heartbeat_file(engine_id)),
+            "--max-num-seqs", str(c.max_num_seqs),
+            "--log-file", self._log_file(f"worker-{engine_id}"),
+        )  # fmt: skip
+
+    # --- start ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        c = self.config
+        self.paths.logs.mkdir(parents=True, exist_ok=True)
+        self.paths.heartbeats.mkdir(parents=True, exist_ok=True)
+        if not self.nats_url:
+            self.nats = await asyncio.to_thread(
+                start_nats_server,
+                self.paths.nats_store,
+                log_file=self.paths.logs / "nats-server.log",
+            )
+            self.nats_url = self.nats.url
+        self.model_dir = await asyncio.to_thread(ensure_model, c, self.paths)
+        self._write_node()
+        self.nc = await connect(self.nats_url, name="supervisor")
+        js = self.nc.jetstream()
+        await ensure_jetstream(js)
+        server = Server(self.nc, service="supervisor")
+        await server.serve(subjects.supervisor_status(), SupervisorStatusRequest, self._on_status)
+        await server.serve(subjects.supervisor_stop(), StopNode, self._on_stop)
+        model = str(self.model_dir)
+        rid = self.run_id
+        await self._start_and_wait(
+            self._child("weights", self._py(
+                "services.weights", "--run-id", rid, "--model-dir", model,
+                "--log-file", self._log_file("weights"))),
+            lambda nc: request(nc, subjects.weights_get(), WeightsGet(), WeightManifest, timeout=1),
+        )  # fmt: skip
+        await self._start_and_wait(
+            self._child("kv", self._py(
+                "services.kv", "--run-id", rid, "--model-dir", model,
+                "--engines", ",".join(self.engine_ids), "--num-blocks", str(c.num_blocks),
+                "--block-size", str(c.block_size), "--log-file", self._log_file("kv"))),
+            lambda nc: request(nc, subjects.kv_get(), KvGet(engine_id=self.engine_ids[0]), ArenaDesc, timeout=1),
+        )  # fmt: skip
+        await self._start_and_wait(
+            self._child("router", self._py(
+                "services.router", "--model-dir", model, "--recovery", c.recovery,
+                "--token-log-chunk", str(c.token_log_chunk), "--log-file", self._log_file("router"))),
+            lambda nc: request(nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=1),
+        )  # fmt: skip
+        if c.environment:
+            await self._start_and_wait(
+                self._child("environment", self._py(
+                    "services.environment", "--run-dir", str(self.paths.root),
+                    "--log-file", self._log_file("environment"))),
+                self._env_probe,
+            )  # fmt: skip
+        for eid in self.engine_ids:
+            await self._child(f"worker-{eid}", self.worker_argv(eid)).start()
+        await self._wait_engines()
+        self.watchers = [
+            asyncio.create_task(self.watch(child), name=f"watch_{child.name}")
+            for child in self.children.values()
+        ]
+        self.ready = True
+        self._write_node()
+        await self._event("node_ready", engines=self.engine_ids, run_id=self.run_id)
+        log.info("node_ready", nats_url=self.nats_url, engines=self.engine_ids, run_id=self.run_id)
+
+    async def _env_probe(self, nc: NATS) -> Any:
+        from schemas.env import ListSandboxes, SandboxList
+
+        return await request(nc, subjects.env("list"), ListSandboxes(), SandboxList, timeout=2)
+
+    async def _start_and_wait(self, child: Child, probe: Callable[[NATS], Awaitable[Any]]) -> None:
+        await child.start()
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        assert self.nc is not None
+        while True:
+            if not child.alive:
+                raise BelayerError(f"{child.name} exited at start; see {child.log_path}")
+            try:
+                await probe(self.nc)
+                log.info("service_ready", name=child.name, pid=child.pid)
+                return
+            except BelayerError:
+                if time.monotonic() > deadline:
+                    raise Timeout(f"{child.name} not ready", log=str(child.log_path)) from None
+                await asyncio.sleep(0.05)  # bounded readiness poll of a starting process
+
+    async def _wait_engines(self) -> None:
+        assert self.nc is not None
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while True:
+            for eid in self.engine_ids:
+                child = self.children[f"worker-{eid}"]
+                if not child.alive:
+                    raise BelayerError(f"{child.name} exited at start; see {child.log_path}")
+            try:
+                st: RouterStatus = await request(
+                    self.nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=1
+                )
+                if {e.id for e in st.engines} >= set(self.engine_ids):
+                    return
+            except BelayerError:
+                pass
+            if time.monotonic() > deadline:
+                raise Timeout("engines did not register", engines=self.engine_ids)
+            await asyncio.sleep(0.05)  # bounded readiness poll
+
+    # --- supervision ------------------------------------------------------------------------
+    async def watch(self, child: Child) -> None:
+        """Restart ``child`` whenever it exits unexpectedly."""
+        while True:
+            assert child.proc is not None
+            code = await child.proc.wait()
+            if child.stopping or self.stop_requested.is_set():
+                return
+            ran = time.monotonic() - child.started_at
+            delay = child.backoff.next_delay(ran)
+            log.warning(
+                "service_exited",
+                name=child.name,
+                code=code,
+                ran_s=round(ran, 2),
+                restart_in_s=delay,
+            )
+            await self._event("service_exited", name=child.name, code=code, pid=child.pid)
+            try:
+                await asyncio.wait_for(self.stop_requested.wait(), delay)
+                return
+            except TimeoutError:
+                pass
+            await child.start()
+            log.info(
+                "service_restarted", name=child.name, pid=child.pid, restarts=child.backoff.restarts
+            )
+            await self._event(
+                "service_restarted", name=child.name, pid=child.pid, restarts=child.backoff.restarts
+            )
+
+    async def _event(self, kind: str, **data: Any) -> None:
+        if self.nc is None:
+            return
+        await publish_event(
+            self.nc.jetstream(), Event(kind=kind, ts=time.time(), source="supervisor", data=data)
+        )
+
+    async def _on_status(self, _req: SupervisorStatusRequest, _msg: Msg) -> SupervisorStatus:
+        now = time.monotonic()
+        procs = [
+            ProcInfo(
+                name=c.name,
+                pid=c.pid,
+                alive=c.alive,
+                restarts=c.backoff.restarts,
+                uptime_s=round(now - c.started_at, 3) if c.alive else 0.0,
+            )
+            for c in self.children.values()
+        ]
+        return SupervisorStatus(run_id=self.run_id, pid=os.getpid(), ready=self.ready, procs=procs)
+
+    async def _on_stop(self, req: StopNode, _msg: Msg) -> Ok:
+        log.info("stop_requested", reason=req.reason)
+        self.stop_requested.set()
+        return Ok(detail="stopping")
+
+    # --- stop -------------------------------------------------------------------------------
+    async def shutdown(self) -> None:
+        """Stop services in reverse start order, then NATS; remove shm files and node file."""
+        self.stop_requested.set()
+        for w in self.watchers:
+            w.cancel()
+        for child in reversed(list(self.children.values())):
+            await child.stop()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+        if self.nats is not None:
+            await asyncio.to_thread(self.nats.stop)
+        removed = remove_shm_files(self.run_id)
+        shutil.rmtree(self.paths.heartbeats, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.paths.node_file.unlink()
+        log.info("node_stopped", removed_shm_files=removed)
+
+    def _write_node(self) -> None:
+        NodeInfo(
+            nats_url=self.nats_url,
+            run_id=self.run_id,
+            supervisor_pid=os.getpid(),
+            nats_pid=self.nats.pid if self.nats else None,
+            model_dir=str(self.model_dir),
+            engines=self.engine_ids,
+            recovery=self.config.recovery,
+            started_at=time.time(),
+            ready=self.ready,
+        ).write(self.paths)
+
+
+def remove_shm_files(run_id: str) -> int:
+    """Delete every /dev/shm file of this node (services normally did already)."""
+    n = 0
+    for p in SHM_DIR.glob(f"{shm_prefix(run_id)}*"):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            n += 1
+    return n
+
+
+async def run(
+    config: SupervisorConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
+) -> None:
+    sup = Supervisor(config)
+    try:
+        await sup.start()
+        if ready is not None:
+            ready.set()
+        stopper = asyncio.create_task(sup.stop_requested.wait())
+        signal_stop = asyncio.create_task(stop.wait())
+        await asyncio.wait({stopper, signal_stop}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        signal_stop.cancel()
+    finally:
+        await sup.shutdown()

@@ -1,0 +1,34 @@
+"""Rollout worker configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.worker.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Every field defaulted; loaded once in ``__main__``."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    """The bus."""
+    engine_id: str = "e0"
+    """The engine this worker serves (one main + one shadow per engine)."""
+    role: Literal["main", "shadow"] = "main"
+    """``main`` claims the engine at start; ``shadow`` prepares, then waits to take over."""
+    heartbeat_file: str = ""
+    """File whose mtime the worker refreshes every scheduling-loop turn (empty: none)."""
+    idle_turn_s: float = 0.01
+    """Longest wait of an idle scheduling loop; bounds heartbeat staleness while idle."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Scheduler limits; ``num_blocks``/``block_size`` are taken from the KV arena."""
+    device: str = "cpu"
+    """Device label reported to the router."""
+    register_timeout_s: float = 30.0
+    """How long to keep trying to register with the router at start."""
+    log_file: str = ""
+    """JSON log file (empty: stderr)."""
+    torch_threads: int = 1
+    """torch intra-op threads (one per worker process on this 2-core machine)."""

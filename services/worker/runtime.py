@@ -1,0 +1,157 @@
+"""The scheduling loop: an ``LLMEngine`` driven from its own thread.
+
+torch work blocks, so the engine runs in a dedicated thread while the asyncio side talks to the
+bus. Commands reach the thread through a queue; each loop turn refreshes the heartbeat file,
+applies commands, runs one engine step and hands the step's outputs to ``on_batch``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.logging import get_logger
+from schemas.serving import EngineRequest, SeqDelta
+from services.worker.engine.llm_engine import LLMEngine
+from services.worker.engine.sequence import SamplingParams as EngineSampling
+
+log = get_logger(component="engine_loop")
+
+
+@dataclass
+class Submit:
+    requests: list[EngineRequest]
+
+
+@dataclass
+class Abort:
+    request_ids: list[str]
+
+
+Command = Submit | Abort
+
+
+def to_engine_sampling(req: EngineRequest) -> EngineSampling:
+    s = req.sampling
+    return EngineSampling(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=s.seed,
+        max_tokens=s.max_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+class EngineLoop:
+    """Runs ``engine`` in a thread; ``on_batch(step, deltas)`` is called from that thread."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        on_batch: Callable[[int, list[SeqDelta]], None],
+        heartbeat_file: Path | None,
+        idle_turn_s: float = 0.01,
+    ) -> None:
+        self.engine = engine
+        self.on_batch = on_batch
+        self.heartbeat_file = heartbeat_file
+        self.idle_turn_s = idle_turn_s
+        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.steps = 0
+        self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.fatal: BaseException | None = None
+
+    def start(self) -> None:
+        if self.heartbeat_file is not None:
+            self.heartbeat_file.parent.mkdir(parents=True, exist_ok=True)
+            self.heartbeat_file.touch()
+        self.thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stopping.set()
+        self.wake.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def submit(self, cmd: Command) -> None:
+        self.commands.put(cmd)
+        self.wake.set()
+
+    def _beat(self) -> None:
+        if self.heartbeat_file is not None:
+            try:
+                os.utime(self.heartbeat_file)
+            except FileNotFoundError:
+                self.heartbeat_file.touch()
+
+    def _apply(self, cmd: Command, errors: list[SeqDelta]) -> None:
+        if isinstance(cmd, Abort):
+            for rid in cmd.request_ids:
+                self.engine.abort_request(rid)
+            return
+        for req in cmd.requests:
+            try:
+                self.engine.add_request(
+                    req.request_id,
+                    list(req.token_ids),
+                    to_engine_sampling(req),
+                    generated_offset=req.generated_offset,
+                )
+            except ValueError as exc:  # e.g. prompt longer than the engine can ever hold
+                errors.append(
+                    SeqDelta(
+                        request_id=req.request_id,
+                        token_ids=[],
+                        logprobs=[],
+                        finished=True,
+                        finish_reason="error",
+                        error=str(exc),
+                    )
+                )
+
+    def _run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self._beat()
+                errors: list[SeqDelta] = []
+                while True:
+                    try:
+                        self._apply(self.commands.get_nowait(), errors)
+                    except queue.Empty:
+                        break
+                if errors:
+                    self.on_batch(self.steps, errors)
+                if not self.engine.has_unfinished():
+                    self.wake.wait(self.idle_turn_s)
+                    self.wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self.steps += 1
+                deltas = [
+                    SeqDelta(
+                        request_id=o.request_id,
+                        token_ids=list(o.new_token_ids),
+                        logprobs=list(o.new_logprobs),
+                        finished=o.finished,
+                        finish_reason=o.finish_reason,  # type: ignore[arg-type]
+                    )
+                    for o in outputs
+                ]
+                if deltas:
+                    self.on_batch(self.steps, deltas)
+        except BaseException as exc:  # the worker must die loudly, not hang with a stale loop
+            self.fatal = exc
+            log.exception("engine_loop_crashed")
+            os._exit(70)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        return self.engine.num_running, self.engine.num_waiting

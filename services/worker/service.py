@@ -1,0 +1,227 @@
+"""Rollout worker: the engine on mapped weights + arena, adapted to the bus.
+
+Start-up is split in two so a shadow can do the slow part ahead of time:
+``prepare`` (map weights and arena from their services, build and warm the engine) and
+``activate`` (claim the engine epoch by compare-and-set, serve the engine's subjects, start the
+scheduling loop, register with the router).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import torch
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from common import subjects
+from common.bus import Server, connect, ensure_jetstream, publish_event, request
+from common.errors import BelayerError, Conflict, Timeout
+from common.logging import get_logger
+from common.service import Status
+from schemas.base import Ok, encode
+from schemas.events import Event
+from schemas.serving import (
+    EngineAbort,
+    EngineSubmit,
+    Ping,
+    PingReply,
+    RegisterReply,
+    RegisterWorker,
+    SeqDelta,
+    StepBatch,
+)
+from services.kv.client import fetch_arena, map_arena
+from services.model.config import load_model_config
+from services.weights.client import fetch_manifest, map_weights
+from services.worker.config import WorkerConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.llm_engine import LLMEngine
+from services.worker.epoch import claim_epoch
+from services.worker.runtime import Abort, EngineLoop, Submit
+
+
+class Worker:
+    """One rollout worker process (main or shadow) of one engine."""
+
+    def __init__(self, config: WorkerConfig, nc: NATS, js: JetStreamContext) -> None:
+        self.config = config
+        self.nc = nc
+        self.js = js
+        self.engine_id = config.engine_id
+        self.pid = os.getpid()
+        self.epoch = 0
+        self.weight_version = 0
+        self.status = Status.STARTING
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.server = Server(nc, service=f"worker:{config.engine_id}")
+        self.timings: dict[str, float] = {}
+        self._out: asyncio.Queue[tuple[int, list[SeqDelta]]] = asyncio.Queue()
+        self.log = get_logger(engine=config.engine_id, pid=self.pid, role=config.role)
+
+    # --- phase 1: prepare (slow; a shadow does it ahead of time) -----------------------------
+    async def prepare(self) -> None:
+        t0 = time.perf_counter()
+        manifest = await fetch_manifest(self.nc, timeout=10.0)
+        params = map_weights(manifest)
+        arena_desc = await fetch_arena(self.nc, self.engine_id, timeout=10.0)
+        kv_cache = map_arena(arena_desc)
+        t_attach = time.perf_counter()
+        model_config = load_model_config(manifest.model_dir)
+        base = self.config.engine
+        engine_config = EngineConfig(
+            max_num_seqs=base.max_num_seqs,
+            max_num_batched_tokens=base.max_num_batched_tokens,
+            block_size=arena_desc.block_size,
+            num_blocks=arena_desc.num_blocks,
+            max_model_len=base.max_model_len,
+        )
+        self.engine = LLMEngine(model_config, params, kv_cache, engine_config)
+        self.engine.warmup()
+        self.weight_version = manifest.version
+        t_ready = time.perf_counter()
+        self.timings = {"attach_s": t_attach - t0, "build_warm_s": t_ready - t_attach}
+        self.log.info("worker_prepared", weight_version=manifest.version, **self.timings)
+
+    # --- phase 2: activate (fast) -----------------------------------------------------------
+    async def activate(self, *, expected_epoch: int | None = None) -> int:
+        """Claim the engine, start serving and register. Returns the new epoch."""
+        assert self.engine is not None, "prepare() first"
+        self.epoch = await claim_epoch(self.js, self.engine_id, expected=expected_epoch)
+        self.log = self.log.bind(epoch=self.epoch)
+        hb = Path(self.config.heartbeat_file) if self.config.heartbeat_file else None
+        aio_loop = asyncio.get_running_loop()
+
+        def on_batch(step: int, deltas: list[SeqDelta]) -> None:
+            aio_loop.call_soon_threadsafe(self._out.put_nowait, (step, deltas))
+
+        self.loop = EngineLoop(
+            self.engine, on_batch=on_batch, heartbeat_file=hb, idle_turn_s=self.config.idle_turn_s
+        )
+        self.loop.start()
+        await self.server.serve(
+            subjects.engine_generate(self.engine_id), EngineSubmit, self._on_submit
+        )
+        await self.server.serve(subjects.engine_abort(self.engine_id), EngineAbort, self._on_abort)
+        await self.server.serve(subjects.engine_ping(self.engine_id), Ping, self._on_ping)
+        await self.register()
+        self.status = Status.READY
+        return self.epoch
+
+    async def register(self) -> RegisterReply:
+        msg = RegisterWorker(
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            pid=self.pid,
+            device=self.config.device,
+            weight_version=self.weight_version,
+            max_num_seqs=self.config.engine.max_num_seqs,
+        )
+        deadline = time.monotonic() + self.config.register_timeout_s
+        while True:
+            try:
+                reply: RegisterReply = await request(
+                    self.nc, subjects.router_register(), msg, RegisterReply, timeout=2.0
+                )
+                self.log.info("worker_registered", resumed=reply.resumed_requests)
+                return reply
+            except Conflict:
+                raise
+            except BelayerError as exc:
+                if time.monotonic() > deadline:
+                    raise Timeout(
+                        "router did not accept the registration", error=str(exc)
+                    ) from None
+                await asyncio.sleep(0.1)  # bounded retry while the router starts
+
+    # --- handlers ---------------------------------------------------------------------------
+    def _check_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            raise Conflict(
+                "submit for another epoch", engine_id=self.engine_id, epoch=epoch, mine=self.epoch
+            )
+
+    async def _on_submit(self, req: EngineSubmit, _msg: Msg) -> Ok:
+        self._check_epoch(req.epoch)
+        assert self.loop is not None
+        self.loop.submit(Submit(req.requests))
+        return Ok(detail=f"queued {len(req.requests)}")
+
+    async def _on_abort(self, req: EngineAbort, _msg: Msg) -> Ok:
+        self._check_epoch(req.epoch)
+        assert self.loop is not None
+        self.loop.submit(Abort(req.request_ids))
+        return Ok()
+
+    async def _on_ping(self, _req: Ping, _msg: Msg) -> PingReply:
+        running, waiting = self.loop.load if self.loop else (0, 0)
+        return PingReply(
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            pid=self.pid,
+            running=running,
+            waiting=waiting,
+            weight_version=self.weight_version,
+            steps=self.loop.steps if self.loop else 0,
+        )
+
+    # --- output -----------------------------------------------------------------------------
+    async def publish_loop(self) -> None:
+        """Forward each step's outputs to the router as one ``StepBatch``."""
+        subject = subjects.router_tokens()
+        while True:
+            step, deltas = await self._out.get()
+            batch = StepBatch(
+                engine_id=self.engine_id,
+                epoch=self.epoch,
+                worker_pid=self.pid,
+                step=step,
+                weight_version=self.weight_version,
+                deltas=deltas,
+            )
+            await self.nc.publish(subject, encode(batch))
+
+    async def close(self) -> None:
+        self.status = Status.DRAINING
+        await self.server.drain(timeout=2.0)
+        if self.loop is not None:
+            self.loop.stop()
+        self.status = Status.STOPPED
+
+
+async def run(
+    config: WorkerConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
+) -> None:
+    """Run a main worker until ``stop``."""
+    torch.set_num_threads(config.torch_threads)
+    nc = await connect(config.nats_url, name=f"worker-{config.engine_id}")
+    js = nc.jetstream()
+    await ensure_jetstream(js)
+    worker = Worker(config, nc, js)
+    try:
+        await worker.prepare()
+        epoch = await worker.activate()
+        await publish_event(
+            js,
+            Event(
+                kind="worker_ready",
+                ts=time.time(),
+                source=f"worker:{config.engine_id}",
+                engine_id=config.engine_id,
+                data={"epoch": epoch, "pid": worker.pid, **worker.timings},
+            ),
+        )
+        if ready is not None:
+            ready.set()
+        async with asyncio.TaskGroup() as tg:
+            pub = tg.create_task(worker.publish_loop(), name="publish_loop")
+            await stop.wait()
+            pub.cancel()
+    finally:
+        await worker.close()
+        await nc.drain()

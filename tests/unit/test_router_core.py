@@ -1,0 +1,217 @@
+"""RouterCore: placement, streaming, token log, dedup, epochs, resume, unhealthy engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import Conflict, EngineUnavailable, NotFound, ResourceLimit
+from schemas.serving import GenerateResult, SamplingParams, SeqDelta, StepBatch, TokenDelta
+from services.router.config import RouterConfig
+from services.router.core import (
+    EmitEvent,
+    PersistChunk,
+    RouterCore,
+    SendToCaller,
+    SubmitToEngine,
+)
+
+
+def core(**kw: object) -> RouterCore:
+    return RouterCore(
+        RouterConfig(token_log_chunk=4, **kw), decode=lambda ids: " ".join(map(str, ids))
+    )  # type: ignore[arg-type]
+
+
+def batch(
+    engine: str,
+    epoch: int,
+    rid: str,
+    toks: list[int],
+    *,
+    finished: bool = False,
+    version: int = 1,
+    pid: int = 100,
+) -> StepBatch:
+    return StepBatch(
+        engine_id=engine, epoch=epoch, worker_pid=pid, step=1, weight_version=version,
+        deltas=[SeqDelta(request_id=rid, token_ids=toks, logprobs=[-0.5] * len(toks), finished=finished,
+                         finish_reason="length" if finished else None)],
+    )  # fmt: skip
+
+
+def of(actions: list, kind: type) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_least_loaded_placement_spreads_requests() -> None:
+    c = core()
+    c.register("e0", 1, 100)
+    c.register("e1", 1, 101)
+    placed = []
+    for i in range(4):
+        (sub,) = of(
+            c.submit(f"r{i}", [1, 2], SamplingParams(max_tokens=8), inbox=f"in{i}"), SubmitToEngine
+        )
+        placed.append(sub.engine_id)
+    assert sorted(placed) == ["e0", "e0", "e1", "e1"]
+
+
+def test_stream_log_and_finish() -> None:
+    c = core()
+    c.register("e0", 1, 100)
+    c.submit("r", [1, 2, 3], SamplingParams(max_tokens=6), inbox="in")
+    acts = c.on_step(batch("e0", 1, "r", [5, 6, 7]))
+    (d,) = [a.message for a in of(acts, SendToCaller)]
+    assert isinstance(d, TokenDelta) and d.start == 0 and d.token_ids == [5, 6, 7]
+    assert not of(acts, PersistChunk)
+    acts = c.on_step(batch("e0", 1, "r", [8, 9, 10], finished=True))
+    chunks = [a.chunk for a in of(acts, PersistChunk)]
+    assert [(ch.chunk_index, ch.start, ch.token_ids, ch.final) for ch in chunks] == [
+        (0, 0, [5, 6, 7, 8], False),
+        (1, 4, [9, 10], True),
+    ]
+    msgs = [a.message for a in of(acts, SendToCaller)]
+    assert isinstance(msgs[0], TokenDelta) and msgs[0].start == 3
+    result = msgs[-1]
+    assert isinstance(result, GenerateResult)
+    assert result.token_ids == [5, 6, 7, 8, 9, 10] and result.finish_reason == "length"
+    assert result.token_weight_versions == [1] * 6
+    assert "r" not in c.active and c.engines["e0"].assigned == set()
+
+
+def test_resubmitted_id_is_never_generated_twice() -> None:
+    c = core()
+    c.register("e0", 1, 100)
+    assert of(c.submit("r", [1], SamplingParams(max_tokens=2), inbox="a"), SubmitToEngine)
+    c.on_step(batch("e0", 1, "r", [4]))
+    again = c.submit("r", [1], SamplingParams(max_tokens=2), inbox="b")
+    assert not of(again, SubmitToEngine)
+    (catch_up,) = [a.message for a in of(again, SendToCaller)]
+    assert catch_up.token_ids == [4]
+    done = c.on_step(batch("e0", 1, "r", [5], finished=True))
+    assert {a.inbox for a in of(done, SendToCaller) if isinstance(a.message, GenerateResult)} == {
+        "a",
+        "b",
+    }
+    replay = c.submit("r", [1], SamplingParams(max_tokens=2), inbox="c")
+    assert [type(a.message) for a in of(replay, SendToCaller)] == [GenerateResult]
+    assert not of(replay, SubmitToEngine)
+    with pytest.raises(Conflict):
+        c.submit("x", [1], SamplingParams(), inbox="a")
+        c.submit("x", [2], SamplingParams(), inbox="a")
+
+
+def test_stale_epoch_output_is_rejected_and_resume_holds_tokens() -> None:
+    c = core()
+    c.register("e0", 1, 100)
+    c.submit("r", [1, 2], SamplingParams(max_tokens=10, seed=3), inbox="in")
+    c.on_step(batch("e0", 1, "r", [7, 8, 9]))
+    assert c.engine_failed("e0", now=0.0, reason="heartbeat")
+    acts = c.register("e0", 2, 200)
+    (sub,) = of(acts, SubmitToEngine)
+    (er,) = sub.requests
+    assert sub.epoch == 2
+    assert (
+        er.token_ids == [1, 2, 7, 8, 9] and er.generated_offset == 3 and er.sampling.max_tokens == 7
+    )
+    # the old worker comes back (SIGCONT): its output never reaches the caller
+    stale = c.on_step(batch("e0", 1, "r", [99], pid=100))
+    assert not of(stale, SendToCaller) and of(stale, EmitEvent)[0].kind == "stale_output_rejected"
+    acts = c.on_step(batch("e0", 2, "r", [10], pid=200))
+    assert [a.message.start for a in of(acts, SendToCaller)] == [3]
+    with pytest.raises(Conflict):
+        c.register("e0", 1, 300)
+
+
+def test_repeated_failure_marks_unhealthy_and_spreads_evenly() -> None:
+    c = core(failure_window_s=30.0)
+    for e in ("e0", "e1", "e2"):
+        c.register(e, 1, 100)
+    for i in range(6):
+        c.submit(f"r{i}", [1], SamplingParams(max_tokens=4), inbox="in", engine_id="e0")
+    c.engine_failed("e0", now=0.0, reason="crash")
+    c.register("e0", 2, 101)
+    acts = c.engine_failed("e0", now=5.0, reason="crash")
+    kinds = [a.kind for a in of(acts, EmitEvent)]
+    assert "engine_unhealthy" in kinds
+    targets = [s.engine_id for s in of(acts, SubmitToEngine) for _ in s.requests]
+    assert sorted(targets) == ["e1"] * 3 + ["e2"] * 3
+    assert not c.engines["e0"].info().healthy
+    with pytest.raises(EngineUnavailable):
+        c.validate([1], SamplingParams(), "e0")
+
+
+def test_failures_outside_window_do_not_mark_unhealthy() -> None:
+    c = core(failure_window_s=10.0)
+    c.register("e0", 1, 100)
+    c.engine_failed("e0", now=0.0, reason="crash")
+    c.register("e0", 2, 101)
+    acts = c.engine_failed("e0", now=50.0, reason="crash")
+    assert "engine_unhealthy" not in [a.kind for a in of(acts, EmitEvent)]
+
+
+def test_requests_wait_for_an_engine() -> None:
+    c = core()
+    assert c.submit("r", [1], SamplingParams(), inbox="in") == []
+    assert c.pending == ["r"]
+    (sub,) = of(c.register("e0", 1, 100), SubmitToEngine)
+    assert [r.request_id for r in sub.requests] == ["r"]
+
+
+def test_bad_input() -> None:
+    c = core(max_prompt_tokens=4)
+    with pytest.raises(ResourceLimit):
+        c.submit("r", [1] * 5, SamplingParams(), inbox="in")
+    with pytest.raises(NotFound):
+        c.submit("r", [1], SamplingParams(), inbox="in", engine_id="nope")
+    with pytest.raises(NotFound):
+        c.cancel("nope")
+    with pytest.raises(NotFound):
+        c.engine_failed("nope", now=0.0, reason="x")
+
+
+def test_baseline_regenerates_from_scratch_without_duplicates() -> None:
+    c = core(recovery="baseline")
+    c.register("e0", 1, 100)
+    c.submit("r", [1], SamplingParams(max_tokens=5, temperature=0), inbox="in")
+    c.on_step(batch("e0", 1, "r", [4, 5]))
+    c.engine_failed("e0", now=0.0, reason="crash")
+    (sub,) = of(c.register("e0", 2, 101), SubmitToEngine)
+    assert sub.requests[0].token_ids == [1] and sub.requests[0].generated_offset == 0
+    acts = c.on_step(batch("e0", 2, "r", [4, 5, 6]))
+    (d,) = [a.message for a in of(acts, SendToCaller)]
+    assert d.start == 2 and d.token_ids == [6]
+    assert c.regenerated_tokens == 2
+
+
+def test_restore_from_log() -> None:
+    from schemas.serving import TokenLogChunk
+
+    c = core()
+    chunks = [
+        TokenLogChunk(
+            request_id="r",
+            chunk_index=0,
+            start=0,
+            token_ids=[1, 2, 3, 4],
+            logprobs=[0.0] * 4,
+            weight_versions=[1] * 4,
+        ),
+    ]
+    c.restore("r", [9], SamplingParams(max_tokens=10), chunks, inbox="in")
+    (sub,) = of(c.register("e0", 1, 100), SubmitToEngine)
+    assert sub.requests[0].token_ids == [9, 1, 2, 3, 4] and sub.requests[0].generated_offset == 4
+    final = chunks + [
+        TokenLogChunk(
+            request_id="q",
+            chunk_index=0,
+            start=0,
+            token_ids=[5],
+            logprobs=[0.0],
+            weight_versions=[1],
+            final=True,
+            finish_reason="stop",
+        )
+    ]
+    c.restore("q", [9], SamplingParams(), final[1:], inbox=None)
+    assert c.finished["q"].token_ids == [5]
