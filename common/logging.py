@@ -10,8 +10,6 @@ from typing import Any, TextIO
 
 import structlog
 
-_configured = False
-
 
 def configure(
     service: str,
@@ -25,7 +23,6 @@ def configure(
     ``log_file`` gets JSON lines. ``console`` (default: stderr is a TTY) adds a human renderer on
     stderr; when neither a file nor a TTY is present, JSON goes to stderr.
     """
-    global _configured
     lvl = getattr(logging, level.upper(), logging.INFO)
     if console is None:
         console = sys.stderr.isatty()
@@ -65,21 +62,26 @@ def configure(
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         cache_logger_on_first_use=False,
     )
-    _configured = True
     structlog.contextvars.bind_contextvars(service=service)
     return structlog.get_logger()
 
 
-def get_logger(**bound: Any) -> structlog.stdlib.BoundLogger:
-    """A logger with extra bound context; configures a stderr default if nobody did yet."""
-    if not _configured:
-        structlog.configure(
-            processors=[
-                structlog.processors.add_log_level,
-                structlog.processors.TimeStamper(fmt="iso", utc=True),
-                structlog.dev.ConsoleRenderer(colors=False),
-            ],
-            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-            logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        )
-    return structlog.get_logger().bind(**bound)
+def get_logger(**bound: Any) -> Any:
+    """A lazy logger with bound context: it resolves the configuration at each use, so loggers
+    made at import time follow ``configure`` called later in ``__main__``."""
+    return structlog.get_logger(**bound)
+
+
+# Until a service calls ``configure``: human-readable lines on stderr (never stdout, which CLI
+# commands keep for their output).
+structlog.configure(
+    processors=[
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.dev.ConsoleRenderer(colors=False),
+    ],
+    wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    cache_logger_on_first_use=False,
+)

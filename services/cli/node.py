@@ -27,6 +27,11 @@ from services.cli.common import fail, print_json, run, with_bus
 from services.supervisor.service import remove_shm_files
 
 
+def run_paths(run_dir: Path | None) -> RunPaths:
+    """``--run-dir`` if given, else ``$BELAYER_HOME``, else ``./.belayer``."""
+    return RunPaths(run_dir.resolve()) if run_dir else RunPaths.default()
+
+
 def pid_alive(pid: int | None) -> bool:
     if not pid:
         return False
@@ -64,8 +69,10 @@ def up(
     nats_url: str = typer.Option(
         "", "--nats-url", help="Use an existing NATS server instead of starting one."
     ),
-    run_dir: Path = typer.Option(
-        Path(".belayer"), "--run-dir", help="Run directory (node file, logs, NATS store)."
+    run_dir: Path | None = typer.Option(
+        None,
+        "--run-dir",
+        help="Run directory (node file, logs, NATS store). Default: $BELAYER_HOME or ./.belayer.",
     ),
     environment: bool = typer.Option(
         False,
@@ -83,7 +90,7 @@ def up(
     """Start a Belayer node: NATS (JetStream), weight store, KV arena, router, workers."""
     if recovery not in ("belayer", "baseline"):
         fail("--recovery must be 'belayer' or 'baseline'", 2)
-    paths = RunPaths(run_dir.resolve())
+    paths = run_paths(run_dir)
     node = read_node(paths)
     if node is not None and pid_alive(node.supervisor_pid):
         fail(
@@ -130,11 +137,13 @@ def up(
 
 
 def down(
-    run_dir: Path = typer.Option(Path(".belayer"), "--run-dir", help="Run directory of the node."),
+    run_dir: Path | None = typer.Option(
+        None, "--run-dir", help="Run directory of the node. Default: $BELAYER_HOME or ./.belayer."
+    ),
     timeout: float = typer.Option(30.0, help="Seconds to wait for a graceful stop before killing."),
 ) -> None:
     """Stop the node: every service, NATS, shared-memory files. Idempotent."""
-    paths = RunPaths(run_dir.resolve())
+    paths = run_paths(run_dir)
     node = read_node(paths)
     if node is None:
         typer.echo("no node is running here")
@@ -177,10 +186,12 @@ def run_quiet(coro: Any) -> Any:
 def status(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     nats_url: str = typer.Option("", "--nats-url", help="NATS URL (default: the running node's)."),
-    run_dir: Path = typer.Option(Path(".belayer"), "--run-dir", help="Run directory of the node."),
+    run_dir: Path | None = typer.Option(
+        None, "--run-dir", help="Run directory of the node. Default: $BELAYER_HOME or ./.belayer."
+    ),
 ) -> None:
     """Show engines (id, epoch, worker pid, health), requests and services."""
-    paths = RunPaths(run_dir.resolve())
+    paths = run_paths(run_dir)
     node = read_node(paths)
     url = nats_url or (node.nats_url if node else "")
     if not url:

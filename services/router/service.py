@@ -30,6 +30,7 @@ from schemas.serving import (
     EngineAbort,
     EngineSubmit,
     GenerateRequest,
+    GenerateResult,
     Ping,
     PingReply,
     RegisterReply,
@@ -61,14 +62,18 @@ class Router:
         self.core = RouterCore(config, decode=self.tokenizer.decode)
         self.server = Server(nc, service="router")
         self.status = Status.STARTING
-        self.persist_q: asyncio.Queue[PersistChunk | EmitEvent] = asyncio.Queue()
+        self.persist_q: asyncio.Queue[PersistChunk | EmitEvent | SendToCaller] = asyncio.Queue()
         self.tasks: set[asyncio.Task[None]] = set()
         self.log = get_logger(service="router")
 
     # --- action execution -------------------------------------------------------------------
     async def execute(self, actions: list[Action]) -> None:
         for a in actions:
-            if isinstance(a, SendToCaller):
+            if isinstance(a, SendToCaller) and isinstance(a.message, GenerateResult):
+                # A result goes out only after its final token-log chunk is durable (same FIFO
+                # queue), so a router restarted after replying never runs the request again.
+                self.persist_q.put_nowait(a)
+            elif isinstance(a, SendToCaller):
                 try:
                     await self.nc.publish(a.inbox, encode(a.message))
                 except nats.errors.Error as exc:
@@ -115,7 +120,13 @@ class Router:
             finally:
                 self.persist_q.task_done()
 
-    async def _persist(self, item: PersistChunk | EmitEvent) -> None:
+    async def _persist(self, item: PersistChunk | EmitEvent | SendToCaller) -> None:
+        if isinstance(item, SendToCaller):
+            try:
+                await self.nc.publish(item.inbox, encode(item.message))
+            except nats.errors.Error as exc:
+                self.log.warning("caller_publish_failed", error=repr(exc))
+            return
         if isinstance(item, PersistChunk):
             c = item.chunk
             try:

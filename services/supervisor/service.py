@@ -116,24 +116,28 @@ class Supervisor:
         await server.serve(subjects.supervisor_stop(), StopNode, self._on_stop)
         model = str(self.model_dir)
         rid = self.run_id
-        await self._start_and_wait(
-            self._child("weights", self._py(
-                "services.weights", "--run-id", rid, "--model-dir", model,
-                "--log-file", self._log_file("weights"))),
-            lambda nc: request(nc, subjects.weights_get(), WeightsGet(), WeightManifest, timeout=1),
-        )  # fmt: skip
-        await self._start_and_wait(
-            self._child("kv", self._py(
-                "services.kv", "--run-id", rid, "--model-dir", model,
-                "--engines", ",".join(self.engine_ids), "--num-blocks", str(c.num_blocks),
-                "--block-size", str(c.block_size), "--log-file", self._log_file("kv"))),
-            lambda nc: request(nc, subjects.kv_get(), KvGet(engine_id=self.engine_ids[0]), ArenaDesc, timeout=1),
-        )  # fmt: skip
-        await self._start_and_wait(
-            self._child("router", self._py(
-                "services.router", "--model-dir", model, "--recovery", c.recovery,
-                "--token-log-chunk", str(c.token_log_chunk), "--log-file", self._log_file("router"))),
-            lambda nc: request(nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=1),
+        # The three stateless-to-each-other services start together (each pays torch/tokenizer
+        # imports); workers need all three, so they start after.
+        await asyncio.gather(
+            self._start_and_wait(
+                self._child("weights", self._py(
+                    "services.weights", "--run-id", rid, "--model-dir", model,
+                    "--log-file", self._log_file("weights"))),
+                lambda nc: request(nc, subjects.weights_get(), WeightsGet(), WeightManifest, timeout=1),
+            ),
+            self._start_and_wait(
+                self._child("kv", self._py(
+                    "services.kv", "--run-id", rid, "--model-dir", model,
+                    "--engines", ",".join(self.engine_ids), "--num-blocks", str(c.num_blocks),
+                    "--block-size", str(c.block_size), "--log-file", self._log_file("kv"))),
+                lambda nc: request(nc, subjects.kv_get(), KvGet(engine_id=self.engine_ids[0]), ArenaDesc, timeout=1),
+            ),
+            self._start_and_wait(
+                self._child("router", self._py(
+                    "services.router", "--model-dir", model, "--recovery", c.recovery,
+                    "--token-log-chunk", str(c.token_log_chunk), "--log-file", self._log_file("router"))),
+                lambda nc: request(nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=1),
+            ),
         )  # fmt: skip
         if c.environment:
             await self._start_and_wait(

@@ -201,7 +201,8 @@ def test_restore_from_log() -> None:
     c.restore("r", [9], SamplingParams(max_tokens=10), chunks, inbox="in")
     (sub,) = of(c.register("e0", 1, 100), SubmitToEngine)
     assert sub.requests[0].token_ids == [9, 1, 2, 3, 4] and sub.requests[0].generated_offset == 4
-    final = chunks + [
+    final = [
+        *chunks,
         TokenLogChunk(
             request_id="q",
             chunk_index=0,
@@ -211,7 +212,7 @@ def test_restore_from_log() -> None:
             weight_versions=[1],
             final=True,
             finish_reason="stop",
-        )
+        ),
     ]
     c.restore("q", [9], SamplingParams(), final[1:], inbox=None)
     assert c.finished["q"].token_ids == [5]

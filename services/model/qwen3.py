@@ -1,0 +1,304 @@
+"""A Qwen3 causal LM in plain torch whose attention reads and writes a paged KV cache.
+
+The maths follows Hugging Face's ``modeling_qwen3`` (RMSNorm, per-head q/k RMSNorm, rotate-half
+RoPE, grouped-query attention, SiLU-gated MLP) so that greedy decoding matches transformers
+token for token. What differs is where K/V live: one tensor of shape
+:func:`kv_cache_shape` owned by another process (the KV arena). Each step the model writes
+the new tokens' K/V into the flat slots ``attn.slot_mapping`` and reads a sequence's past
+K/V through its block table.
+
+The module never owns its weights: :func:`build_model` creates it on the ``meta`` device and
+installs the caller's tensors (zero-copy views of the weight store's shared memory) as
+parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from services.model.config import ModelConfig
+
+
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Shape of the paged KV cache: ``[layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]``.
+
+    The arena must start finite (zeros): padded block-table entries and the unused tail of a
+    sequence's last block are read and masked out, and a NaN there would survive the mask.
+    """
+    return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the KV cache and what each sequence attends to.
+
+    Build with :meth:`prefill` or :meth:`decode`. A prefill step holds whole sequences from
+    position 0 (no prefix caching: a preempted sequence is recomputed from scratch); a decode
+    step holds exactly one new token per sequence.
+    """
+
+    is_prefill: bool
+    """True when the batch is whole sequences, false for one token per sequence."""
+    slot_mapping: Tensor
+    """``[T]`` flat cache slot (``block * block_size + offset``) of every input token."""
+    seq_lens: list[int]
+    """Prefill only: tokens of each sequence, in batch order."""
+    block_tables: Tensor | None = None
+    """Decode only: ``[B, max_blocks]`` block ids per sequence, padded with any valid id."""
+    attn_mask: Tensor | None = None
+    """Decode only: ``[B, 1, 1, max_blocks * block_size]``, true where a slot is in context."""
+
+    @classmethod
+    def prefill(cls, slot_mapping: Tensor, seq_lens: list[int]) -> AttentionMetadata:
+        """Metadata for whole sequences packed one after the other."""
+        return cls(is_prefill=True, slot_mapping=slot_mapping, seq_lens=seq_lens)
+
+    @classmethod
+    def decode(
+        cls, slot_mapping: Tensor, block_tables: Tensor, context_lens: Tensor, block_size: int
+    ) -> AttentionMetadata:
+        """Metadata for one token per sequence; ``context_lens`` counts that token too."""
+        span = block_tables.shape[1] * block_size
+        # Built once per step, shared by every layer.
+        mask = torch.arange(span) < context_lens[:, None]
+        return cls(
+            is_prefill=False,
+            slot_mapping=slot_mapping,
+            seq_lens=[],
+            block_tables=block_tables,
+            attn_mask=mask[:, None, None, :],
+        )
+
+
+def _rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
+    """cos and sign-folded sin tables, ``[max_position_embeddings, head_dim]`` each.
+
+    Computed exactly as HF does (same float32 ops) so positions match bit for bit. ``sin``
+    has its first half negated so that ``rotate_half(x) * sin`` becomes
+    ``roll(x, half) * sin_rot``: one op instead of a slice/neg/cat.
+    """
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    half = dim // 2
+    sin_rot = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos.to(cfg.dtype), sin_rot.to(cfg.dtype)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` for ``x`` of shape ``[T, heads, head_dim]``."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_rot
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale (no bias)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+        self.shape = (dim,)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+
+class Qwen3Attention(nn.Module):
+    """Grouped-query self-attention with per-head q/k norms over a paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin_rot: Tensor,
+        attn: AttentionMetadata,
+        flat_cache: Tensor,
+        block_cache: Tensor,
+    ) -> Tensor:
+        """``x`` is ``[T, hidden]``; ``flat_cache`` is this layer's ``[2, slots, kv_heads, hd]``
+        view and ``block_cache`` the same memory as ``[2, blocks, block_size, kv_heads, hd]``.
+        """
+        t = x.shape[0]
+        q = F.linear(x, self.q_proj.weight).view(t, self.num_heads, self.head_dim)
+        k = F.linear(x, self.k_proj.weight).view(t, self.num_kv_heads, self.head_dim)
+        v = F.linear(x, self.v_proj.weight).view(t, self.num_kv_heads, self.head_dim)
+        q = _apply_rope(self.q_norm(q), cos, sin_rot)
+        k = _apply_rope(self.k_norm(k), cos, sin_rot)
+        flat_cache[0].index_copy_(0, attn.slot_mapping, k)
+        flat_cache[1].index_copy_(0, attn.slot_mapping, v)
+        if attn.is_prefill:
+            out = self._prefill_attention(q, k, v, attn.seq_lens)
+        else:
+            out = self._decode_attention(q, attn, block_cache)
+        return F.linear(out.reshape(t, -1), self.o_proj.weight)
+
+    def _prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: list[int]) -> Tensor:
+        # Whole sequences from position 0: the fresh K/V are the full context, so no cache
+        # read. Varlen by looping; prompts are few per step and each call is one big kernel.
+        out = torch.empty_like(q)
+        start = 0
+        for n in seq_lens:
+            end = start + n
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1),
+                k[start:end].transpose(0, 1),
+                v[start:end].transpose(0, 1),
+                is_causal=True,
+                enable_gqa=True,
+            )
+            out[start:end] = o.transpose(0, 1)
+            start = end
+        return out
+
+    def _decode_attention(self, q: Tensor, attn: AttentionMetadata, block_cache: Tensor) -> Tensor:
+        assert attn.block_tables is not None and attn.attn_mask is not None
+        b = attn.block_tables.shape[0]
+        # One gather of K and V for the whole batch: [2, B, max_blocks, block_size, kvh, hd].
+        kv = block_cache[:, attn.block_tables].view(2, b, -1, self.num_kv_heads, self.head_dim)
+        k = kv[0].transpose(1, 2)
+        v = kv[1].transpose(1, 2)
+        # The query heads sharing a KV head become that head's "query positions", so GQA
+        # needs no repeat of K/V and the mask [B, 1, 1, L] broadcasts over them.
+        groups = self.num_heads // self.num_kv_heads
+        qg = q.view(b, self.num_kv_heads, groups, self.head_dim)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=attn.attn_mask)
+        return o.reshape(b, self.num_heads, self.head_dim)
+
+
+class Qwen3MLP(nn.Module):
+    """SiLU-gated feed-forward block."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = F.silu(F.linear(x, self.gate_proj.weight))
+        return F.linear(gate * F.linear(x, self.up_proj.weight), self.down_proj.weight)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """Pre-norm attention block followed by a pre-norm MLP block."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin_rot: Tensor,
+        attn: AttentionMetadata,
+        flat_cache: Tensor,
+        block_cache: Tensor,
+    ) -> Tensor:
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin_rot, attn, flat_cache, block_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.*`` parameters)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 causal LM over a paged KV cache. Build it with :func:`build_model`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope_cos: Tensor
+        self.rope_sin: Tensor
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata, kv_cache: Tensor
+    ) -> Tensor:
+        """Run ``T`` tokens through the model, writing their K/V into ``kv_cache``.
+
+        ``input_ids`` and ``positions`` are ``[T]`` int64; ``kv_cache`` has
+        :func:`kv_cache_shape`. Returns the final-norm hidden states ``[T, hidden]``.
+        """
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin_rot = self.rope_sin[positions].unsqueeze(1)
+        flat = kv_cache.flatten(2, 3)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin_rot, attn, flat[i], kv_cache[i])
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Output-layer logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""
+        return F.linear(hidden, self.lm_head.weight)
+
+
+def build_model(cfg: ModelConfig, tensors: dict[str, Tensor]) -> Qwen3ForCausalLM:
+    """Build the model around ``tensors`` (HF names) without copying them.
+
+    The module is created on the ``meta`` device, then every parameter is replaced by an
+    ``nn.Parameter`` that shares storage with the given tensor, so weights living in another
+    process's shared memory are used in place. Raises ``ValueError`` on a missing, unexpected
+    or misshapen tensor. Run the result under ``torch.inference_mode()``.
+    """
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    expected = dict(model.named_parameters())
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    # Non-parameter tensors some exporters include; they carry nothing we use.
+    provided = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        provided.pop("lm_head.weight", None)
+    missing = sorted(expected.keys() - provided.keys())
+    unexpected = sorted(provided.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(
+            f"weights do not match the config: missing={missing[:8]} unexpected={unexpected[:8]}"
+        )
+    for name, meta in expected.items():
+        tensor = provided[name]
+        if tuple(tensor.shape) != tuple(meta.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(meta.shape)}")
+        if tensor.dtype != cfg.dtype:
+            raise ValueError(f"{name}: dtype {tensor.dtype}, config says {cfg.dtype}")
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    cos, sin_rot = _rope_tables(cfg)
+    model.register_buffer("rope_cos", cos, persistent=False)
+    model.register_buffer("rope_sin", sin_rot, persistent=False)
+    return model.eval()

@@ -1,0 +1,84 @@
+"""What readers and the trainer call: fetch a manifest, map a version, push new weights.
+
+Readers map one manifest's memory: every tensor they get comes from that one immutable
+version, never a mix. A version older than the store's ``keep_versions`` may be collected
+between fetching its manifest and mapping it; :func:`map_weights` then raises ``NotFound``
+and the reader fetches the current manifest again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from nats.aio.client import Client as NATS
+
+from common import subjects
+from common.bus import request
+from common.config import shm_path
+from schemas.weights import WeightManifest, WeightsGet, WeightsPush
+from services.weights import core, shm
+
+PUSH_FILE_PREFIX = "wpush-"
+"""Name of a pusher's temporary shm file after the run prefix."""
+
+
+async def fetch_manifest(
+    nc: NATS, version: int | None = None, timeout: float = 5.0
+) -> WeightManifest:
+    """The manifest of ``version`` (default: the current one). Raises ``NotFound`` for a
+    version the store does not keep, ``BusUnavailable`` when no store answers."""
+    reply: WeightManifest = await request(
+        nc, subjects.weights_get(), WeightsGet(version=version), WeightManifest, timeout=timeout
+    )
+    return reply
+
+
+def map_weights(manifest: WeightManifest) -> dict[str, torch.Tensor]:
+    """Zero-copy views of every tensor of one version, by Hugging Face name.
+
+    The views share the store's memory: never write to them. Raises ``NotFound`` when the
+    version's memory was already collected."""
+    return shm.map_tensors(manifest.handle, manifest.tensors)
+
+
+async def push_weights(
+    nc: NATS,
+    state_dict: Mapping[str, torch.Tensor],
+    base_version: int,
+    run_id: str,
+    timeout: float = 60.0,
+) -> WeightManifest:
+    """Publish ``state_dict`` as the version after ``base_version``; returns its manifest.
+
+    The tensors are packed into a temporary shm file (removed once the store replied); the
+    store copies them into its own new version. Raises ``Conflict`` if another push won
+    since ``base_version``, ``InvalidRequest`` if names, dtypes or shapes differ from the
+    current version.
+    """
+    layout = core.plan_layout(state_dict)
+    path = shm_path(run_id, f"{PUSH_FILE_PREFIX}{uuid.uuid4().hex[:12]}")
+    try:
+        digest = await asyncio.to_thread(_write, path, layout, state_dict)
+        push = WeightsPush(
+            handle=shm.shm_handle(path, layout.size),
+            tensors=layout.tensors,
+            checksum=digest,
+            base_version=base_version,
+        )
+        reply: WeightManifest = await request(
+            nc, subjects.weights_push(), push, WeightManifest, timeout=timeout
+        )
+        return reply
+    finally:
+        shm.unlink(path)
+
+
+def _write(path: Path, layout: core.Layout, state_dict: Mapping[str, torch.Tensor]) -> str:
+    buf = shm.create(path, layout.size)
+    with torch.no_grad():
+        core.pack(state_dict, layout, buf)
+    return core.checksum(buf)

@@ -1,0 +1,38 @@
+"""Engine configuration: one frozen dataclass, every field defaulted and documented."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits of the scheduler and the geometry of the paged KV cache."""
+
+    max_num_seqs: int = 16
+    """Sequences running at once (the decode batch size)."""
+    max_num_batched_tokens: int = 4096
+    """Tokens in one prefill step. Prefill is not chunked, so this is at least max_model_len."""
+    block_size: int = 16
+    """Token slots per KV-cache block; must match the arena's tensor."""
+    num_blocks: int = 512
+    """KV-cache blocks in the arena; must match the arena's tensor."""
+    max_model_len: int = 2048
+    """Longest sequence (prompt + generated); a request reaching it finishes with 'length'."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "num_blocks",
+            "max_model_len",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            # A preempted sequence is recomputed in one prefill, up to max_model_len tokens.
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_model_len={self.max_model_len} (prefill is not chunked)"
+            )

@@ -1,0 +1,206 @@
+"""The engine core: ``step()`` = schedule → run the model → sample → postprocess.
+
+Pure and synchronous (no bus, no asyncio). The weights and the KV cache are tensors the
+caller hands in, normally zero-copy views of shared memory owned by the weight store and the
+KV arena; the engine never copies or reallocates them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from services.model.config import ModelConfig
+from services.model.qwen3 import build_model, kv_cache_shape
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.model_runner import ModelRunner
+from services.worker.engine.sampler import Sampler
+from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.sequence import SamplingParams, Sequence
+
+
+@dataclass
+class StepOutput:
+    """What one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    """Tokens generated in this step (empty for an abort)."""
+    new_logprobs: list[float]
+    """Logprob of each new token (see :mod:`sampler` for which distribution)."""
+    finished: bool
+    finish_reason: str | None = None
+    """``stop`` (EOS or a stop token), ``length`` (max_tokens / max_model_len) or ``abort``."""
+
+
+@dataclass
+class GenerationResult:
+    """A whole request's output, from :meth:`LLMEngine.generate`."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+class LLMEngine:
+    """Continuous-batching inference over mapped weights and a mapped KV cache."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        params: dict[str, Tensor],
+        kv_cache: Tensor,
+        config: EngineConfig | None = None,
+        *,
+        eos_token_ids: tuple[int, ...] | None = None,
+        sampler_seed: int | None = None,
+    ) -> None:
+        """``params`` are HF-named weights; ``kv_cache`` has
+        :func:`~services.model.qwen3.kv_cache_shape` for ``config``'s geometry and starts
+        finite (zeros). ``eos_token_ids`` defaults to the model config's; ``sampler_seed``
+        seeds the random stream of requests that carry no seed.
+        """
+        self.model_config = model_config
+        self.config = config = config or EngineConfig()
+        _check_kv_cache(model_config, config, kv_cache)
+        if config.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={model_config.max_position_embeddings}"
+            )
+        self.model = build_model(model_config, params)
+        eos = model_config.eos_token_id if eos_token_ids is None else eos_token_ids
+        self.scheduler = Scheduler(config, eos)
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size)
+        self.sampler = Sampler(sampler_seed)
+        self._live: dict[str, Sequence] = {}
+        self._pending: list[StepOutput] = []
+        self._ids = itertools.count()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        generated_offset: int = 0,
+    ) -> None:
+        """Queue a request. ``generated_offset`` = tokens at the end of the prompt that a
+        previous worker generated (resume); they shift the seeded sampler's token index.
+
+        Raises ``ValueError`` on a duplicate id, an empty prompt, a prompt that leaves no room
+        under ``max_model_len``, or a request that could never fit the KV cache.
+        """
+        if request_id in self._live:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if generated_offset < 0 or generated_offset > len(prompt_token_ids):
+            raise ValueError(f"generated_offset={generated_offset} outside the prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"{request_id}: prompt has token ids outside [0, {vocab})")
+        seq = Sequence(request_id, list(prompt_token_ids), sampling, generated_offset)
+        self.scheduler.add(seq)
+        self._live[request_id] = seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request; the next :meth:`step` reports it finished with ``abort``.
+        Returns False if the id is unknown or already finished."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        del self._live[request_id]
+        self._pending.append(StepOutput(request_id, [], [], True, "abort"))
+        return True
+
+    def step(self) -> list[StepOutput]:
+        """Run one scheduling turn; one output per request that got a token or finished."""
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return outputs
+        logits = self.runner.run(seqs, is_prefill)
+        tokens, logprobs = self.sampler(
+            logits, [s.sampling for s in seqs], [s.sample_index for s in seqs]
+        )
+        self.scheduler.postprocess(seqs, tokens, logprobs)
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            finished = seq.is_finished
+            outputs.append(
+                StepOutput(seq.request_id, [token], [logprob], finished, seq.finish_reason)
+            )
+            if finished:
+                del self._live[seq.request_id]
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits, runs, or has an abort not yet reported."""
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (new or preempted)."""
+        return len(self.scheduler.waiting)
+
+    def warmup(self) -> None:
+        """Run a tiny prefill, decode and sampling so the first real step pays no first-call
+        costs. Uses a private scratch cache: the shared arena may be in use by another worker.
+        """
+        cfg = self.config
+        n = min(8, cfg.max_model_len - 1)
+        per_seq = -(-(n + 1) // cfg.block_size)
+        scratch = torch.zeros(
+            kv_cache_shape(self.model_config, 2 * per_seq, cfg.block_size),
+            dtype=self.model_config.dtype,
+        )
+        seqs = [Sequence(f"warmup-{i}", [i] * n, SamplingParams(temperature=0)) for i in (0, 1)]
+        for i, seq in enumerate(seqs):
+            seq.block_table = list(range(i * per_seq, (i + 1) * per_seq))
+        logits = self.runner.run_on(scratch, seqs, True)
+        self.sampler(logits, [SamplingParams(temperature=0.7, top_p=0.9, seed=0)] * 2, [0, 1])
+        for seq in seqs:
+            seq.token_ids.append(0)
+        logits = self.runner.run_on(scratch, seqs, False)
+        self.sampler(logits, [s.sampling for s in seqs], [0, 0])
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Run ``prompts`` to completion (tests, benchmarks); results in prompt order."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        results = {rid: GenerationResult(rid, [], [], None) for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished() and any(r.finish_reason is None for r in results.values()):
+            for out in self.step():
+                result = results.get(out.request_id)
+                if result is None:
+                    continue
+                result.token_ids.extend(out.new_token_ids)
+                result.logprobs.extend(out.new_logprobs)
+                result.finish_reason = out.finish_reason
+        return [results[rid] for rid in ids]
+
+
+def _check_kv_cache(model_config: ModelConfig, config: EngineConfig, kv_cache: Tensor) -> None:
+    expected = kv_cache_shape(model_config, config.num_blocks, config.block_size)
+    if tuple(kv_cache.shape) != expected:
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} != expected {expected} "
+            f"(num_blocks={config.num_blocks}, block_size={config.block_size})"
+        )
+    if kv_cache.dtype != model_config.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} != model dtype {model_config.dtype}")
+    if not kv_cache.is_contiguous():
+        # The model writes through flat views; a non-contiguous cache would be copied.
+        raise ValueError("kv_cache must be contiguous")

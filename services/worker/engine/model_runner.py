@@ -1,0 +1,71 @@
+"""Turn a scheduled batch into model inputs, run the model, return next-token logits."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from services.model.qwen3 import AttentionMetadata, Qwen3ForCausalLM
+from services.worker.engine.sequence import Sequence
+
+
+class ModelRunner:
+    """Runs :class:`Qwen3ForCausalLM` over the paged KV cache for one batch at a time."""
+
+    def __init__(self, model: Qwen3ForCausalLM, kv_cache: Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> Tensor:
+        """Logits ``[len(seqs), vocab]`` at the last position of each sequence."""
+        return self.run_on(self.kv_cache, seqs, is_prefill)
+
+    @torch.inference_mode()
+    def run_on(self, kv_cache: Tensor, seqs: list[Sequence], is_prefill: bool) -> Tensor:
+        """Like :meth:`run` but on another cache of the same geometry (warm-up scratch)."""
+        if is_prefill:
+            input_ids, positions, attn, last = self._prepare_prefill(seqs)
+            hidden = self.model(input_ids, positions, attn, kv_cache)[last]
+        else:
+            input_ids, positions, attn = self._prepare_decode(seqs)
+            hidden = self.model(input_ids, positions, attn, kv_cache)
+        return self.model.compute_logits(hidden)
+
+    def _prepare_prefill(
+        self, seqs: list[Sequence]
+    ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        last: list[int] = []
+        for seq in seqs:
+            n = seq.num_tokens
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(n))
+            for i, block in enumerate(seq.block_table):
+                start = block * bs
+                slots.extend(range(start, start + min(bs, n - i * bs)))
+            seq_lens.append(n)
+            last.append(len(input_ids) - 1)
+        attn = AttentionMetadata.prefill(torch.tensor(slots), seq_lens)
+        return torch.tensor(input_ids), torch.tensor(positions), attn, torch.tensor(last)
+
+    def _prepare_decode(self, seqs: list[Sequence]) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids = [seq.last_token for seq in seqs]
+        positions = [seq.num_tokens - 1 for seq in seqs]
+        slots = [
+            seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions, strict=True)
+        ]
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        # Padding points at block 0: it is read but masked out, never written.
+        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
+        context_lens = torch.tensor(positions) + 1
+        attn = AttentionMetadata.decode(
+            torch.tensor(slots), torch.tensor(tables), context_lens, self.block_size
+        )
+        return torch.tensor(input_ids), torch.tensor(positions), attn

@@ -1,0 +1,93 @@
+"""Pick the next token of each sequence from its logits.
+
+Greedy when ``temperature == 0``; otherwise temperature scaling, top-p truncation and
+inverse-CDF sampling with one uniform number ``u`` per token.
+
+Determinism: for a request with a ``seed``, ``u`` for its j-th generated token is a pure
+hash of ``(seed, j)`` (splitmix64), where j counts from the start of the request's whole
+generation, ``generated_offset`` included. The token therefore depends only on
+``(seed, j, logits)``: a request resumed on another worker with ``generated_offset=m``
+continues exactly as an uninterrupted run, and batching does not change its samples. Requests
+without a seed draw ``u`` from the sampler's own random stream.
+
+Returned logprob: the log-probability of the chosen token under the distribution actually
+sampled from *after temperature, before top-p truncation*, i.e.
+``log_softmax(logits / temperature)[token]``; for greedy, ``log_softmax(logits)[token]``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import Tensor
+
+from services.worker.engine.sequence import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """A uniform number in [0, 1) that depends only on ``(seed, index)``."""
+    z = _splitmix64(_splitmix64(seed & _MASK64) ^ (index & _MASK64))
+    return (z >> 11) * 2.0**-53
+
+
+class Sampler:
+    """Batched greedy / temperature / top-p sampling (see the module docstring)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def __call__(
+        self, logits: Tensor, params: list[SamplingParams], sample_indices: list[int]
+    ) -> tuple[list[int], list[float]]:
+        """Sample one token per row of ``logits`` ``[B, vocab]``.
+
+        ``sample_indices[i]`` is row i's token index j in its request (resume-stable).
+        Returns the token ids and their logprobs.
+        """
+        logits = logits.float()
+        if all(p.greedy for p in params):
+            # The common RL-eval and test path: no sort, no random numbers.
+            logprobs = torch.log_softmax(logits, dim=-1)
+            tokens = logits.argmax(dim=-1)
+            chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+            return tokens.tolist(), chosen.tolist()
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
+        sampled = self._sample(logprobs.exp(), params, sample_indices)
+        greedy = torch.tensor([p.greedy for p in params])
+        tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        return tokens.tolist(), chosen.tolist()
+
+    def _sample(
+        self, probs: Tensor, params: list[SamplingParams], sample_indices: list[int]
+    ) -> Tensor:
+        """Inverse-CDF sample from each row's top-p nucleus."""
+        # Stable sort so that equal probabilities always order the same way.
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        top_p = torch.tensor([p.top_p for p in params])
+        # Keep a token while the mass before it is under top_p: the first always stays.
+        outside = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]
+        cdf = sorted_p.masked_fill(outside, 0.0).cumsum(dim=-1)
+        u = torch.tensor([self._uniform(p, j) for p, j in zip(params, sample_indices, strict=True)])
+        target = (u * cdf[:, -1])[:, None]
+        pos = torch.searchsorted(cdf, target, right=True)
+        # u rounded up to 1.0 in float32 would land past the nucleus: clamp to its last token.
+        last_kept = (~outside).sum(dim=-1, keepdim=True) - 1
+        pos = torch.minimum(pos, last_kept)
+        return order.gather(1, pos).squeeze(1)
+
+    def _uniform(self, params: SamplingParams, index: int) -> float:
+        if params.seed is None:
+            return self._rng.random()
+        return seeded_uniform(params.seed, index)

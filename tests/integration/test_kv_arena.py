@@ -1,0 +1,188 @@
+"""The KV arena against a real nats-server: descriptors, zero-copy mapping shared with another
+process, memory that survives the SIGKILL of a process that wrote it, flush, typed errors,
+and no shared-memory file left after a stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import subjects
+from common.errors import Conflict, NotFound
+from schemas.base import decode, encode
+from schemas.events import Event
+from services.kv.__main__ import parse_args
+from services.kv.client import fetch_arena, flush_arena, map_arena
+from services.kv.config import KvArenaConfig
+from services.kv.service import run
+from services.model.config import load_model_config
+from services.model.qwen3 import kv_cache_shape
+from services.model.tiny import init_tiny_model
+from services.weights import shm
+
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT = 20.0
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return init_tiny_model(
+        tmp_path / "tiny",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=512,
+    )
+
+
+@pytest.fixture
+def run_id() -> str:
+    rid = f"t{uuid.uuid4().hex[:8]}"
+    yield rid
+    for path in shm.list_files(rid):  # never leak /dev/shm, even when a test fails
+        shm.unlink(path)
+
+
+@asynccontextmanager
+async def running_arena(config: KvArenaConfig) -> AsyncIterator[None]:
+    """Run the service as a task; on exit stop it and check it removed its files."""
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(run(config, stop=stop, ready=ready))
+    ready_task = asyncio.create_task(ready.wait())
+    done, _ = await asyncio.wait({task, ready_task}, timeout=WAIT, return_when="FIRST_COMPLETED")
+    if task in done:
+        ready_task.cancel()
+        task.result()  # raises the startup error
+    assert ready_task in done, "KV arena did not become ready"
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, WAIT)
+        assert shm.list_files(config.run_id) == []
+
+
+# Maps the arena, writes a pattern into one block, reports, then waits to be killed.
+WRITER = r"""
+import sys
+from schemas.base import decode
+from schemas.weights import ArenaDesc
+from services.kv.client import map_arena
+arena = map_arena(decode(bytes.fromhex(sys.stdin.readline()), ArenaDesc))
+arena[:, :, 3].fill_(7.0)
+print("written", flush=True)
+sys.stdin.readline()
+"""
+
+
+async def test_arena_shared_survives_writer_kill_and_flushes(
+    nats_server, nc, js, model_dir, run_id
+) -> None:
+    config = KvArenaConfig(
+        nats_url=nats_server.url,
+        run_id=run_id,
+        model_dir=model_dir,
+        engine_ids=("e0", "e1"),
+        num_blocks=8,
+        block_size=4,
+    )
+    events: asyncio.Queue[Event] = asyncio.Queue()
+
+    async def on_event(msg) -> None:
+        await events.put(decode(msg.data, Event))
+
+    await nc.subscribe(subjects.event("kv_flushed"), cb=on_event)
+    async with running_arena(config):
+        desc = await fetch_arena(nc, "e0")
+        model = load_model_config(model_dir)
+        assert tuple(desc.shape) == kv_cache_shape(model, 8, 4)
+        assert desc.dtype == "float32" and desc.generation == 0
+        assert desc.block_size == 4 and desc.num_blocks == 8
+        t0 = time.perf_counter()
+        arena = map_arena(desc)
+        attach_ms = (time.perf_counter() - t0) * 1000
+        assert attach_ms < 200
+        assert arena.shape == torch.Size(desc.shape) and arena.dtype == torch.float32
+        assert not arena.any()  # starts zero-filled
+
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            WRITER,
+            cwd=REPO,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(encode(desc).hex().encode() + b"\n")
+            assert await asyncio.wait_for(proc.stdout.readline(), WAIT) == b"written\n"
+            # the child's writes land in the same memory we mapped
+            assert bool((arena[:, :, 3] == 7.0).all()) and not arena[:, :, 4].any()
+            proc.send_signal(signal.SIGKILL)
+            assert await asyncio.wait_for(proc.wait(), WAIT) == -signal.SIGKILL
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        # the writer is dead; its KV is not
+        again = map_arena(await fetch_arena(nc, "e0"))
+        assert bool((again[:, :, 3] == 7.0).all())
+        other = map_arena(await fetch_arena(nc, "e1"))
+        assert not other.any()  # arenas are per engine
+
+        flushed = await flush_arena(nc, "e0", epoch=2)
+        assert flushed.generation == 1 and flushed.epoch == 2
+        assert not arena.any() and not again.any()
+        assert (await fetch_arena(nc, "e0")).generation == 1
+        event = await asyncio.wait_for(events.get(), WAIT)
+        assert event.engine_id == "e0" and event.data["generation"] == 1
+        # a residual worker of an older epoch must not wipe the new worker's KV
+        with pytest.raises(Conflict):
+            await flush_arena(nc, "e0", epoch=1)
+        with pytest.raises(NotFound):
+            await fetch_arena(nc, "nope")
+        with pytest.raises(NotFound):
+            await flush_arena(nc, "nope", epoch=0)
+
+
+async def test_dtype_override_and_main_args(nats_server, nc, model_dir, run_id) -> None:
+    config = parse_args(
+        [
+            "--nats-url",
+            nats_server.url,
+            "--run-id",
+            run_id,
+            "--model-dir",
+            str(model_dir),
+            "--engines",
+            "e0, e1",
+            "--num-blocks",
+            "4",
+            "--block-size",
+            "2",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
+    assert config.engine_ids == ("e0", "e1") and config.num_blocks == 4
+    async with running_arena(config):
+        desc = await fetch_arena(nc, "e1")
+        arena = map_arena(desc)
+        assert arena.dtype == torch.bfloat16 and arena.shape[2:4] == (4, 2)
+    with pytest.raises(SystemExit):
+        parse_args(["--nats-url", "x", "--run-id", "r", "--model-dir", "m", "--engines", "a.b"])

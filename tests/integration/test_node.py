@@ -1,0 +1,201 @@
+"""A whole node on real parts (nats-server, services as processes, a torch model):
+up → generate → status → kill things → down, through the bus and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from common import subjects
+from common.bus import connect, request
+from common.errors import BusUnavailable, NotFound, ResourceLimit, Timeout
+from schemas.base import ErrorReply, decode
+from schemas.serving import (
+    GenerateRequest,
+    RouterStatus,
+    SamplingParams,
+    StatusRequest,
+    TokenDelta,
+    TokenLogChunk,
+)
+from services.router.client import generate
+from tests.integration.node_helpers import Node, cli, start_node, stop_node
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    n = start_node(tmp_path_factory.mktemp("node"), "--engines", "2")
+    try:
+        yield n
+    finally:
+        stop_node(n)
+
+
+def greedy(
+    rid: str, prompt: str = "the quick brown fox", n: int = 24, **kw: object
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid,
+        prompt=prompt,
+        sampling=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+        **kw,
+    )  # type: ignore[arg-type]
+
+
+async def test_generate_streams_logs_and_replays(node: Node) -> None:
+    nc = await connect(node.nats_url, name="t")
+    try:
+        deltas: list[TokenDelta] = []
+        res = await generate(nc, greedy("g1", n=40), on_delta=deltas.append)
+        assert len(res.token_ids) == 40 and res.finish_reason == "length"
+        assert res.weight_version == 1 and res.token_weight_versions == [1] * 40
+        assert [t for d in deltas for t in d.token_ids] == res.token_ids  # each token exactly once
+        assert len(res.logprobs) == 40 and all(lp <= 0 for lp in res.logprobs)
+        # the token log holds the tokens durably under a deterministic message id
+        js = nc.jetstream()
+        msg = await js.get_last_msg(subjects.STREAM_TOKENS, subjects.token_log("g1"))
+        chunk = decode(msg.data, TokenLogChunk)
+        assert chunk.final and chunk.token_ids == res.token_ids
+        # resubmitting the id replays the result; nothing is generated twice
+        st0: RouterStatus = await request(
+            nc, subjects.router_status(), StatusRequest(), RouterStatus
+        )
+        again = await generate(nc, greedy("g1", n=40))
+        st1: RouterStatus = await request(
+            nc, subjects.router_status(), StatusRequest(), RouterStatus
+        )
+        assert again.token_ids == res.token_ids and st1.finished == st0.finished
+    finally:
+        await nc.drain()
+
+
+async def test_concurrent_requests_match_solo_runs(node: Node) -> None:
+    nc = await connect(node.nats_url, name="t")
+    try:
+        solo_a = await generate(nc, greedy("solo-a", "alpha beta"))
+        solo_b = await generate(nc, greedy("solo-b", "one two three four"))
+        a, b = await asyncio.gather(
+            generate(nc, greedy("both-a", "alpha beta", engine_id="e0")),
+            generate(nc, greedy("both-b", "one two three four", engine_id="e0")),
+        )
+        assert a.token_ids == solo_a.token_ids and b.token_ids == solo_b.token_ids
+        # seeded sampling is reproducible too
+        s1, s2 = await asyncio.gather(*[
+            generate(nc, GenerateRequest(request_id=f"seed-{i}", prompt="hi", sampling=SamplingParams(seed=7, max_tokens=16, ignore_eos=True)))
+            for i in range(2)
+        ])  # fmt: skip
+        assert s1.token_ids == s2.token_ids
+    finally:
+        await nc.drain()
+
+
+async def test_bad_input_gets_typed_errors_and_others_continue(node: Node) -> None:
+    nc = await connect(node.nats_url, name="t")
+    try:
+        other = asyncio.create_task(generate(nc, greedy("bystander", n=64)))
+        bad = msgpack.packb(
+            {
+                "type": "GenerateRequest.v1",
+                "request_id": "x",
+                "prompt": "hi",
+                "sampling": {"max_tokens": "many"},
+            }
+        )
+        err = decode(
+            (await nc.request(subjects.router_generate(), bad, timeout=5)).data, ErrorReply
+        )
+        assert err.code == "invalid_request" and err.data["field"] == "$.sampling.max_tokens"
+        with pytest.raises(ResourceLimit):
+            await generate(nc, greedy("huge", prompt="word " * 5000))
+        with pytest.raises(NotFound):
+            await generate(nc, greedy("pinned", engine_id="e9"))
+        assert len((await other).token_ids) == 64
+    finally:
+        await nc.drain()
+
+
+async def test_killed_services_are_restarted_and_requests_resume(node: Node) -> None:
+    nc = await connect(node.nats_url, name="t")
+    try:
+        reference = await generate(nc, greedy("ref", "resume me", n=300, engine_id="e1"))
+        pid = {e["id"]: e["worker_pid"] for e in node.status()["engines"]}["e1"]
+        first = asyncio.Event()
+        task = asyncio.create_task(
+            generate(
+                nc,
+                greedy("victim", "resume me", n=300, engine_id="e1"),
+                on_delta=lambda d: first.set(),
+            )
+        )
+        await asyncio.wait_for(first.wait(), 30)
+        os.kill(pid, signal.SIGKILL)
+        res = await asyncio.wait_for(task, 120)
+        assert res.token_ids == reference.token_ids  # no token lost, duplicated or changed
+        assert res.resumes >= 1
+        # the router too: the supervisor restarts it and it finds the live workers again
+        os.kill(node.pids()["router"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                st: RouterStatus = await request(
+                    nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=1
+                )
+                if len(st.engines) == 2:
+                    break
+            except (BusUnavailable, Timeout):
+                pass  # restarting
+            assert time.monotonic() < deadline, "router was not restarted"
+            await asyncio.sleep(0.1)  # polling a restarting process
+        again = await generate(nc, greedy("after-router-restart", n=8))
+        assert len(again.token_ids) == 8
+    finally:
+        await nc.drain()
+
+
+def test_cli_json_contracts(node: Node) -> None:
+    out = json.loads(
+        cli(
+            "generate",
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--json",
+            run_dir=node.run_dir,
+        ).stdout
+    )
+    for key in ("request_id", "token_ids", "text", "logprobs", "weight_version", "finish_reason"):
+        assert key in out
+    st = node.status()
+    assert st["nats_url"] == node.nats_url
+    for e in st["engines"]:
+        assert {"id", "epoch", "worker_pid", "healthy"} <= e.keys()
+    bad = cli("generate", "--prompt", "x", "--engine", "nope", run_dir=node.run_dir, check=False)
+    assert bad.returncode != 0 and "unknown engine" in bad.stderr
+
+
+def test_cli_without_node_fails_clearly(tmp_path: Path) -> None:
+    r = cli("status", run_dir=tmp_path, check=False)
+    assert r.returncode != 0 and "belayer up" in r.stderr
+    r = cli(
+        "generate",
+        "--prompt",
+        "x",
+        "--nats-url",
+        "nats://127.0.0.1:1",
+        run_dir=tmp_path,
+        check=False,
+    )
+    assert r.returncode != 0 and "cannot reach NATS" in r.stderr
