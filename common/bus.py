@@ -154,13 +154,13 @@ DAY = 24 * 3600.0
 
 STREAMS: dict[str, dict[str, Any]] = {
     subjects.STREAM_TOKENS: dict(
-        subjects=[f"{subjects.PREFIX}.tokenlog.>"],
+        subjects=[subjects.TOKEN_LOG_ALL],
         max_age=DAY,
         max_bytes=1 << 30,
         duplicate_window=300.0,
     ),
     subjects.STREAM_REQUESTS: dict(
-        subjects=[f"{subjects.PREFIX}.requests.>"],
+        subjects=[subjects.REQUEST_LOG_ALL],
         max_age=DAY,
         max_bytes=256 << 20,
         duplicate_window=300.0,

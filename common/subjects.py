@@ -74,6 +74,11 @@ def router_register() -> str:
     return f"{PREFIX}.router.register"
 
 
+def router_engine_failed() -> str:
+    """Request: report that an engine's main worker died or hung (shadow, supervisor)."""
+    return f"{PREFIX}.router.engine_failed"
+
+
 def router_tokens() -> str:
     """Worker → router: one message per engine step with every request's new tokens."""
     return f"{PREFIX}.router.tokens"
@@ -94,9 +99,17 @@ def token_log(request_id: str) -> str:
     return f"{PREFIX}.tokenlog.{check_token(request_id, 'request id')}"
 
 
+TOKEN_LOG_ALL = f"{PREFIX}.tokenlog.>"
+"""Every request's token log (stream TOKENS)."""
+
+
 def request_log(request_id: str) -> str:
     """JetStream subject holding the accepted request itself (so a restarted router can resume)."""
     return f"{PREFIX}.requests.{check_token(request_id, 'request id')}"
+
+
+REQUEST_LOG_ALL = f"{PREFIX}.requests.>"
+"""Every accepted request (stream REQUESTS)."""
 
 
 # --- environment --------------------------------------------------------------------------

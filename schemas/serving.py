@@ -239,3 +239,16 @@ class Ping(Message, tag="Ping.v1"):
 
 class StatusRequest(Message, tag="StatusRequest.v1"):
     """Request on ``belayer.router.status``: answered with ``RouterStatus``."""
+
+
+class EngineFailed(Message, tag="EngineFailed.v1"):
+    """Shadow or supervisor → router (``belayer.router.engine_failed``): the main worker of
+    ``engine_id`` at ``epoch`` died or hung. Idempotent per epoch."""
+
+    engine_id: str
+    epoch: int
+    pid: int = 0
+    reason: str = ""
+    """``exited``, ``hung``, ``heartbeat`` (remote ping missed)…"""
+    detected_at: float = 0.0
+    """Unix time of detection."""

@@ -31,6 +31,12 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         default=60.0,
         help="seconds: a second failure of an engine inside it marks it unhealthy",
     )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=5.0,
+        help="seconds between remote heartbeat pings of each engine",
+    )
     p.add_argument("--log-file", default="", help="JSON log file (default: stderr)")
     a = p.parse_args(argv)
     return RouterConfig(
@@ -39,6 +45,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         token_log_chunk=a.token_log_chunk,
         recovery=a.recovery,
         failure_window_s=a.failure_window,
+        heartbeat_interval_s=a.heartbeat_interval,
         log_file=a.log_file,
     )
 

@@ -28,5 +28,12 @@ class RouterConfig:
     """Finished results kept in memory for replay to a resubmitted request id."""
     submit_timeout_s: float = 2.0
     """How long a worker may take to acknowledge a submit before the engine counts as failed."""
+    heartbeat_interval_s: float = 5.0
+    """Remote heartbeat: how often the router pings every engine (the baseline's detector; a
+    fallback in belayer mode, where shadows detect failures in milliseconds)."""
+    heartbeat_timeout_s: float = 1.0
+    """A ping unanswered this long counts as a failure."""
+    restore_timeout_s: float = 30.0
+    """Longest time a restarted router spends reading the token log back."""
     log_file: str = ""
     """JSON log file (empty: stderr)."""

@@ -283,6 +283,7 @@ class RouterCore:
         device: str = "cpu",
         max_num_seqs: int = 16,
         weight_version: int = 0,
+        now: float = 0.0,
     ) -> list[Action]:
         """A worker became the main worker of ``engine_id`` at ``epoch``. A newer epoch replaces
         the old worker and resumes its requests on the new one; an older epoch is refused."""
@@ -298,18 +299,22 @@ class RouterCore:
             raise Conflict("stale epoch", engine_id=engine_id, epoch=epoch, current_epoch=eng.epoch)
         if epoch == eng.epoch:
             return []  # the same worker registering twice (retry): nothing to do
+        actions: list[Action] = []
+        if eng.status is EngineStatus.UP:
+            # Replaced without a failure report: the old worker failed all the same.
+            actions += self.engine_failed(engine_id, now, reason="replaced", epoch=eng.epoch)
         old_pid, old_epoch = eng.worker_pid, eng.epoch
         eng.epoch, eng.worker_pid, eng.weight_version = epoch, pid, weight_version
         eng.device, eng.max_num_seqs = device, max_num_seqs
         if eng.status is not EngineStatus.UNHEALTHY:
             eng.status = EngineStatus.UP
-        actions = [
+        actions.append(
             EmitEvent(
                 "engine_registered",
                 engine_id,
                 data={"epoch": epoch, "pid": pid, "old_pid": old_pid, "old_epoch": old_epoch},
             )
-        ]
+        )
         if eng.status is EngineStatus.UNHEALTHY:
             return actions
         interrupted = [self.active[r] for r in sorted(eng.assigned) if r in self.active]
@@ -331,15 +336,17 @@ class RouterCore:
             )
         return actions + self._place(interrupted + self._take_pending())
 
-    def engine_failed(self, engine_id: str, now: float, *, reason: str) -> list[Action]:
+    def engine_failed(
+        self, engine_id: str, now: float, *, reason: str, epoch: int | None = None
+    ) -> list[Action]:
         """The engine's worker died or hung. A second failure inside the window marks the
         device unhealthy and spreads its requests over healthy engines; otherwise they wait for
         the next worker of this engine (shadow takeover or restart)."""
         eng = self.engines.get(engine_id)
         if eng is None:
             raise NotFound("unknown engine", engine_id=engine_id)
-        if eng.status is not EngineStatus.UP:
-            return []
+        if eng.status is not EngineStatus.UP or (epoch is not None and epoch != eng.epoch):
+            return []  # already handled, or about a worker that was already replaced
         window = self.config.failure_window_s
         eng.failures = [t for t in eng.failures if now - t <= window] + [now]
         actions: list[Action] = [
@@ -408,6 +415,8 @@ class RouterCore:
             if d.error:
                 actions += self._finish(req, "error", error=d.error)
                 continue
+            if d.finish_reason == "abort" and not d.token_ids:
+                continue  # the worker dropping a copy it was told to replace; not the caller's abort
             toks, lps = list(d.token_ids), list(d.logprobs)
             if req.skip:
                 # Baseline mode: the restarted worker recomputes tokens the caller already has.

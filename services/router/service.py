@@ -9,8 +9,10 @@ events. All core calls happen on the event loop thread, so the core needs no loc
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
@@ -19,7 +21,7 @@ from nats.js import JetStreamContext
 
 from common import subjects
 from common.bus import Server, connect, ensure_jetstream, publish_event, request
-from common.errors import BelayerError, InvalidRequest
+from common.errors import BelayerError, InvalidRequest, NotFound
 from common.logging import get_logger
 from common.service import Status
 from schemas.base import Ok, decode, encode
@@ -28,6 +30,7 @@ from schemas.serving import (
     AcceptedRequest,
     CancelRequest,
     EngineAbort,
+    EngineFailed,
     EngineSubmit,
     GenerateRequest,
     GenerateResult,
@@ -36,8 +39,10 @@ from schemas.serving import (
     RegisterReply,
     RegisterWorker,
     RouterStatus,
+    SamplingParams,
     StatusRequest,
     StepBatch,
+    TokenLogChunk,
 )
 from services.model.tokenizer import load_tokenizer
 from services.router.config import RouterConfig
@@ -45,6 +50,7 @@ from services.router.core import (
     AbortOnEngine,
     Action,
     EmitEvent,
+    EngineStatus,
     PersistChunk,
     RouterCore,
     SendToCaller,
@@ -164,14 +170,19 @@ class Router:
                 "token id out of vocabulary", field="$.prompt_token_ids", vocab_size=vocab
             )
         fresh = req.request_id not in self.core.active and req.request_id not in self.core.finished
+        sampling = req.sampling
         if fresh:
-            self.core.validate(ids, req.sampling, req.engine_id)
-            await self._persist_request(req, ids, msg.reply)
+            self.core.validate(ids, sampling, req.engine_id)
+            if sampling.seed is None:
+                # Every request gets a seed: token j then depends only on (seed, j, logits), so
+                # any regeneration after a failure reproduces exactly what the caller saw.
+                sampling = msgspec.structs.replace(sampling, seed=random.getrandbits(31))
+            await self._persist_request(req, ids, sampling, msg.reply)
         await self.execute(
             self.core.submit(
                 req.request_id,
                 ids,
-                req.sampling,
+                sampling,
                 inbox=msg.reply or None,
                 stream=req.stream,
                 engine_id=req.engine_id,
@@ -179,11 +190,13 @@ class Router:
         )
         return None
 
-    async def _persist_request(self, req: GenerateRequest, ids: list[int], reply: str) -> None:
+    async def _persist_request(
+        self, req: GenerateRequest, ids: list[int], sampling: SamplingParams, reply: str
+    ) -> None:
         accepted = AcceptedRequest(
             request_id=req.request_id,
             prompt_token_ids=ids,
-            sampling=req.sampling,
+            sampling=sampling,
             reply_to=reply or None,
             engine_id=req.engine_id,
             accepted_at=time.time(),
@@ -207,6 +220,7 @@ class Router:
             device=req.device,
             max_num_seqs=req.max_num_seqs,
             weight_version=req.weight_version,
+            now=time.monotonic(),
         )
         await self.execute(actions)
         resumed = sum(len(a.requests) for a in actions if isinstance(a, SubmitToEngine))
@@ -219,6 +233,16 @@ class Router:
             waiting_before=len(before),
         )
         return RegisterReply(engine_id=req.engine_id, epoch=req.epoch, resumed_requests=resumed)
+
+    async def on_engine_failed(self, req: EngineFailed, _msg: Msg) -> Ok:
+        if req.engine_id not in self.core.engines:
+            raise NotFound("unknown engine", engine_id=req.engine_id)
+        await self.execute(
+            self.core.engine_failed(
+                req.engine_id, time.monotonic(), reason=req.reason or "reported", epoch=req.epoch
+            )
+        )
+        return Ok()
 
     async def on_tokens(self, msg: Msg) -> None:
         try:
@@ -264,12 +288,97 @@ class Router:
                 )
                 self.log.info("engine_rediscovered", engine=engine_id, epoch=epoch, pid=pong.pid)
 
+    # --- remote heartbeat -------------------------------------------------------------------
+    async def heartbeat_loop(self) -> None:
+        """Ping every up engine each interval; a missed ping is a failure (baseline detector)."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            for eng in [e for e in self.core.engines.values() if e.status is EngineStatus.UP]:
+                epoch = eng.epoch
+                try:
+                    await request(
+                        self.nc,
+                        subjects.engine_ping(eng.id),
+                        Ping(),
+                        PingReply,
+                        timeout=cfg.heartbeat_timeout_s,
+                    )
+                except BelayerError as exc:
+                    self.log.warning("heartbeat_missed", engine=eng.id, epoch=epoch, error=str(exc))
+                    await self.execute(
+                        self.core.engine_failed(
+                            eng.id, time.monotonic(), reason="heartbeat", epoch=epoch
+                        )
+                    )
+
+    # --- restart recovery -------------------------------------------------------------------
+    async def _read_all(self, stream: str, subject: str, typ: type) -> list:
+        """Every message of ``stream`` on ``subject`` (bounded by ``restore_timeout_s``)."""
+        try:
+            info = await self.js.stream_info(stream)
+        except nats.js.errors.NotFoundError:
+            return []
+        if info.state.messages == 0:
+            return []
+        sub = await self.js.subscribe(subject, ordered_consumer=True)
+        out = []
+        deadline = time.monotonic() + self.config.restore_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    msg = await sub.next_msg(timeout=1.0)
+                except TimeoutError:
+                    break
+                try:
+                    out.append(decode(msg.data, typ))
+                except BelayerError as exc:
+                    self.log.warning("bad_log_record", stream=stream, error=str(exc))
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return out
+
+    async def restore_from_log(self) -> None:
+        """After a restart: finished requests become replayable, unfinished ones resume from
+        their last logged chunk (at most k tokens are regenerated; seeds make them identical)."""
+        t0 = time.monotonic()
+        accepted = await self._read_all(
+            subjects.STREAM_REQUESTS, subjects.REQUEST_LOG_ALL, AcceptedRequest
+        )
+        if not accepted:
+            return
+        chunks = await self._read_all(subjects.STREAM_TOKENS, subjects.TOKEN_LOG_ALL, TokenLogChunk)
+        by_request: dict[str, list[TokenLogChunk]] = {}
+        for c in chunks:
+            by_request.setdefault(c.request_id, []).append(c)
+        for a in accepted:
+            self.core.restore(
+                a.request_id,
+                a.prompt_token_ids,
+                a.sampling,
+                by_request.get(a.request_id, []),
+                inbox=a.reply_to,
+            )
+        self.log.info(
+            "router_restored",
+            requests=len(accepted),
+            unfinished=len(self.core.active),
+            chunks=len(chunks),
+            seconds=round(time.monotonic() - t0, 3),
+        )
+
     async def start(self) -> None:
+        await self.restore_from_log()
         await self.rediscover_engines()
         await self.server.serve(subjects.router_generate(), GenerateRequest, self.on_generate)
         await self.server.serve(subjects.router_register(), RegisterWorker, self.on_register)
         await self.server.serve(subjects.router_cancel(), CancelRequest, self.on_cancel)
         await self.server.serve(subjects.router_status(), StatusRequest, self.on_status)
+        await self.server.serve(
+            subjects.router_engine_failed(), EngineFailed, self.on_engine_failed
+        )
         await self.nc.subscribe(subjects.router_tokens(), cb=self.on_tokens)
         self.status = Status.READY
 
@@ -286,6 +395,7 @@ async def run(
         async with asyncio.TaskGroup() as tg:
             persist = tg.create_task(router.persist_loop(), name="persist_loop")
             await router.start()
+            heartbeat = tg.create_task(router.heartbeat_loop(), name="heartbeat_loop")
             router.log.info("router_ready", recovery=config.recovery, k=config.token_log_chunk)
             if ready is not None:
                 ready.set()
@@ -298,6 +408,7 @@ async def run(
             except TimeoutError:
                 router.log.warning("persist_queue_not_drained", left=router.persist_q.qsize())
             persist.cancel()
+            heartbeat.cancel()
     finally:
         router.status = Status.STOPPED
         await nc.drain()

@@ -38,5 +38,13 @@ class SupervisorConfig:
     """A service that ran this long has its backoff reset."""
     ready_timeout_s: float = 120.0
     """How long start-up may take before ``up`` fails."""
+    handover_timeout_s: float = 15.0
+    """How long a dead main worker waits for its shadow's handover before a cold restart."""
+    hang_threshold_s: float = 2.0
+    """Shadow: heartbeat age (process alive) that counts as a hang."""
+    heartbeat_interval_s: float = 5.0
+    """Router's remote heartbeat interval (the baseline detector)."""
+    failure_window_s: float = 60.0
+    """A second failure of an engine inside this window marks it unhealthy."""
     run_id: str = ""
     """Names this node's shared-memory files (empty: generated)."""

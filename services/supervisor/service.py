@@ -32,6 +32,7 @@ from schemas.serving import RouterStatus, StatusRequest
 from schemas.weights import ArenaDesc, KvGet, WeightManifest, WeightsGet
 from services.supervisor.backoff import Backoff
 from services.supervisor.config import SupervisorConfig
+from services.supervisor.engines import Engines
 from services.supervisor.procs import Child
 
 log = get_logger(service="supervisor")
@@ -63,6 +64,7 @@ class Supervisor:
         self.model_dir = Path()
         self.engine_ids = [f"e{i}" for i in range(config.engines)]
         self.watchers: list[asyncio.Task[None]] = []
+        self.engines = Engines(self)
 
     # --- specs ------------------------------------------------------------------------------
     def _py(self, module: str, *args: str) -> list[str]:
@@ -91,7 +93,8 @@ class Supervisor:
             "--role", role,
             "--heartbeat-file", str(self.paths.heartbeat_file(engine_id)),
             "--max-num-seqs", str(c.max_num_seqs),
-            "--log-file", self._log_file(f"worker-{engine_id}"),
+            "--hang-threshold", str(c.hang_threshold_s),
+            "--log-file", self._log_file(f"{'worker' if role == 'main' else 'shadow'}-{engine_id}"),
         )  # fmt: skip
 
     # --- start ------------------------------------------------------------------------------
@@ -135,7 +138,10 @@ class Supervisor:
             self._start_and_wait(
                 self._child("router", self._py(
                     "services.router", "--model-dir", model, "--recovery", c.recovery,
-                    "--token-log-chunk", str(c.token_log_chunk), "--log-file", self._log_file("router"))),
+                    "--token-log-chunk", str(c.token_log_chunk),
+                    "--heartbeat-interval", str(c.heartbeat_interval_s),
+                    "--failure-window", str(c.failure_window_s),
+                    "--log-file", self._log_file("router"))),
                 lambda nc: request(nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=1),
             ),
         )  # fmt: skip
@@ -143,25 +149,28 @@ class Supervisor:
             await self._start_and_wait(
                 self._child("environment", self._py(
                     "services.environment", "--run-dir", str(self.paths.root),
+                    "--node", f"node-{self.run_id}",
                     "--log-file", self._log_file("environment"))),
                 self._env_probe,
             )  # fmt: skip
-        for eid in self.engine_ids:
-            await self._child(f"worker-{eid}", self.worker_argv(eid)).start()
+        await self.engines.start_all()
         await self._wait_engines()
         self.watchers = [
             asyncio.create_task(self.watch(child), name=f"watch_{child.name}")
             for child in self.children.values()
+            if not child.name.startswith(("worker-", "shadow-"))
         ]
+        self.engines.watch_all()
+        await self.engines.subscribe()
         self.ready = True
         self._write_node()
         await self._event("node_ready", engines=self.engine_ids, run_id=self.run_id)
         log.info("node_ready", nats_url=self.nats_url, engines=self.engine_ids, run_id=self.run_id)
 
     async def _env_probe(self, nc: NATS) -> Any:
-        from schemas.env import ListSandboxes, SandboxList
+        from schemas.env import EnvList, EnvListing
 
-        return await request(nc, subjects.env("list"), ListSandboxes(), SandboxList, timeout=2)
+        return await request(nc, subjects.env("list"), EnvList(), EnvListing, timeout=2)
 
     async def _start_and_wait(self, child: Child, probe: Callable[[NATS], Awaitable[Any]]) -> None:
         await child.start()
@@ -260,7 +269,7 @@ class Supervisor:
     async def shutdown(self) -> None:
         """Stop services in reverse start order, then NATS; remove shm files and node file."""
         self.stop_requested.set()
-        for w in self.watchers:
+        for w in [*self.watchers, *self.engines.tasks]:
             w.cancel()
         for child in reversed(list(self.children.values())):
             await child.stop()

@@ -30,6 +30,18 @@ def parse(argv: list[str] | None = None) -> WorkerConfig:
     )
     p.add_argument("--max-num-seqs", type=int, default=16, help="decode batch size limit")
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt+output")
+    p.add_argument(
+        "--cold-load",
+        default="",
+        metavar="MODEL_DIR",
+        help="baseline: load weights from this directory instead of shared memory",
+    )
+    p.add_argument(
+        "--hang-threshold",
+        type=float,
+        default=2.0,
+        help="shadow: seconds of stale heartbeat (process alive) that count as a hang",
+    )
     p.add_argument("--log-file", default="", help="JSON log file (default: stderr)")
     a = p.parse_args(argv)
     return WorkerConfig(
@@ -43,6 +55,8 @@ def parse(argv: list[str] | None = None) -> WorkerConfig:
             max_num_batched_tokens=max(4096, a.max_model_len),
         ),
         log_file=a.log_file,
+        cold_load_dir=a.cold_load,
+        hang_threshold_s=a.hang_threshold,
     )
 
 

@@ -32,3 +32,13 @@ class WorkerConfig:
     """JSON log file (empty: stderr)."""
     torch_threads: int = 1
     """torch intra-op threads (one per worker process on this 2-core machine)."""
+    cold_load_dir: str = ""
+    """Baseline mode: load weights from this model directory on disk instead of mapping the
+    weight store's shared memory (what a cold engine restart does)."""
+    watch_interval_s: float = 0.01
+    """Shadow: how often it checks the main worker's pid and heartbeat."""
+    hang_threshold_s: float = 2.0
+    """Shadow: a heartbeat older than this (with the process alive) means the main worker hung.
+    Longer than any single engine step, so a long prefill is never mistaken for a hang."""
+    bus_check_timeout_s: float = 0.5
+    """Shadow: how long the weight store and KV arena get to answer the handover health check."""

@@ -98,6 +98,9 @@ class EngineLoop:
                 self.engine.abort_request(rid)
             return
         for req in cmd.requests:
+            # A resubmitted id replaces the running one (a restarted router resumes requests
+            # this worker may still hold); the engine reports the old one as an abort.
+            self.engine.abort_request(req.request_id)
             try:
                 self.engine.add_request(
                     req.request_id,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,11 +38,13 @@ from schemas.serving import (
 )
 from services.kv.client import fetch_arena, map_arena
 from services.model.config import load_model_config
+from services.model.loader import load_safetensors
 from services.weights.client import fetch_manifest, map_weights
 from services.worker.config import WorkerConfig
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.llm_engine import LLMEngine
 from services.worker.epoch import claim_epoch
+from services.worker.heartbeat import Identity, write_identity
 from services.worker.runtime import Abort, EngineLoop, Submit
 
 
@@ -68,7 +71,11 @@ class Worker:
     async def prepare(self) -> None:
         t0 = time.perf_counter()
         manifest = await fetch_manifest(self.nc, timeout=10.0)
-        params = map_weights(manifest)
+        if self.config.cold_load_dir:
+            # Baseline: a cold restart reads the weights from disk, as engines do today.
+            params = load_safetensors(self.config.cold_load_dir)
+        else:
+            params = map_weights(manifest)
         arena_desc = await fetch_arena(self.nc, self.engine_id, timeout=10.0)
         kv_cache = map_arena(arena_desc)
         t_attach = time.perf_counter()
@@ -89,12 +96,17 @@ class Worker:
         self.log.info("worker_prepared", weight_version=manifest.version, **self.timings)
 
     # --- phase 2: activate (fast) -----------------------------------------------------------
-    async def activate(self, *, expected_epoch: int | None = None) -> int:
-        """Claim the engine, start serving and register. Returns the new epoch."""
+    async def activate(
+        self, *, expected_epoch: int | None = None, on_ready: Callable[[], None] | None = None
+    ) -> int:
+        """Claim the engine, start serving and register. Returns the new epoch. ``on_ready`` is
+        called once the loop runs and the engine's subjects are served (before registering)."""
         assert self.engine is not None, "prepare() first"
         self.epoch = await claim_epoch(self.js, self.engine_id, expected=expected_epoch)
         self.log = self.log.bind(epoch=self.epoch)
         hb = Path(self.config.heartbeat_file) if self.config.heartbeat_file else None
+        if hb is not None:
+            write_identity(hb, Identity(self.pid, self.epoch, self.engine_id))
         aio_loop = asyncio.get_running_loop()
 
         def on_batch(step: int, deltas: list[SeqDelta]) -> None:
@@ -109,9 +121,18 @@ class Worker:
         )
         await self.server.serve(subjects.engine_abort(self.engine_id), EngineAbort, self._on_abort)
         await self.server.serve(subjects.engine_ping(self.engine_id), Ping, self._on_ping)
+        if on_ready is not None:
+            on_ready()
         await self.register()
         self.status = Status.READY
         return self.epoch
+
+    def health_check(self) -> float:
+        """A tiny forward pass on the engine's scratch cache; returns its duration."""
+        assert self.engine is not None
+        t0 = time.perf_counter()
+        self.engine.warmup()
+        return time.perf_counter() - t0
 
     async def register(self) -> RegisterReply:
         msg = RegisterWorker(

@@ -1,0 +1,1 @@
+"""Benchmarks run by ``belayer bench``: each prints a table and writes JSON."""

@@ -1,0 +1,513 @@
+"""``belayer bench serve``: what the serving path costs on this machine.
+
+Measures, with the tiny model (hidden 256, 4 layers, vocab 4096):
+
+1. the engine alone, in-process (tokens/s at batch 1 and 8, greedy, ``ignore_eos``), measured
+   *before* the node starts so nothing competes for the CPU;
+2. the full bus path (client → router → worker → router → client) on a real node started with
+   the CLI in a temporary run directory: batch 1 = one request, batch 8 = eight concurrent
+   requests on the one engine; tokens/s = generated tokens / wall time from submit to the last
+   result; the loss against the engine alone;
+3. attaching a worker to the weights and KV arena in shared memory (the ``attach_s`` the worker
+   reports in its ``worker_ready`` event, and the same steps timed here) against a cold load
+   from safetensors (read the file, build the engine);
+4. ``belayer up`` to ready, wall time.
+
+Every measurement is repeated ``REPEATS`` times and the median is reported. Alongside the
+numbers the bus runs record where the time went (engine steps, time to first token, CPU seconds
+of each process), so a miss can be explained from the JSON alone. The node is always stopped
+with ``belayer down``, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPEATS = 3
+"""Runs per measurement; the median is reported."""
+BATCHES = (1, 8)
+PROMPT_LEN = 16
+"""Prompt tokens per request (the same prompts as ``bench_engine``)."""
+ENGINE_ID = "e0"
+
+TARGETS: dict[str, tuple[str, float]] = {
+    "engine_tok_s_b1": (">=", 150.0),
+    "engine_tok_s_b8": (">=", 600.0),
+    "bus_loss_b8": ("<=", 0.10),
+    "attach_s": ("<=", 0.2),
+    "up_s": ("<=", 15.0),
+}
+"""Metric → (comparison, bound). ``bus_loss_b8`` is a fraction (0.10 = 10 %)."""
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr (stdout carries the table)."""
+    sys.stderr.write(f"[bench serve] {message}\n")
+    sys.stderr.flush()
+
+
+def prompts(batch: int, vocab: int) -> list[list[int]]:
+    return [[(7 * i + 13 * j + 1) % vocab for j in range(PROMPT_LEN)] for i in range(batch)]
+
+
+# --- 1. engine alone ---------------------------------------------------------------------------
+def measure_engine(model_dir: Path, new_tokens: int) -> dict[str, Any]:
+    """Median tokens/s of the in-process engine at each batch size over ``REPEATS`` runs."""
+    from services.worker.engine.bench import bench_engine
+
+    runs: dict[int, list[float]] = {b: [] for b in BATCHES}
+    for rep in range(REPEATS):
+        result = bench_engine(model_dir, BATCHES, new_tokens)
+        for b in BATCHES:
+            runs[b].append(result[b])
+        progress(
+            f"engine alone run {rep + 1}/{REPEATS}: "
+            + ", ".join(f"batch {b} {result[b]:.0f} tok/s" for b in BATCHES)
+        )
+    return {
+        "tok_s": {b: statistics.median(v) for b, v in runs.items()},
+        "runs": runs,
+    }
+
+
+# --- 3b. cold load -----------------------------------------------------------------------------
+def measure_cold_load(model_dir: Path) -> dict[str, Any]:
+    """Time to read the safetensors file and build an engine on it (imports already paid), as
+    a cold worker restart does. Median over ``REPEATS`` runs."""
+    import torch
+
+    from services.model.config import load_model_config
+    from services.model.loader import load_safetensors
+    from services.model.qwen3 import kv_cache_shape
+    from services.worker.engine.config import EngineConfig
+    from services.worker.engine.llm_engine import LLMEngine
+
+    load, total = [], []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        model_config = load_model_config(model_dir)
+        params = load_safetensors(model_dir)
+        t1 = time.perf_counter()
+        config = EngineConfig()
+        kv = torch.zeros(
+            kv_cache_shape(model_config, config.num_blocks, config.block_size),
+            dtype=model_config.dtype,
+        )
+        LLMEngine(model_config, params, kv, config)
+        t2 = time.perf_counter()
+        load.append(t1 - t0)
+        total.append(t2 - t0)
+    return {
+        "load_safetensors_s": statistics.median(load),
+        "cold_load_s": statistics.median(total),
+        "runs": total,
+    }
+
+
+# --- 4. the node ------------------------------------------------------------------------------
+def belayer(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run the ``belayer`` CLI with this interpreter (works from a checkout or an install)."""
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def start_node(run_dir: Path, model_dir: Path) -> dict[str, Any]:
+    """``belayer up --detach``; returns the up times and the node file."""
+    t0 = time.monotonic()
+    proc = belayer(
+        "up", "--detach", "--run-dir", str(run_dir), "--engines", "1", "--model", str(model_dir),
+        timeout=240,
+    )  # fmt: skip
+    outside = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"belayer up failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    match = re.search(r"ready in ([0-9.]+)s", proc.stdout)
+    node = json.loads((run_dir / "node.json").read_text())
+    return {
+        "up_s": outside,
+        "up_reported_s": float(match.group(1)) if match else None,
+        "node": node,
+    }
+
+
+def stop_node(run_dir: Path) -> None:
+    """``belayer down`` (idempotent; safe when ``up`` failed half-way)."""
+    proc = belayer("down", "--run-dir", str(run_dir), timeout=90)
+    if proc.returncode != 0:
+        progress(f"belayer down failed ({proc.returncode}): {proc.stderr.strip()}")
+
+
+def node_pids(run_dir: Path, node: dict[str, Any]) -> dict[str, int]:
+    """Process ids of the node's services (from ``belayer status --json``) and NATS."""
+    proc = belayer("status", "--json", "--run-dir", str(run_dir), timeout=30)
+    pids = {"client": os.getpid()}
+    if node.get("nats_pid"):
+        pids["nats"] = int(node["nats_pid"])
+    if proc.returncode == 0:
+        for p in json.loads(proc.stdout)["procs"]:
+            if p["pid"] and p["name"] in ("router", f"worker-{ENGINE_ID}"):
+                pids["worker" if p["name"].startswith("worker") else "router"] = int(p["pid"])
+    return pids
+
+
+# --- CPU accounting (Linux /proc) -------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of ``pid``; empty if unreadable."""
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, dict[int, float]]:
+    return {name: thread_cpu(pid) for name, pid in pids.items()}
+
+
+def cpu_delta(
+    pids: dict[str, int], before: dict[str, dict[int, float]], after: dict[str, dict[int, float]]
+) -> dict[str, float]:
+    """CPU seconds per process between two snapshots; the worker is split into its asyncio
+    (main) thread and its other threads (the engine loop)."""
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        b, a = before.get(name, {}), after.get(name, {})
+        per = {tid: a[tid] - b.get(tid, 0.0) for tid in a}
+        out[name] = sum(per.values())
+        if name == "worker":
+            out["worker_asyncio_thread"] = per.get(pid, 0.0)
+            out["worker_engine_thread"] = out[name] - per.get(pid, 0.0)
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+# --- 2. the bus path --------------------------------------------------------------------------
+async def engine_steps(nc: Any) -> int:
+    from common import subjects
+    from common.bus import request
+    from schemas.serving import Ping, PingReply
+
+    pong: PingReply = await request(
+        nc, subjects.engine_ping(ENGINE_ID), Ping(), PingReply, timeout=5
+    )
+    return pong.steps
+
+
+async def bus_run(nc: Any, batch: int, new_tokens: int, vocab: int) -> dict[str, Any]:
+    """``batch`` concurrent requests through the router; tokens/s from submit to last result."""
+    from schemas.serving import GenerateRequest, SamplingParams, TokenDelta
+    from services.router.client import generate
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    tag = uuid.uuid4().hex[:8]
+    reqs = [
+        GenerateRequest(
+            request_id=f"bench-{tag}-{i}", prompt_token_ids=ids, sampling=sampling, stream=True
+        )
+        for i, ids in enumerate(prompts(batch, vocab))
+    ]
+    first: dict[str, float] = {}
+    deltas: dict[str, int] = {r.request_id: 0 for r in reqs}
+    steps0 = await engine_steps(nc)
+    t0 = time.perf_counter()
+
+    def on_delta_for(rid: str) -> Callable[[TokenDelta], None]:
+        def on_delta(_d: TokenDelta) -> None:
+            first.setdefault(rid, time.perf_counter() - t0)
+            deltas[rid] += 1
+
+        return on_delta
+
+    async def one(req: GenerateRequest) -> tuple[int, float]:
+        res = await generate(nc, req, timeout=120, on_delta=on_delta_for(req.request_id))
+        return len(res.token_ids), time.perf_counter() - t0
+
+    done = await asyncio.gather(*(one(r) for r in reqs))
+    wall = time.perf_counter() - t0
+    tokens = sum(n for n, _ in done)
+    return {
+        "tok_s": tokens / wall,
+        "wall_s": wall,
+        "tokens": tokens,
+        "engine_steps": await engine_steps(nc) - steps0,
+        "first_token_s": sorted(round(first.get(r.request_id, -1.0), 4) for r in reqs),
+        "last_result_s": sorted(round(t, 4) for _, t in done),
+        "deltas_per_request": statistics.median(deltas.values()),
+    }
+
+
+async def measure_bus(nc: Any, new_tokens: int, vocab: int, pids: dict[str, int]) -> dict[str, Any]:
+    """Warm the path, then ``REPEATS`` rounds of batch 1 and batch 8; medians per batch."""
+    for b in BATCHES:  # first-call costs (tokenizer decode, JetStream consumers, allocations)
+        await bus_run(nc, b, min(8, new_tokens), vocab)
+    runs: dict[int, list[dict[str, Any]]] = {b: [] for b in BATCHES}
+    for rep in range(REPEATS):
+        for b in BATCHES:
+            before = cpu_snapshot(pids)
+            run = await bus_run(nc, b, new_tokens, vocab)
+            run["cpu_s"] = cpu_delta(pids, before, cpu_snapshot(pids))
+            runs[b].append(run)
+            progress(
+                f"bus path run {rep + 1}/{REPEATS} batch {b}: {run['tok_s']:.0f} tok/s "
+                f"({run['wall_s']:.3f} s, {run['engine_steps']} engine steps)"
+            )
+    return {
+        "tok_s": {b: statistics.median(r["tok_s"] for r in v) for b, v in runs.items()},
+        "runs": runs,
+    }
+
+
+# --- 3a. attach ------------------------------------------------------------------------------
+async def worker_reported_timings(nc: Any) -> dict[str, float]:
+    """``attach_s`` / ``build_warm_s`` from the worker's last ``worker_ready`` event."""
+    from common import subjects
+    from schemas.base import decode
+    from schemas.events import Event
+
+    js = nc.jetstream()
+    msg = await js.get_last_msg(subjects.STREAM_EVENTS, subjects.event("worker_ready"))
+    ev = decode(msg.data, Event)
+    return {k: float(v) for k, v in ev.data.items() if k.endswith("_s")}
+
+
+async def measure_attach(nc: Any) -> dict[str, Any]:
+    """The worker's attach steps, timed here against the running node: fetch the weight
+    manifest, map the weights, fetch the arena descriptor, map the arena. Median of runs."""
+    from services.kv.client import fetch_arena, map_arena
+    from services.weights.client import fetch_manifest, map_weights
+
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        manifest = await fetch_manifest(nc, timeout=10.0)
+        params = map_weights(manifest)
+        arena = map_arena(await fetch_arena(nc, ENGINE_ID, timeout=10.0))
+        times.append(time.perf_counter() - t0)
+        del params, arena  # drop the mappings before the node removes its files
+    return {"attach_inprocess_s": statistics.median(times), "runs": times}
+
+
+async def measure_node(
+    url: str, new_tokens: int, vocab: int, pids: dict[str, int]
+) -> dict[str, Any]:
+    from common.bus import connect
+
+    nc = await connect(url, name="bench-serve", reconnect=False)
+    try:
+        progress("bus path: warming up")
+        bus = await measure_bus(nc, new_tokens, vocab, pids)
+        progress("attach: reading the worker's worker_ready event and timing attach here")
+        reported = await worker_reported_timings(nc)
+        attach = await measure_attach(nc)
+        return {"bus": bus, "worker_reported": reported, "attach": attach}
+    finally:
+        await nc.drain()
+
+
+# --- report ------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    metric: str
+    value: float | None
+    unit: str
+    key: str | None = None
+    """Key of ``TARGETS`` (None: informational)."""
+
+    @property
+    def target(self) -> str:
+        if self.key is None:
+            return "—"
+        op, bound = TARGETS[self.key]
+        shown = f"{bound * 100:.0f} %" if self.unit == "%" else f"{bound:g}"
+        return f"{'≥' if op == '>=' else '≤'} {shown}"
+
+    @property
+    def verdict(self) -> str:
+        if self.key is None:
+            return ""
+        if self.value is None:
+            return "MISS"
+        op, bound = TARGETS[self.key]
+        ok = self.value >= bound if op == ">=" else self.value <= bound
+        return "PASS" if ok else "MISS"
+
+    @property
+    def shown(self) -> str:
+        if self.value is None:
+            return "n/a"
+        if self.unit == "%":
+            return f"{self.value * 100:.1f} %"
+        if self.unit == "tok/s":
+            return f"{self.value:.0f} tok/s"
+        if self.unit == "x":
+            return f"{self.value:.1f}x"
+        return f"{self.value:.3f} s" if self.value < 10 else f"{self.value:.1f} s"
+
+
+def build_rows(r: dict[str, Any]) -> list[Row]:
+    eng, bus = r["engine_tok_s"], r["bus_tok_s"]
+    return [
+        Row("engine alone, batch 1", eng["1"], "tok/s", "engine_tok_s_b1"),
+        Row("engine alone, batch 8", eng["8"], "tok/s", "engine_tok_s_b8"),
+        Row("bus path, batch 1", bus["1"], "tok/s"),
+        Row("bus path, batch 8", bus["8"], "tok/s"),
+        Row("bus loss, batch 1", r["bus_loss"]["1"], "%"),
+        Row("bus loss, batch 8", r["bus_loss"]["8"], "%", "bus_loss_b8"),
+        Row("attach from shm (worker_ready)", r["attach_s"], "s", "attach_s"),
+        Row("attach from shm (timed here)", r["attach_inprocess_s"], "s"),
+        Row("cold load (safetensors + build)", r["cold_load_s"], "s"),
+        Row("cold load / attach", r["cold_over_attach"], "x"),
+        Row("belayer up → ready (outside)", r["up_s"], "s", "up_s"),
+        Row("belayer up → ready (reported)", r["up_reported_s"], "s"),
+    ]
+
+
+def print_table(rows: list[Row]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain aligned text
+        for row in rows:
+            print(f"{row.metric:34} {row.shown:>14} {row.target:>10} {row.verdict:>5}")
+        return
+    table = Table(title="belayer bench serve")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("target", justify="right")
+    table.add_column("", justify="center")
+    for row in rows:
+        style = {"PASS": "green", "MISS": "bold red"}.get(row.verdict, "")
+        table.add_row(
+            row.metric, row.shown, row.target, f"[{style}]{row.verdict}[/]" if style else ""
+        )
+    Console().print(table)
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "sched_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "torch_threads_engine_bench": 1,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(
+    new_tokens: int,
+    engine: dict[str, Any],
+    cold: dict[str, Any],
+    up: dict[str, Any],
+    node: dict[str, Any],
+    machine_before: dict[str, Any],
+) -> dict[str, Any]:
+    eng = {str(b): v for b, v in engine["tok_s"].items()}
+    bus = {str(b): v for b, v in node["bus"]["tok_s"].items()}
+    attach = node["worker_reported"].get("attach_s", node["attach"]["attach_inprocess_s"])
+    result: dict[str, Any] = {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "unix_time": time.time(),
+        "new_tokens": new_tokens,
+        "prompt_tokens": PROMPT_LEN,
+        "repeats": REPEATS,
+        "model": {"hidden_size": 256, "num_layers": 4, "vocab_size": 4096},
+        "engine_tok_s": eng,
+        "bus_tok_s": bus,
+        "bus_over_engine": {b: ratio(bus[b], eng[b]) for b in eng},
+        "bus_loss": {b: 1.0 - (ratio(bus[b], eng[b]) or 0.0) for b in eng},
+        "attach_s": attach,
+        "attach_inprocess_s": node["attach"]["attach_inprocess_s"],
+        "worker_reported": node["worker_reported"],
+        "load_safetensors_s": cold["load_safetensors_s"],
+        "cold_load_s": cold["cold_load_s"],
+        "cold_over_attach": ratio(cold["cold_load_s"], attach),
+        "up_s": up["up_s"],
+        "up_reported_s": up["up_reported_s"],
+        "targets": {k: {"op": op, "bound": bound} for k, (op, bound) in TARGETS.items()},
+        "runs": {
+            "engine_tok_s": {str(b): v for b, v in engine["runs"].items()},
+            "bus": {str(b): v for b, v in node["bus"]["runs"].items()},
+            "attach_inprocess_s": node["attach"]["runs"],
+            "cold_load_s": cold["runs"],
+        },
+        "machine": {**machine_before, "loadavg_after": list(os.getloadavg())},
+    }
+    result["verdicts"] = {row.key: row.verdict for row in build_rows(result) if row.key is not None}
+    return result
+
+
+def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
+    """Run the whole benchmark (about a minute), print the table, write ``json_path``."""
+    from services.model.tiny import init_tiny_model
+
+    machine = machine_info()
+    progress(
+        f"{machine['cpu_count']} CPUs, torch {machine['torch']}, "
+        f"load average {machine['loadavg'][0] if machine['loadavg'] else '?'}"
+    )
+    with tempfile.TemporaryDirectory(prefix="belayer-bench-") as tmp:
+        model_dir = init_tiny_model(Path(tmp) / "model")
+        progress(f"engine alone: {REPEATS} runs of batch 1 and 8, {new_tokens} new tokens")
+        engine = measure_engine(model_dir, new_tokens)
+        progress("cold load: safetensors + engine build")
+        cold = measure_cold_load(model_dir)
+        run_dir = Path(tmp) / "run"
+        try:
+            progress("starting a node: belayer up --detach --engines 1")
+            up = start_node(run_dir, model_dir)
+            progress(f"node ready in {up['up_s']:.1f} s (up reported {up['up_reported_s']} s)")
+            pids = node_pids(run_dir, up["node"])
+            node = asyncio.run(measure_node(up["node"]["nats_url"], new_tokens, 4096, pids))
+        finally:
+            progress("stopping the node: belayer down")
+            with contextlib.suppress(Exception):
+                stop_node(run_dir)
+    result = summarize(new_tokens, engine, cold, up, node, machine)
+    print_table(build_rows(result))
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    progress(f"wrote {json_path}")
+    return result
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("bench-results/serve.json"))

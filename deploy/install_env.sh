@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# Idempotent: Docker (20.10, dockerd --experimental), CRIU 4.1.1 (built from Debian's orig
+# tarball, see /work/shared/NOTES-machine.md) and the sandbox base image `belayer-sandbox:1`.
+# Every expensive product is cached under $BELAYER_CACHE (default /var/cache/belayer):
+# a second run on a prepared machine takes a few seconds.
+set -euo pipefail
+
+CACHE="${BELAYER_CACHE:-/var/cache/belayer}"
+IMAGE="${BELAYER_SANDBOX_IMAGE:-belayer-sandbox:1}"
+CRIU_VERSION=4.1.1
+CRIU_SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
+DOCKERD_LOG="${BELAYER_DOCKERD_LOG:-/var/log/belayer-dockerd.log}"
+# Plain system PATH: pyenv shims break asciidoc/the CRIU build, and /usr/local/bin/docker is a
+# newer client than Debian's daemon; we call /usr/bin/docker explicitly below.
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export DEBIAN_FRONTEND=noninteractive
+DOCKER=/usr/bin/docker
+
+say() { echo "install_env: $*"; }
+die() { echo "install_env: ERROR: $*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "must run as root (installs packages, starts dockerd, builds CRIU)"
+mkdir -p "$CACHE"
+
+mirror() {
+  # The Debian mirror already configured for apt (never a hard-coded host).
+  local uri
+  uri=$(grep -h '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}' \
+    | grep -v security | head -n1 || true)
+  if [ -z "$uri" ]; then
+    uri=$(grep -h '^deb ' /etc/apt/sources.list 2>/dev/null | grep -v security | awk '{print $2}' | head -n1 || true)
+  fi
+  [ -n "$uri" ] || die "no Debian mirror found in the apt sources"
+  echo "${uri%/}"
+}
+
+APT_UPDATED=0
+apt_install() {
+  local missing=()
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ $APT_UPDATED = 0 ]; then apt-get update -qq; APT_UPDATED=1; fi
+  say "apt-get install ${missing[*]}"
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# --- 1. Docker ------------------------------------------------------------------------------
+apt_install docker.io iptables iproute2 ca-certificates xz-utils curl
+
+# --- 2. CRIU 4.1.1 (before dockerd starts, so dockerd's PATH sees it) -------------------------
+criu_ok() { command -v criu >/dev/null && criu --version 2>/dev/null | grep -q "Version: 4\.1"; }
+if ! criu_ok; then
+  DEB=$(ls "$CACHE"/criu/criu_${CRIU_VERSION}-*_amd64.deb 2>/dev/null | head -n1 || true)
+  if [ -z "$DEB" ]; then
+    say "building CRIU $CRIU_VERSION (about 3 minutes)"
+    apt_install build-essential dpkg-dev debhelper libbsd-dev libcap-dev libgnutls28-dev \
+      libnet1-dev libnftables-dev libnl-3-dev libprotobuf-c-dev libprotobuf-dev pkgconf \
+      protobuf-c-compiler protobuf-compiler uuid-dev python3
+    mkdir -p "$CACHE/criu"
+    TARBALL="$CACHE/criu/criu_${CRIU_VERSION}.orig.tar.xz"
+    if [ ! -f "$TARBALL" ] || ! echo "$CRIU_SHA256  $TARBALL" | sha256sum -c --quiet - 2>/dev/null; then
+      curl -fsSL -o "$TARBALL.part" "$(mirror)/pool/main/c/criu/criu_${CRIU_VERSION}.orig.tar.xz"
+      mv "$TARBALL.part" "$TARBALL"
+    fi
+    echo "$CRIU_SHA256  $TARBALL" | sha256sum -c --quiet - || die "CRIU tarball sha256 mismatch"
+    BUILD=$(mktemp -d /tmp/belayer-criu.XXXXXX)
+    tar -C "$BUILD" -xJf "$TARBALL"
+    SRC=$(find "$BUILD" -mindepth 1 -maxdepth 1 -type d | head -n1)
+    mkdir -p "$SRC/debian/source"
+    echo "3.0 (quilt)" > "$SRC/debian/source/format"
+    cat > "$SRC/debian/control" <<'EOF'
+Source: criu
+Section: admin
+Priority: optional
+Maintainer: Belayer <belayer@localhost>
+Build-Depends: debhelper-compat (= 13)
+Standards-Version: 4.6.2
+
+Package: criu
+Architecture: amd64
+Depends: ${shlibs:Depends}, ${misc:Depends}, iproute2, iptables
+Description: checkpoint/restore in userspace (Belayer's build of 4.1.1 for bookworm)
+ Only the criu binary; no crit/pycriu, no man pages.
+EOF
+    cat > "$SRC/debian/changelog" <<EOF
+criu (${CRIU_VERSION}-0belayer1) bookworm; urgency=medium
+
+  * Local build for Belayer (bookworm's 3.17 fails on this kernel's vDSO).
+
+ -- Belayer <belayer@localhost>  Mon, 01 Jan 2024 00:00:00 +0000
+EOF
+    # CRIU's parasite code is built with its own flags: drop dpkg's hardening flags.
+    cat > "$SRC/debian/rules" <<'EOF'
+#!/usr/bin/make -f
+export DEB_BUILD_MAINT_OPTIONS = hardening=-all
+%:
+	dh $@
+override_dh_auto_build:
+	env -u CFLAGS -u CPPFLAGS -u LDFLAGS -u CXXFLAGS $(MAKE) -j$(shell nproc) criu
+override_dh_auto_install:
+	install -D -m 0755 criu/criu debian/criu/usr/sbin/criu
+override_dh_auto_test:
+override_dh_auto_clean:
+override_dh_dwz:
+EOF
+    chmod +x "$SRC/debian/rules"
+    (cd "$SRC" && dpkg-buildpackage -b -uc -us -d >"$BUILD/build.log" 2>&1) \
+      || { tail -n 40 "$BUILD/build.log" >&2; die "CRIU build failed (log: $BUILD/build.log)"; }
+    cp "$BUILD"/criu_${CRIU_VERSION}-*_amd64.deb "$CACHE/criu/"
+    rm -rf "$BUILD"
+    DEB=$(ls "$CACHE"/criu/criu_${CRIU_VERSION}-*_amd64.deb | head -n1)
+  fi
+  say "installing $DEB"
+  if [ $APT_UPDATED = 0 ]; then apt-get update -qq; APT_UPDATED=1; fi
+  apt-get install -y -qq --no-install-recommends "$DEB" >/dev/null
+  criu_ok || die "criu $CRIU_VERSION not installed correctly"
+fi
+criu check >/dev/null 2>&1 || { criu check >&2 || true; die "'criu check' failed"; }
+say "criu $(criu --version | awk '/Version/{print $2}') ok"
+
+# --- 3. dockerd --experimental -----------------------------------------------------------------
+if ! $DOCKER info >/dev/null 2>&1; then
+  if ! pgrep -x dockerd >/dev/null; then
+    say "starting dockerd --experimental (log: $DOCKERD_LOG)"
+    mkdir -p "$(dirname "$DOCKERD_LOG")"
+    nohup setsid env PATH="$PATH" dockerd --experimental >>"$DOCKERD_LOG" 2>&1 </dev/null &
+  fi
+  for _ in $(seq 1 150); do
+    $DOCKER info >/dev/null 2>&1 && break
+    sleep 0.2
+  done
+  $DOCKER info >/dev/null 2>&1 || { tail -n 20 "$DOCKERD_LOG" >&2 || true; die "dockerd did not come up"; }
+fi
+[ "$($DOCKER info --format '{{.ExperimentalBuild}}')" = true ] \
+  || die "dockerd runs without --experimental (checkpoints need it): stop it and rerun"
+DPID=$(pgrep -xo dockerd || true)
+dockerd_sees_criu() {
+  local path d
+  path=$(tr '\0' '\n' </proc/"$1"/environ | sed -n 's/^PATH=//p')
+  [ -n "$path" ] || path=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+  for d in ${path//:/ }; do [ -x "$d/criu" ] && return 0; done
+  return 1
+}
+if [ -n "$DPID" ] && ! dockerd_sees_criu "$DPID"; then
+  die "dockerd (pid $DPID) does not have criu on its PATH: restart it with PATH containing /usr/sbin"
+fi
+say "dockerd $($DOCKER version --format '{{.Server.Version}}') ok"
+
+# --- 4. sandbox base image ---------------------------------------------------------------------
+if ! $DOCKER image inspect "$IMAGE" >/dev/null 2>&1; then
+  ROOTFS_TAR="$CACHE/sandbox-rootfs-bookworm-python3-procps.tar"
+  if [ ! -f "$ROOTFS_TAR" ]; then
+    say "building the sandbox root file system with debootstrap (about 1-2 minutes)"
+    apt_install debootstrap
+    ROOT=$(mktemp -d /tmp/belayer-rootfs.XXXXXX)
+    debootstrap --variant=minbase --include=python3,procps bookworm "$ROOT" "$(mirror)" \
+      >"$CACHE/debootstrap.log" 2>&1 || { tail -n 20 "$CACHE/debootstrap.log" >&2; die "debootstrap failed"; }
+    rm -rf "$ROOT"/var/cache/apt/archives/*.deb "$ROOT"/var/lib/apt/lists/* \
+      "$ROOT"/usr/share/doc/* "$ROOT"/usr/share/man/* "$ROOT"/usr/share/locale/*
+    tar -C "$ROOT" --numeric-owner -cf "$ROOTFS_TAR.part" .
+    mv "$ROOTFS_TAR.part" "$ROOTFS_TAR"
+    rm -rf "$ROOT"
+  fi
+  say "importing $IMAGE"
+  $DOCKER import -c 'CMD ["/bin/sh"]' -c 'WORKDIR /root' -c 'LABEL belayer.image=sandbox' \
+    "$ROOTFS_TAR" "$IMAGE" >/dev/null
+fi
+$DOCKER run --rm --network none "$IMAGE" python3 -c 'print("ok")' | grep -q ok \
+  || die "sandbox image $IMAGE does not run python3"
+say "sandbox image $IMAGE ok"

@@ -1,0 +1,85 @@
+"""Configuration of the environment service: one frozen dataclass, every field documented."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.environment.archive import ArchiveLimits
+
+
+def _node_name() -> str:
+    host = socket.gethostname() or "node"
+    return "".join(c if c.isalnum() or c in "_-" else "-" for c in host)[:64]
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Everything the environment service needs; loaded once in ``__main__``."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    """The bus."""
+    run_dir: Path = Path(".belayer")
+    """Checkpoints live in ``<run_dir>/env/checkpoints``, sandbox records in ``<run_dir>/env/sandboxes``."""
+    image: str = "belayer-sandbox:1"
+    """Default sandbox image (built locally by ``deploy/install_env.sh``)."""
+    node: str = field(default_factory=_node_name)
+    """Value of the ``belayer.node`` container label; containers of this node with no live
+    sandbox are reaped at start."""
+    docker_url: str = "unix:///var/run/docker.sock"
+    """dockerd's API socket."""
+    docker_timeout_s: float = 30.0
+    """Timeout of one Docker API call."""
+    runc_root: Path = Path("/run/docker/runtime-runc/moby")
+    """runc's state directory for Docker-managed containers (Docker 20.10 + containerd)."""
+    runc_bin: str = "runc"
+    """runc binary (the one containerd uses)."""
+    checkpoint_method: str = "auto"
+    """``runc`` (CRIU through runc on the Docker-managed container; fast), ``docker`` (Docker's
+    checkpoint API; ~20× slower for memory-heavy sandboxes) or ``auto`` (runc, falling back to
+    Docker when runc cannot see the container)."""
+    checkpoint_timeout_s: float = 60.0
+    """Default deadline of one ``full_checkpoint``."""
+    restore_timeout_s: float = 120.0
+    """Deadline of one ``full_restore``."""
+    cooldown_s: float = 20.0
+    """Checkpointing of a sandbox stays disabled this long after one of its checkpoints timed out."""
+    keep_checkpoints: int = 3
+    """Ready checkpoints kept per sandbox (older ones are deleted when a new one is ready)."""
+    exec_timeout_s: float = 30.0
+    """Default ``exec`` timeout."""
+    exec_timeout_max_s: float = 3600.0
+    """Largest ``exec`` timeout accepted."""
+    exec_output_cap: int = 256 * 1024
+    """Bytes kept of each of stdout and stderr (the rest is dropped, ``truncated`` is set)."""
+    lock_wait_s: float = 30.0
+    """How long exec/checkpoint wait for the sandbox's lock before answering ``CheckpointBusy``."""
+    docker_race_retries: int = 3
+    """Retries of Docker's checkpoint race (moby#42900: ``content sha256:… already exists``)."""
+    docker_race_delay_s: float = 0.3
+    """Pause before each such retry."""
+    archive_limits: ArchiveLimits = field(default_factory=ArchiveLimits)
+    """Caps enforced on a writable-layer archive before it is installed."""
+    max_sandboxes: int = 64
+    """Refuse ``create`` beyond this many live sandboxes."""
+    default_memory_mb: int = 512
+    """Default memory limit of a sandbox."""
+    default_cpus: float = 1.0
+    """Default CPU quota (cores)."""
+    default_pids: int = 256
+    """Default pids limit."""
+    fsync: bool = True
+    """fsync checkpoint files and directories before publishing them."""
+
+    @property
+    def env_dir(self) -> Path:
+        return self.run_dir / "env"
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.env_dir / "checkpoints"
+
+    @property
+    def records_dir(self) -> Path:
+        return self.env_dir / "sandboxes"

@@ -1,0 +1,234 @@
+"""Pure core of the environment service: sandbox records and their state machine, the
+checkpoint manifest and directory layout, and the choice of the checkpoint to restore.
+No Docker, no CRIU, no NATS here (see ``docker_ops``/``criu_ops``/``service``).
+
+Checkpoint layout (one directory per checkpoint, written under a temp name, renamed whole)::
+
+    <checkpoint_root>/<sandbox_id>/<checkpoint_id>/
+        manifest.json      sandbox, trajectory, prefix k, image, sizes, sha256 of fs.tar
+        fs.tar             the container's overlay upper dir (whiteouts and xattrs kept)
+        criu/              CRIU images of the process tree (runc or Docker's checkpoint)
+    <checkpoint_root>/<sandbox_id>/.tmp-<checkpoint_id>/   in progress; never used, deleted
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from common.errors import CheckpointInvalid, Conflict, InvalidRequest, SandboxError
+from common.subjects import check_token
+
+MANIFEST = "manifest.json"
+FS_ARCHIVE = "fs.tar"
+CRIU_DIR = "criu"
+TMP_PREFIX = ".tmp-"
+MANIFEST_VERSION = 1
+
+
+class SandboxState(enum.Enum):
+    """Lifecycle of one sandbox."""
+
+    RUNNING = "running"
+    CHECKPOINTING = "checkpointing"
+    RESTORING = "restoring"
+    FAILED = "failed"
+    """The container died or a restore failed; ``full_restore`` may bring it back."""
+    DESTROYED = "destroyed"
+
+
+_ALLOWED: dict[SandboxState, set[SandboxState]] = {
+    SandboxState.RUNNING: {
+        SandboxState.CHECKPOINTING,
+        SandboxState.RESTORING,
+        SandboxState.FAILED,
+        SandboxState.DESTROYED,
+    },
+    SandboxState.CHECKPOINTING: {SandboxState.RUNNING, SandboxState.FAILED},
+    SandboxState.RESTORING: {SandboxState.RUNNING, SandboxState.FAILED},
+    SandboxState.FAILED: {SandboxState.RESTORING, SandboxState.DESTROYED, SandboxState.RUNNING},
+    SandboxState.DESTROYED: set(),
+}
+
+
+def check_transition(old: SandboxState, new: SandboxState) -> None:
+    """Raise ``Conflict`` unless ``old → new`` is a legal step."""
+    if new not in _ALLOWED[old]:
+        raise Conflict(f"sandbox cannot go from {old.value} to {new.value}")
+
+
+class Limits(msgspec.Struct, kw_only=True):
+    memory_mb: int
+    cpus: float
+    pids: int
+
+
+class SandboxRecord(msgspec.Struct, kw_only=True):
+    """What the service remembers about a sandbox (persisted as JSON next to the checkpoints,
+    so a restarted service re-adopts its sandboxes)."""
+
+    id: str
+    image: str
+    container_id: str
+    limits: Limits
+    trajectory_id: str = ""
+    state: str = SandboxState.RUNNING.value
+    created_at: float = 0.0
+    ready_prefix: int | None = None
+    checkpoint_id: str | None = None
+    cooldown_until: float = 0.0
+    restores: int = 0
+
+    @property
+    def status(self) -> SandboxState:
+        return SandboxState(self.state)
+
+    def move(self, new: SandboxState) -> None:
+        check_transition(self.status, new)
+        self.state = new.value
+
+
+def new_sandbox_id() -> str:
+    return "sb-" + secrets.token_hex(6)
+
+
+def validate_sandbox_id(value: str) -> str:
+    try:
+        return check_token(value, "sandbox id")
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), field="sandbox_id") from None
+
+
+def checkpoint_id_for(sandbox_id: str, prefix: int) -> str:
+    """Unique, subject-safe, sortable by prefix: ``<sandbox>-k<000042>-<random>``."""
+    return f"{sandbox_id}-k{prefix:06d}-{secrets.token_hex(3)}"
+
+
+class Manifest(msgspec.Struct, kw_only=True):
+    """``manifest.json`` of one checkpoint; restore validates it before using anything else."""
+
+    version: int = MANIFEST_VERSION
+    sandbox_id: str
+    trajectory_id: str
+    prefix: int
+    checkpoint_id: str
+    image: str
+    created_at: float
+    fs_bytes: int
+    fs_sha256: str
+    criu_bytes: int
+    criu_files: dict[str, int]
+    """File name → size of every CRIU image."""
+    method: str
+    durations: dict[str, float] = {}
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    (directory / MANIFEST).write_bytes(msgspec.json.encode(manifest))
+
+
+def read_manifest(directory: Path) -> Manifest:
+    try:
+        return msgspec.json.decode((directory / MANIFEST).read_bytes(), type=Manifest)
+    except FileNotFoundError:
+        raise CheckpointInvalid("checkpoint has no manifest", path=str(directory)) from None
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointInvalid("checkpoint manifest is corrupt", error=str(exc)) from None
+
+
+def check_manifest(manifest: Manifest, *, sandbox_id: str, checkpoint_id: str) -> None:
+    """The manifest must belong to this sandbox and name itself."""
+    if manifest.version != MANIFEST_VERSION:
+        raise CheckpointInvalid("unsupported manifest version", version=manifest.version)
+    if manifest.sandbox_id != sandbox_id:
+        raise Conflict(
+            "checkpoint belongs to another sandbox",
+            checkpoint_id=checkpoint_id,
+            owner=manifest.sandbox_id,
+            sandbox_id=sandbox_id,
+        )
+    if manifest.checkpoint_id != checkpoint_id:
+        raise CheckpointInvalid("manifest names another checkpoint", checkpoint_id=checkpoint_id)
+
+
+def check_criu_files(directory: Path, manifest: Manifest) -> None:
+    """Every CRIU image listed in the manifest exists with its recorded size."""
+    criu = directory / CRIU_DIR
+    if not manifest.criu_files:
+        raise CheckpointInvalid("checkpoint has no process images")
+    for name, size in manifest.criu_files.items():
+        if "/" in name or name.startswith("."):
+            raise CheckpointInvalid("bad CRIU image name", name=name)
+        try:
+            actual = (criu / name).stat().st_size
+        except OSError:
+            raise CheckpointInvalid("CRIU image missing", name=name) from None
+        if actual != size:
+            raise CheckpointInvalid("CRIU image has the wrong size", name=name, size=actual)
+
+
+def restore_candidates(
+    available: list[Manifest], *, ready_checkpoint_id: str | None, requested: str | None
+) -> list[Manifest]:
+    """Checkpoints to try, in order. A requested one alone; otherwise the ready one, then the
+    older ones by decreasing prefix (the fallback when the newest is corrupt). Checkpoints
+    newer than the ready pointer were never published and are never used."""
+    if requested:
+        chosen = [m for m in available if m.checkpoint_id == requested]
+        return chosen
+    ordered = sorted(available, key=lambda m: (m.prefix, m.created_at), reverse=True)
+    if ready_checkpoint_id is None:
+        return []
+    ready = next((m for m in ordered if m.checkpoint_id == ready_checkpoint_id), None)
+    if ready is None:
+        return []
+    return [ready] + [m for m in ordered if m.prefix < ready.prefix]
+
+
+def to_jsonable(record: SandboxRecord) -> dict[str, Any]:
+    return msgspec.to_builtins(record)  # type: ignore[no-any-return]
+
+
+def save_record(directory: Path, record: SandboxRecord) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{record.id}.json.tmp"
+    tmp.write_bytes(msgspec.json.encode(record))
+    tmp.replace(directory / f"{record.id}.json")
+
+
+def load_records(directory: Path) -> list[SandboxRecord]:
+    out: list[SandboxRecord] = []
+    if not directory.is_dir():
+        return out
+    for path in sorted(directory.glob("*.json")):
+        try:
+            out.append(msgspec.json.decode(path.read_bytes(), type=SandboxRecord))
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            path.unlink(missing_ok=True)
+    return out
+
+
+def remove_record(directory: Path, sandbox_id: str) -> None:
+    (directory / f"{sandbox_id}.json").unlink(missing_ok=True)
+
+
+class Deadline:
+    """A monotonic deadline; ``left()`` raises ``SandboxError`` subclasses via the caller."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.end
+
+
+_ = SandboxError

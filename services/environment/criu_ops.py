@@ -1,0 +1,214 @@
+"""Host-side checkpoint mechanics: freezing a Docker container's cgroup, archiving and
+installing its overlay upper dir, dumping its processes with CRIU through runc, and making
+files durable. Every child process dies with the service (PR_SET_PDEATHSIG) and runs under a
+timeout, so a killed or stuck service leaves no half-running dump behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import hashlib
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from common.errors import SandboxError, Timeout
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+TAR_CREATE = ["--xattrs", "--xattrs-include=trusted.*", "--numeric-owner", "--sparse"]
+# Only overlay metadata (whiteouts, opaque dirs) and user xattrs are installed back.
+TAR_EXTRACT = [
+    "--xattrs",
+    "--xattrs-include=trusted.overlay.*",
+    "--xattrs-include=user.*",
+    "--numeric-owner",
+    "--same-permissions",
+    "--no-overwrite-dir",
+]
+
+
+def _die_with_parent() -> None:
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+async def run(argv: list[str], *, timeout: float, what: str, **ctx: object) -> str:
+    """Run ``argv``; return stdout; raise ``Timeout``/``SandboxError`` (with stderr's tail)."""
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+            env=env,
+        )
+    except OSError as exc:
+        raise SandboxError(f"{what}: cannot run {argv[0]}: {exc}", **ctx) from None
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except (TimeoutError, asyncio.CancelledError):
+        proc.kill()
+        await proc.wait()
+        if isinstance(asyncio.current_task(), asyncio.Task) and asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            raise
+        raise Timeout(f"{what} ran past its deadline", timeout_s=round(timeout, 3), **ctx) from None
+    if proc.returncode != 0:
+        tail = (err or out).decode(errors="replace").strip()[-800:]
+        raise SandboxError(f"{what} failed (exit {proc.returncode}): {tail}", **ctx)
+    return out.decode(errors="replace")
+
+
+# --- freezing ---------------------------------------------------------------------------------
+def freezer_path(init_pid: int) -> Path | None:
+    """The container's freezer control file (cgroup v1 ``freezer.state`` or v2 ``cgroup.freeze``)."""
+    try:
+        lines = Path(f"/proc/{init_pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "freezer" in controllers.split(","):
+            f = Path("/sys/fs/cgroup/freezer") / path.lstrip("/") / "freezer.state"
+            return f if f.exists() else None
+    for line in lines:
+        if line.startswith("0::"):
+            f = Path("/sys/fs/cgroup") / line[3:].lstrip("/") / "cgroup.freeze"
+            return f if f.exists() else None
+    return None
+
+
+async def freeze(control: Path, timeout: float = 5.0) -> None:
+    """Freeze every task of the cgroup and wait until the kernel reports it frozen."""
+    v1 = control.name == "freezer.state"
+    # cgroup control files are kernel memory: reading/writing them never blocks on I/O.
+    control.write_text("FROZEN" if v1 else "1")  # noqa: ASYNC240
+    end = time.monotonic() + timeout
+    while True:
+        if v1:
+            done = control.read_text().strip() == "FROZEN"  # noqa: ASYNC240
+        else:
+            done = "frozen 1" in (control.parent / "cgroup.events").read_text()
+        if done:
+            return
+        if time.monotonic() > end:
+            thaw(control)
+            raise Timeout("container did not freeze in time", timeout_s=timeout)
+        await asyncio.sleep(0.002)
+
+
+def thaw(control: Path) -> None:
+    try:
+        control.write_text("THAWED" if control.name == "freezer.state" else "0")
+    except OSError:
+        pass
+
+
+def is_frozen(control: Path) -> bool:
+    try:
+        text = control.read_text().strip()
+    except OSError:
+        return False
+    return text in ("FROZEN", "FREEZING", "1")
+
+
+# --- the writable layer -----------------------------------------------------------------------
+async def archive_layer(upper: str, dest: Path, *, timeout: float) -> int:
+    """tar the upper dir (whiteouts = 0:0 char devices and ``trusted.overlay.*`` xattrs kept)."""
+    await run(
+        ["tar", "-C", upper, *TAR_CREATE, "-cf", str(dest), "."],
+        timeout=timeout,
+        what="archive writable layer",
+    )
+    return dest.stat().st_size  # noqa: ASYNC240  (one stat of a file we just wrote)
+
+
+async def install_layer(archive: Path, upper: str, *, timeout: float) -> None:
+    """Untar a *validated* archive into a fresh container's (empty) upper dir."""
+    await run(
+        ["tar", "-C", upper, *TAR_EXTRACT, "-xf", str(archive)],
+        timeout=timeout,
+        what="install writable layer",
+    )
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --- CRIU through runc ------------------------------------------------------------------------
+async def runc_checkpoint(
+    runc: str, root: Path, container_id: str, images: Path, work: Path, *, timeout: float
+) -> None:
+    """Dump the container's process tree with CRIU (via runc), leaving it running (it stays
+    frozen if it was frozen: runc/CRIU restore the freezer state they found)."""
+    await run(
+        [
+            runc,
+            "--root",
+            str(root),
+            "checkpoint",
+            "--image-path",
+            str(images),
+            "--work-path",
+            str(work),
+            "--leave-running",
+            container_id,
+        ],
+        timeout=timeout,
+        what="criu dump (runc checkpoint)",
+        container_id=container_id[:12],
+    )
+
+
+def runc_knows(root: Path, container_id: str) -> bool:
+    return (root / container_id / "state.json").exists()
+
+
+# --- files ------------------------------------------------------------------------------------
+def dir_files(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every file and directory below ``directory`` (and itself)."""
+    for dirpath, _dirs, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def link_or_copy_tree(src: Path, dst: Path) -> None:
+    """Hard-link (same file system) or copy every file of ``src`` into a new ``dst``."""
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        if not p.is_file():
+            continue
+        try:
+            os.link(p, dst / p.name)
+        except OSError:
+            shutil.copy2(p, dst / p.name)
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,216 @@
+"""The environment service on the bus: ``belayer.env.<op>`` request handlers around the
+``SandboxManager``; ready pointers in the ``sandbox_prefix`` KV bucket (compare-and-set);
+``checkpoint_ready`` events on the EVENTS stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from common import subjects
+from common.bus import Server, connect, ensure_jetstream, publish_event
+from common.errors import BusUnavailable, Conflict
+from common.logging import get_logger
+from common.service import Status
+from schemas.base import Ok
+from schemas.env import (
+    CheckpointInfo,
+    EnvCheckpoint,
+    EnvCreate,
+    EnvCreated,
+    EnvDestroy,
+    EnvExec,
+    EnvExecResult,
+    EnvGc,
+    EnvList,
+    EnvListing,
+    EnvRestore,
+    EnvRestored,
+    ReadyPointer,
+)
+from schemas.events import Event
+from services.environment import core
+from services.environment.config import EnvConfig
+from services.environment.manager import SandboxManager
+
+log = get_logger(service="environment")
+
+
+class KvReadyStore:
+    """Ready pointers in JetStream KV: key = sandbox id, value = msgpack ``ReadyPointer``."""
+
+    def __init__(self, js: JetStreamContext, source: str) -> None:
+        self.js = js
+        self.source = source
+        self._kv = None
+
+    async def kv(self):  # type: ignore[no-untyped-def]
+        if self._kv is None:
+            self._kv = await self.js.key_value(subjects.BUCKET_SANDBOX_PREFIX)
+        return self._kv
+
+    async def get(self, sandbox_id: str) -> tuple[ReadyPointer | None, int]:
+        kv = await self.kv()
+        try:
+            entry = await kv.get(sandbox_id)
+        except nats.js.errors.KeyNotFoundError:
+            return None, 0
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusUnavailable(f"cannot read the ready pointer: {exc!r}") from None
+        if not entry.value:
+            return None, int(entry.revision or 0)
+        return msgspec.msgpack.decode(entry.value, type=ReadyPointer), int(entry.revision or 0)
+
+    async def advance(self, pointer: ReadyPointer, expected_rev: int) -> int:
+        """Compare-and-set: succeeds only if the key is still at ``expected_rev``."""
+        kv = await self.kv()
+        value = msgspec.msgpack.encode(pointer)
+        try:
+            if expected_rev == 0:
+                return int(await kv.create(pointer.sandbox_id, value))
+            return int(await kv.update(pointer.sandbox_id, value, last=expected_rev))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise Conflict(
+                "ready pointer moved concurrently", sandbox_id=pointer.sandbox_id
+            ) from None
+        except (TimeoutError, nats.errors.Error) as exc:
+            if "wrong last sequence" in str(exc):
+                raise Conflict(
+                    "ready pointer moved concurrently", sandbox_id=pointer.sandbox_id
+                ) from None
+            raise BusUnavailable(f"cannot publish the ready pointer: {exc!r}") from None
+
+    async def delete(self, sandbox_id: str) -> None:
+        kv = await self.kv()
+        try:
+            await kv.purge(sandbox_id)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("ready_pointer_delete_failed", sandbox_id=sandbox_id, error=repr(exc))
+
+    async def announce(self, info: CheckpointInfo) -> None:
+        event = Event(
+            kind="checkpoint_ready",
+            ts=time.time(),
+            source=self.source,
+            data=msgspec.to_builtins(info),
+        )
+        await publish_event(self.js, event, msg_id=f"checkpoint_ready-{info.checkpoint_id}")
+
+
+class EnvironmentService:
+    """Request handlers (one per op)."""
+
+    def __init__(self, config: EnvConfig, manager: SandboxManager) -> None:
+        self.config = config
+        self.manager = manager
+
+    async def on_create(self, req: EnvCreate, _msg: Msg) -> EnvCreated:
+        start = time.monotonic()
+        lim = req.limits
+        rec = await self.manager.create(
+            image=req.image,
+            files=[(f.path, f.content, f.mode) for f in req.files],
+            limits=core.Limits(memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids),
+            trajectory_id=req.trajectory_id,
+            sandbox_id=req.sandbox_id,
+        )
+        return EnvCreated(
+            sandbox_id=rec.id,
+            container_id=rec.container_id,
+            image=rec.image,
+            duration_s=time.monotonic() - start,
+        )
+
+    async def on_exec(self, req: EnvExec, _msg: Msg) -> EnvExecResult:
+        out = await self.manager.exec(
+            req.sandbox_id, req.command, req.timeout_s or self.config.exec_timeout_s, req.workdir
+        )
+        return EnvExecResult(
+            sandbox_id=req.sandbox_id,
+            stdout=out.stdout.decode(errors="replace"),
+            stderr=out.stderr.decode(errors="replace"),
+            exit_code=out.exit_code,
+            duration_s=out.duration_s,
+            truncated=out.truncated,
+            timed_out=out.timed_out,
+        )
+
+    async def on_checkpoint(self, req: EnvCheckpoint, _msg: Msg) -> CheckpointInfo:
+        return await self.manager.checkpoint(
+            req.sandbox_id, req.prefix, req.trajectory_id, req.timeout_s
+        )
+
+    async def on_restore(self, req: EnvRestore, _msg: Msg) -> EnvRestored:
+        rec, m, seconds, rejected = await self.manager.restore(req.sandbox_id, req.checkpoint_id)
+        return EnvRestored(
+            sandbox_id=rec.id,
+            container_id=rec.container_id,
+            checkpoint_id=m.checkpoint_id,
+            prefix=m.prefix,
+            duration_s=seconds,
+            method="docker",
+            fallback_from=rejected,
+        )
+
+    async def on_destroy(self, req: EnvDestroy, _msg: Msg) -> Ok:
+        await self.manager.destroy(req.sandbox_id)
+        return Ok(detail=f"destroyed {req.sandbox_id}")
+
+    async def on_list(self, _req: EnvList, _msg: Msg) -> EnvListing:
+        return EnvListing(sandboxes=self.manager.list())
+
+    async def on_gc(self, req: EnvGc, _msg: Msg) -> Ok:
+        n = await self.manager.gc_trajectory(req.trajectory_id)
+        return Ok(detail=f"removed {n} checkpoints")
+
+
+async def run(
+    config: EnvConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
+) -> None:
+    """STARTING → READY → DRAINING → STOPPED: connect, declare JetStream, adopt sandboxes, serve."""
+    status = Status.STARTING
+    nc = await connect(config.nats_url, name="environment")
+    server: Server | None = None
+    try:
+        js = nc.jetstream()
+        await ensure_jetstream(js)
+        manager = SandboxManager(config, KvReadyStore(js, source=f"environment:{config.node}"))
+        await asyncio.to_thread(manager.docker.ping)
+        await manager.adopt()
+        svc = EnvironmentService(config, manager)
+        server = Server(nc, service="environment")
+        routes = [
+            ("create", EnvCreate, svc.on_create),
+            ("exec", EnvExec, svc.on_exec),
+            ("checkpoint", EnvCheckpoint, svc.on_checkpoint),
+            ("restore", EnvRestore, svc.on_restore),
+            ("destroy", EnvDestroy, svc.on_destroy),
+            ("list", EnvList, svc.on_list),
+            ("gc", EnvGc, svc.on_gc),
+        ]
+        for op, typ, handler in routes:
+            await server.serve(subjects.env(op), typ, handler, concurrent=True)
+        status = Status.READY
+        log.info(
+            "service_ready", status=status.value, node=config.node, sandboxes=len(manager.records)
+        )
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+        status = Status.DRAINING
+        log.info("service_draining", status=status.value)
+        await server.drain(timeout=config.lock_wait_s)
+        await manager.close()
+    finally:
+        if not nc.is_closed:
+            try:
+                await nc.drain()
+            except (nats.errors.Error, TimeoutError):
+                pass
+        log.info("service_stopped", status=Status.STOPPED.value)

@@ -1,0 +1,231 @@
+"""Shadow worker: a fully prepared standby for one engine that takes over when the main
+worker dies or hangs.
+
+Ahead of time it does everything slow (imports, mapping weights and KV arena, building and
+warming the engine), then idles, checking the main worker's pid (pidfd) and heartbeat mtime
+every ``watch_interval_s``. On failure it runs the five-step handover, publishing an event with
+timestamps at each step:
+
+1. detect      — the pid exited, or the heartbeat is older than ``hang_threshold_s``; the router
+                 is told at once so it stops using the engine (``handover_detected``);
+2. health      — a tiny forward pass; the weight store and KV arena answer on the bus in time;
+                 a residual old worker (hung, not dead) is SIGKILLed so it can never touch the
+                 arena again (``handover_health_ok``);
+3. flush       — the KV arena is zeroed under the new epoch (``handover_flushed``);
+4. ready       — the engine loop starts and the engine's subjects are served (``handover_ready``);
+5. register    — epoch+1 is claimed by compare-and-set and the router registers this worker,
+                 resuming every interrupted request at token level (``handover_complete``).
+
+From then on this process *is* the engine's main worker; the supervisor starts a fresh shadow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common import subjects
+from common.bus import connect, ensure_jetstream, publish_event, request
+from common.errors import BelayerError, Conflict
+from common.logging import get_logger
+from schemas.base import Ok
+from schemas.events import Event
+from schemas.serving import EngineFailed
+from services.kv.client import fetch_arena, flush_arena
+from services.weights.client import fetch_manifest
+from services.worker.config import WorkerConfig
+from services.worker.epoch import current_epoch
+from services.worker.heartbeat import Identity, PidWatch, Verdict, assess, read_identity
+from services.worker.service import Worker
+
+
+@dataclass
+class Detection:
+    identity: Identity
+    verdict: Verdict
+    detected_at: float
+    """Unix time."""
+    heartbeat_age_s: float
+
+
+async def watch_main(config: WorkerConfig, stop: asyncio.Event) -> Detection | None:
+    """Poll the main worker until it is dead or hung (None if ``stop`` is set first)."""
+    hb = Path(config.heartbeat_file)
+    pid_watch: PidWatch | None = None
+    try:
+        while not stop.is_set():
+            found = read_identity(hb)
+            if found is not None:
+                ident, mtime = found
+                if pid_watch is None or pid_watch.pid != ident.pid:
+                    if pid_watch is not None:
+                        pid_watch.close()
+                    pid_watch = PidWatch(ident.pid)
+                now = time.time()
+                verdict = assess(
+                    pid_alive=pid_watch.alive(),
+                    age_s=now - mtime,
+                    stale_after_s=config.hang_threshold_s,
+                )
+                if verdict in (Verdict.DEAD, Verdict.HUNG):
+                    return Detection(ident, verdict, now, now - mtime)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), config.watch_interval_s)
+        return None
+    finally:
+        if pid_watch is not None:
+            pid_watch.close()
+
+
+def kill_residual(pid: int, timeout: float = 2.0) -> bool:
+    """SIGKILL a residual (hung) old worker and wait until it is gone. True if one was killed."""
+    watch = PidWatch(pid)
+    try:
+        if not watch.alive():
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while watch.alive() and time.monotonic() < deadline:
+            time.sleep(0.002)  # a SIGKILLed process is gone within milliseconds
+        return True
+    finally:
+        watch.close()
+
+
+class Shadow:
+    def __init__(self, config: WorkerConfig, worker: Worker) -> None:
+        self.config = config
+        self.worker = worker
+        self.engine_id = config.engine_id
+        self.source = f"shadow:{config.engine_id}"
+        self.log = get_logger(engine=config.engine_id, pid=os.getpid(), role="shadow")
+
+    async def event(self, kind: str, **data: object) -> None:
+        await publish_event(
+            self.worker.js,
+            Event(
+                kind=kind,
+                ts=time.time(),
+                source=self.source,
+                engine_id=self.engine_id,
+                data=dict(data),
+            ),
+        )
+
+    async def handover(self, d: Detection) -> int:
+        """Steps 1-5. Returns the new epoch; raises ``Conflict`` if another worker won."""
+        nc, cfg = self.worker.nc, self.config
+        old = d.identity
+        epoch_now, _ = await current_epoch(self.worker.js, self.engine_id)
+        if epoch_now != old.epoch:
+            raise Conflict("engine already moved on", epoch=epoch_now, watched=old.epoch)
+        t = {"t_detect": d.detected_at}
+        # 1. detect: tell the router right away so nothing more is placed on the dead worker.
+        with contextlib.suppress(BelayerError):
+            await request(
+                nc,
+                subjects.router_engine_failed(),
+                EngineFailed(
+                    engine_id=self.engine_id,
+                    epoch=old.epoch,
+                    pid=old.pid,
+                    reason="exited" if d.verdict is Verdict.DEAD else "hung",
+                    detected_at=d.detected_at,
+                ),
+                Ok,
+                timeout=cfg.bus_check_timeout_s,
+            )
+        await self.event(
+            "handover_detected",
+            old_pid=old.pid,
+            old_epoch=old.epoch,
+            verdict=d.verdict.value,
+            heartbeat_age_s=round(d.heartbeat_age_s, 4),
+            t_detect=d.detected_at,
+        )
+        # 2. health check: our own engine, then the two memory owners on the bus.
+        forward_s = self.worker.health_check()
+        await fetch_manifest(nc, timeout=cfg.bus_check_timeout_s)
+        await fetch_arena(nc, self.engine_id, timeout=cfg.bus_check_timeout_s)
+        killed = kill_residual(old.pid)  # a hung worker must never write the arena again
+        t["t_health"] = time.time()
+        await self.event(
+            "handover_health_ok",
+            forward_s=round(forward_s, 4),
+            residual_killed=killed,
+            t_health=t["t_health"],
+        )
+        # 3. flush the arena under the epoch we are about to claim.
+        await flush_arena(nc, self.engine_id, old.epoch + 1, timeout=cfg.bus_check_timeout_s * 4)
+        t["t_flush"] = time.time()
+        await self.event("handover_flushed", t_flush=t["t_flush"])
+        # 4 + 5. become ready and register under epoch+1 (compare-and-set against the watched one).
+        epoch = await self.worker.activate(expected_epoch=old.epoch, on_ready=self._on_ready)
+        t["t_ready"] = self._t_ready
+        t["t_registered"] = time.time()
+        await self.event("handover_ready", epoch=epoch, t_ready=t["t_ready"])
+        await self.event(
+            "handover_complete",
+            epoch=epoch,
+            pid=self.worker.pid,
+            old_pid=old.pid,
+            old_epoch=old.epoch,
+            detect_to_registered_s=round(t["t_registered"] - t["t_detect"], 4),
+            **{k: v for k, v in t.items()},
+        )
+        self.log.info(
+            "handover_complete",
+            epoch=epoch,
+            old_pid=old.pid,
+            seconds=round(t["t_registered"] - t["t_detect"], 4),
+        )
+        return epoch
+
+    _t_ready = 0.0
+
+    def _on_ready(self) -> None:
+        self._t_ready = time.time()
+
+
+async def run(
+    config: WorkerConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
+) -> None:
+    """Prepare, watch, take over, then serve as the engine's main worker until ``stop``."""
+    torch.set_num_threads(config.torch_threads)
+    nc = await connect(config.nats_url, name=f"shadow-{config.engine_id}")
+    js = nc.jetstream()
+    await ensure_jetstream(js)
+    worker = Worker(config, nc, js)
+    shadow = Shadow(config, worker)
+    try:
+        await worker.prepare()
+        await shadow.event("shadow_ready", pid=worker.pid, **worker.timings)
+        if ready is not None:
+            ready.set()
+        while True:
+            detection = await watch_main(config, stop)
+            if detection is None:
+                return
+            try:
+                await shadow.handover(detection)
+                break
+            except Conflict as exc:
+                # Another worker already took the engine (e.g. a cold restart won the race):
+                # stay a shadow and watch the new main worker.
+                shadow.log.info("handover_skipped", reason=str(exc))
+                await asyncio.sleep(config.watch_interval_s)
+        async with asyncio.TaskGroup() as tg:
+            pub = tg.create_task(worker.publish_loop(), name="publish_loop")
+            await stop.wait()
+            pub.cancel()
+    finally:
+        await worker.close()
+        await nc.drain()

@@ -1,0 +1,218 @@
+"""The supervisor's rollout engines: one main worker and (belayer mode) one shadow per engine.
+
+- belayer mode: when the main worker exits, the shadow normally takes over within a second and
+  announces ``handover_complete``; the supervisor then kills any residual old worker, promotes
+  the shadow to main and starts a fresh shadow. If no handover comes in time, the main worker is
+  restarted cold.
+- baseline mode: no shadow; a dead worker stays dead until the router's remote heartbeat
+  reports ``engine_failed``, then a new worker is started cold (weights read from disk).
+- an engine marked unhealthy is retired: its processes are stopped and not restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nats.aio.msg import Msg
+
+from common import subjects
+from common.bus import request
+from common.errors import BelayerError
+from common.logging import get_logger
+from schemas.base import Ok, decode
+from schemas.events import Event
+from schemas.serving import EngineFailed
+from services.supervisor.procs import Child
+from services.worker.heartbeat import read_identity
+
+if TYPE_CHECKING:
+    from services.supervisor.service import Supervisor
+
+log = get_logger(service="supervisor", component="engines")
+
+
+@dataclass
+class Slot:
+    engine_id: str
+    main: Child | None = None
+    shadow: Child | None = None
+    retired: bool = False
+    promoted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Engines:
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.cfg = sup.config
+        self.slots = {eid: Slot(eid) for eid in sup.engine_ids}
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def belayer(self) -> bool:
+        return self.cfg.recovery == "belayer"
+
+    # --- processes --------------------------------------------------------------------------
+    def _spawn_task(self, coro: object, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _start(
+        self, slot: Slot, role: str, *, cold: bool = False, watch: bool = True
+    ) -> Child:
+        eid = slot.engine_id
+        argv = self.sup.worker_argv(eid, role)
+        if cold:
+            argv += ["--cold-load", str(self.sup.model_dir)]
+        child = self.sup._child(f"{'worker' if role == 'main' else 'shadow'}-{eid}", argv)
+        if role == "main":
+            slot.main = child
+        else:
+            slot.shadow = child
+        await child.start()
+        if watch:
+            self._spawn_task(self.watch(child), f"watch_{child.name}")
+        return child
+
+    async def start_all(self) -> None:
+        for slot in self.slots.values():
+            await self._start(slot, "main", watch=False)
+        if self.belayer:
+            for slot in self.slots.values():
+                await self._start(slot, "shadow", watch=False)
+
+    def watch_all(self) -> None:
+        for slot in self.slots.values():
+            for child in (slot.main, slot.shadow):
+                if child is not None:
+                    self._spawn_task(self.watch(child), f"watch_{child.name}")
+
+    def _slot_of(self, child: Child) -> Slot | None:
+        for slot in self.slots.values():
+            if child is slot.main or child is slot.shadow:
+                return slot
+        return None
+
+    async def watch(self, child: Child) -> None:
+        while True:
+            assert child.proc is not None
+            code = await child.proc.wait()
+            slot = self._slot_of(child)
+            if self.sup.stop_requested.is_set() or child.stopping or slot is None or slot.retired:
+                return
+            ran = time.monotonic() - child.started_at
+            await self.sup._event(
+                "service_exited", name=child.name, code=code, pid=child.pid, ran_s=round(ran, 3)
+            )
+            if child is slot.shadow:
+                delay = child.backoff.next_delay(ran)
+                await asyncio.sleep(delay)  # backoff before restarting a crashing shadow
+                if (
+                    slot.shadow is child
+                    and not slot.retired
+                    and not self.sup.stop_requested.is_set()
+                ):
+                    await child.start()
+                    await self.sup._event("service_restarted", name=child.name, pid=child.pid)
+                    continue
+                return
+            # the main worker exited
+            if not self.belayer:
+                return  # baseline: the router's remote heartbeat notices; engine_failed restarts it
+            await self._report_failure(slot, child)
+            shadow = slot.shadow
+            if shadow is not None and shadow.alive:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(slot.promoted.wait(), self.cfg.handover_timeout_s)
+                if slot.main is not child:
+                    return  # the shadow took over; this child is retired
+            # No handover in time: restart the main worker cold, with backoff.
+            await asyncio.sleep(child.backoff.next_delay(ran))
+            if slot.main is not child or slot.retired or self.sup.stop_requested.is_set():
+                return
+            await child.start()
+            await self.sup._event("service_restarted", name=child.name, pid=child.pid, mode="cold")
+
+    async def _report_failure(self, slot: Slot, child: Child) -> None:
+        """Tell the router (idempotent per epoch) — the epoch comes from the dead worker's
+        heartbeat identity, so a report never hits a newer worker."""
+        found = read_identity(self.sup.paths.heartbeat_file(slot.engine_id))
+        if found is None or found[0].pid != child.pid or self.sup.nc is None:
+            return
+        ident = found[0]
+        with contextlib.suppress(BelayerError):
+            await request(
+                self.sup.nc,
+                subjects.router_engine_failed(),
+                EngineFailed(
+                    engine_id=slot.engine_id,
+                    epoch=ident.epoch,
+                    pid=ident.pid,
+                    reason="exited",
+                    detected_at=time.time(),
+                ),
+                Ok,
+                timeout=1.0,
+            )
+
+    # --- events -----------------------------------------------------------------------------
+    async def subscribe(self) -> None:
+        nc = self.sup.nc
+        assert nc is not None
+        for kind in ("handover_complete", "engine_failed", "engine_unhealthy"):
+            await nc.subscribe(subjects.event(kind), cb=self._on_event)
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            ev = decode(msg.data, Event)
+        except BelayerError:
+            return
+        slot = self.slots.get(ev.engine_id or "")
+        if slot is None or slot.retired or self.sup.stop_requested.is_set():
+            return
+        if ev.kind == "handover_complete":
+            await self._promote(slot, int(ev.data.get("pid", 0)))
+        elif ev.kind == "engine_failed" and not self.belayer:
+            await self._cold_restart(slot)
+        elif ev.kind == "engine_unhealthy":
+            await self._retire(slot, str(ev.data.get("reason", "")))
+
+    async def _promote(self, slot: Slot, pid: int) -> None:
+        shadow, old = slot.shadow, slot.main
+        if shadow is None or shadow.pid != pid:
+            log.warning("handover_from_unknown_process", engine=slot.engine_id, pid=pid)
+            return
+        if old is not None:
+            if old.alive:  # residual old worker (hung): the control plane kills it
+                await old.stop(timeout=0.0)
+                await self.sup._event("residual_killed", engine_id=slot.engine_id, pid=old.pid)
+            old.stopping = True
+        shadow.name = f"worker-{slot.engine_id}"
+        slot.main, slot.shadow = shadow, None
+        self.sup.children.pop(f"shadow-{slot.engine_id}", None)
+        self.sup.children[shadow.name] = shadow
+        slot.promoted.set()
+        slot.promoted = asyncio.Event()
+        await self._start(slot, "shadow")
+        log.info("shadow_promoted", engine=slot.engine_id, pid=pid)
+
+    async def _cold_restart(self, slot: Slot) -> None:
+        old = slot.main
+        if old is not None:
+            old.stopping = True
+            if old.alive:
+                await old.stop(timeout=0.0)  # a hung worker is killed before its replacement starts
+        await self._start(slot, "main", cold=True)
+        await self.sup._event("service_restarted", name=f"worker-{slot.engine_id}", mode="cold")
+
+    async def _retire(self, slot: Slot, reason: str) -> None:
+        slot.retired = True
+        for child in (slot.main, slot.shadow):
+            if child is not None:
+                await child.stop(timeout=2.0)
+        await self.sup._event("engine_retired", engine_id=slot.engine_id, reason=reason)
+        log.warning("engine_retired", engine=slot.engine_id, reason=reason)

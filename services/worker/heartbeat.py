@@ -1,0 +1,89 @@
+"""Heartbeat files: the main worker refreshes the file's mtime every scheduling-loop turn and
+records who it is in the file's content; the shadow reads both to decide whether the main
+worker is alive, dead or hung. The decision (``assess``) is pure and unit-tested."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who owns the heartbeat file."""
+
+    pid: int
+    epoch: int
+    engine_id: str
+
+
+def write_identity(path: Path, identity: Identity) -> None:
+    """Atomically record the owner (the mtime is refreshed separately, every loop turn)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{identity.pid}.tmp")
+    tmp.write_text(
+        json.dumps({"pid": identity.pid, "epoch": identity.epoch, "engine_id": identity.engine_id})
+    )
+    os.replace(tmp, path)
+
+
+def read_identity(path: Path) -> tuple[Identity, float] | None:
+    """(owner, mtime) of a heartbeat file, or None if absent or unreadable."""
+    try:
+        st = path.stat()
+        data = json.loads(path.read_text())
+        return Identity(int(data["pid"]), int(data["epoch"]), str(data["engine_id"])), st.st_mtime
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+class Verdict(enum.Enum):
+    WAITING = "waiting"
+    """No main worker has claimed the engine yet (or it is inside its start-up grace)."""
+    ALIVE = "alive"
+    DEAD = "dead"
+    """The process is gone."""
+    HUNG = "hung"
+    """The process exists but its loop stopped turning (SIGSTOP, deadlock, stuck kernel)."""
+
+
+def assess(*, pid_alive: bool | None, age_s: float | None, stale_after_s: float) -> Verdict:
+    """Judge the main worker from its liveness and the heartbeat's age.
+
+    ``pid_alive`` None / ``age_s`` None mean no identity / no heartbeat yet: keep waiting (the
+    grace period of a slow-starting worker is simply that the watch has not armed yet)."""
+    if pid_alive is None or age_s is None:
+        return Verdict.WAITING
+    if not pid_alive:
+        return Verdict.DEAD
+    if age_s > stale_after_s:
+        return Verdict.HUNG
+    return Verdict.ALIVE
+
+
+class PidWatch:
+    """Liveness of one pid through a pidfd: exact even while the process is an unreaped zombie,
+    and immune to pid reuse."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self.fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.fd = None
+
+    def alive(self) -> bool:
+        if self.fd is None:
+            return False
+        import select
+
+        ready, _, _ = select.select([self.fd], [], [], 0)
+        return not ready  # a pidfd turns readable when the process exits
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

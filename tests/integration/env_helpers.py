@@ -1,0 +1,125 @@
+"""Fixtures and helpers for the environment-service tests (real dockerd, real CRIU).
+
+If dockerd is not reachable the tests FAIL with a clear message (setup installs Docker + CRIU;
+a silent skip would hide a broken setup)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import docker
+import pytest
+import pytest_asyncio
+
+from services.environment.client import EnvClient
+from services.environment.config import EnvConfig
+from services.environment.docker_ops import LABEL_NODE
+from services.environment.service import run
+
+# A process with in-memory state and an open file: each SIGUSR1 bumps n and appends it.
+COUNTER = b"""
+import signal
+n = 0
+f = open("/root/count.log", "a", buffering=1)
+def bump(*_):
+    global n
+    n += 1
+    f.write(f"{n}\\n")
+signal.signal(signal.SIGUSR1, bump)
+while True:
+    signal.pause()
+"""
+START_COUNTER = "nohup python3 /root/counter.py >/dev/null 2>&1 & sleep 0.3"
+BUMP = "pkill -USR1 -f '^python3 /root/counter.py' && sleep 0.15 && tail -n1 /root/count.log"
+# Hash of the sandbox's file tree outside the kernel file systems (paths, modes, contents).
+TREE_HASH = (
+    'python3 -c "import hashlib,os,stat\n'
+    "h=hashlib.sha256()\n"
+    "for top in ('/root','/etc','/tmp','/opt','/var/tmp','/home'):\n"
+    "  for d,ds,fs in sorted(os.walk(top)):\n"
+    "    ds.sort()\n"
+    "    for n in sorted(fs):\n"
+    "      p=os.path.join(d,n); st=os.lstat(p); h.update(p.encode()+str(stat.S_IMODE(st.st_mode)).encode())\n"
+    "      if stat.S_ISREG(st.st_mode): h.update(open(p,'rb').read())\n"
+    'print(h.hexdigest())"'
+)
+
+
+def require_docker() -> docker.DockerClient:
+    try:
+        client = docker.DockerClient(version="auto", timeout=10)
+        client.ping()
+    except Exception as exc:
+        pytest.fail(
+            f"dockerd is not reachable ({exc!r}): run deploy/setup.sh (installs Docker, CRIU and "
+            "starts dockerd --experimental)"
+        )
+    return client
+
+
+def leftover_containers(client: docker.DockerClient, node: str) -> list[str]:
+    return [
+        c.id for c in client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={node}"})
+    ]
+
+
+class EnvHarness:
+    """An in-process environment service with its own node label and run dir."""
+
+    def __init__(self, config: EnvConfig, client: EnvClient) -> None:
+        self.config = config
+        self.client = client
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        ready = asyncio.Event()
+        self.stop = asyncio.Event()
+        self.task = asyncio.create_task(run(self.config, stop=self.stop, ready=ready))
+        done, _ = await asyncio.wait(
+            {self.task, asyncio.create_task(ready.wait())},
+            timeout=30,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if self.task in done:
+            self.task.result()
+        assert ready.is_set(), "environment service did not become ready"
+
+    async def shutdown(self) -> None:
+        if self.task is not None:
+            self.stop.set()
+            await asyncio.wait_for(self.task, 60)
+            self.task = None
+
+
+def make_config(tmp_path: Path, **kw: object) -> EnvConfig:
+    node = "test-" + secrets.token_hex(4)
+    return EnvConfig(run_dir=tmp_path / "run", node=node, lock_wait_s=20.0, **kw)  # type: ignore[arg-type]
+
+
+@pytest_asyncio.fixture
+async def env(nc, js, nats_server, tmp_path: Path) -> AsyncIterator[EnvHarness]:  # type: ignore[no-untyped-def]
+    """A running environment service; teardown destroys every sandbox and checks that no
+    container and no checkpoint directory is left behind."""
+    docker_client = require_docker()
+    config = make_config(tmp_path, nats_url=nats_server.url)
+    harness = EnvHarness(config, EnvClient(nc, timeout=60))
+    await harness.start()
+    try:
+        yield harness
+    finally:
+        with contextlib.suppress(Exception):
+            for sb in (await harness.client.list()).sandboxes:
+                with contextlib.suppress(Exception):
+                    await harness.client.destroy(sb.id)
+        await harness.shutdown()
+        left = leftover_containers(docker_client, config.node)
+        for cid in left:
+            docker_client.api.remove_container(cid, force=True)
+        leftover_dirs = [p for p in config.checkpoint_root.glob("*/*")]
+        assert not left, f"containers left behind: {left}"
+        assert not leftover_dirs, f"checkpoint dirs left behind: {leftover_dirs}"

@@ -1,0 +1,167 @@
+# ruff: noqa: F811  (the `env` fixture is imported from env_helpers; pytest injects it by name)
+"""The environment service on real dockerd + CRIU: prefix-consistent checkpoint/restore,
+hostile checkpoints, bad input, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import msgspec
+import pytest
+
+from common import subjects
+from common.errors import CheckpointInvalid, Conflict, InvalidRequest, NotFound, Timeout
+from schemas.base import decode
+from schemas.env import ReadyPointer, SandboxLimits
+from schemas.events import Event
+from tests.integration.env_helpers import BUMP, COUNTER, START_COUNTER, TREE_HASH, env  # noqa: F401
+
+pytestmark = [pytest.mark.docker]
+
+
+async def _pointer(js, sandbox_id: str) -> ReadyPointer:  # type: ignore[no-untyped-def]
+    kv = await js.key_value(subjects.BUCKET_SANDBOX_PREFIX)
+    entry = await kv.get(sandbox_id)
+    return msgspec.msgpack.decode(entry.value, type=ReadyPointer)
+
+
+@pytest.mark.timeout(180)
+async def test_checkpoint_kill_restore_is_prefix_consistent(env, js) -> None:  # type: ignore[no-untyped-def]
+    c = env.client
+    sub = await js.subscribe(subjects.event("checkpoint_ready"))
+    sb = await c.create(files={"/root/counter.py": COUNTER}, trajectory_id="traj-1")
+    sid = sb.sandbox_id
+    setup = (
+        "echo one > /root/a && mkdir -p /root/d && echo two > /root/d/b && "
+        "echo keep > /root/c && rm -f /etc/motd /etc/issue.net && " + START_COUNTER
+    )
+    assert (await c.exec(sid, setup)).exit_code == 0
+    assert (await c.exec(sid, BUMP)).stdout.strip() == "1"
+    assert (await c.exec(sid, "echo changed >> /root/c && rm /root/d/b")).exit_code == 0
+    hash_k = (await c.exec(sid, TREE_HASH)).stdout.strip()
+
+    info = await c.checkpoint(sid, 1)
+    assert info.prefix == 1 and info.fs_bytes > 0 and info.criu_bytes > 0
+    ptr = await _pointer(js, sid)
+    assert (ptr.prefix, ptr.checkpoint_id) == (1, info.checkpoint_id)
+    msg = await sub.next_msg(timeout=5)
+    event = decode(msg.data, Event)
+    assert event.data["checkpoint_id"] == info.checkpoint_id and event.data["prefix"] == 1
+    assert event.data["trajectory_id"] == "traj-1"
+
+    # more actions after k: change, delete, create, advance the process
+    later = "echo later > /root/a && rm /root/c && echo new > /root/new && " + BUMP
+    assert (await c.exec(sid, later)).stdout.strip().endswith("2")
+    assert (await c.exec(sid, TREE_HASH)).stdout.strip() != hash_k
+
+    await env_kill(env, sid)
+    restored = await c.restore(sid)
+    assert restored.prefix == 1 and restored.checkpoint_id == info.checkpoint_id
+    assert restored.container_id != sb.container_id
+
+    assert (await c.exec(sid, TREE_HASH)).stdout.strip() == hash_k
+    gone = await c.exec(sid, "ls /root/d/b /etc/motd /root/new 2>&1; cat /root/c")
+    assert "No such file" in gone.stdout and gone.stdout.count("No such file") == 3
+    assert gone.stdout.strip().endswith("keep\nchanged")
+    # the process continues from its in-memory state at k (n == 1), writing to its open file
+    assert (await c.exec(sid, BUMP)).stdout.strip() == "2"
+    assert (await c.exec(sid, "cat /root/count.log")).stdout.split() == ["1", "2"]
+
+    listing = {s.id: s for s in (await c.list()).sandboxes}
+    assert listing[sid].ready_prefix == 1 and listing[sid].container_id == restored.container_id
+    await c.destroy(sid)
+    with pytest.raises(NotFound):
+        await c.exec(sid, "true")
+
+
+async def env_kill(env, sandbox_id: str) -> None:  # type: ignore[no-untyped-def]
+    import docker
+
+    listing = {s.id: s for s in (await env.client.list()).sandboxes}
+    client = docker.DockerClient(version="auto")
+    client.api.kill(listing[sandbox_id].container_id)
+
+
+@pytest.mark.timeout(180)
+async def test_hostile_and_corrupt_checkpoints_fall_back(env, js, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import tarfile
+
+    c = env.client
+    sid = (await c.create()).sandbox_id
+    await c.exec(sid, "echo v1 > /root/v")
+    first = await c.checkpoint(sid, 1)
+    await c.exec(sid, "echo v2 > /root/v")
+    second = await c.checkpoint(sid, 2)
+    d = env.config.checkpoint_root / sid / second.checkpoint_id
+    # a hostile archive whose checksum matches the manifest: the validator must refuse it
+    evil = tmp_path / "evil.tar"
+    with tarfile.open(evil, "w") as tf:
+        info = tarfile.TarInfo("../../../../tmp/belayer-escape")
+        info.size = 0
+        tf.addfile(info)
+    (d / "fs.tar").write_bytes(evil.read_bytes())
+    manifest = json.loads((d / "manifest.json").read_text())
+    import hashlib
+
+    manifest["fs_sha256"] = hashlib.sha256(evil.read_bytes()).hexdigest()
+    (d / "manifest.json").write_text(json.dumps(manifest))
+
+    with pytest.raises(CheckpointInvalid, match="escapes"):
+        await c.restore(sid, second.checkpoint_id)
+    # default restore: the hostile newest is rejected, the previous ready one is used
+    r = await c.restore(sid)
+    assert r.checkpoint_id == first.checkpoint_id and second.checkpoint_id in r.fallback_from
+    assert (await c.exec(sid, "cat /root/v")).stdout.strip() == "v1"
+    assert (await _pointer(js, sid)).prefix == 1
+    assert not await asyncio.to_thread(os.path.exists, "/tmp/belayer-escape")
+
+    # a checkpoint of another sandbox is refused
+    other = (await c.create()).sandbox_id
+    await c.exec(other, "true")
+    with pytest.raises(Conflict):
+        await c.restore(other, first.checkpoint_id)
+    with pytest.raises(NotFound):
+        await c.restore(other)  # no ready checkpoint yet
+
+
+@pytest.mark.timeout(150)
+async def test_bad_input_gives_clear_errors(env) -> None:  # type: ignore[no-untyped-def]
+    c = env.client
+    with pytest.raises(NotFound):
+        await c.exec("sb-nope", "true")
+    with pytest.raises(NotFound):
+        await c.checkpoint("sb-nope", 1)
+    with pytest.raises(InvalidRequest):
+        await c.create(sandbox_id="bad.id")
+    sid = (await c.create(limits=SandboxLimits(memory_mb=256, pids=64))).sandbox_id
+    other = (await c.create()).sandbox_id
+    with pytest.raises(Timeout, match="timeout"):
+        await c.exec(sid, "sleep 30 & sleep 30", timeout_s=1.0)
+    huge = await c.exec(sid, "head -c 50000000 /dev/zero | tr '\\0' x", timeout_s=20)
+    assert huge.truncated and len(huge.stdout) == env.config.exec_output_cap
+    net = await c.exec(
+        sid, "python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 80), 2)'"
+    )
+    assert net.exit_code != 0  # no network
+    caps = await c.exec(sid, "grep CapEff /proc/self/status")
+    assert caps.stdout.split()[1] == "0000000000000000"
+    await c.checkpoint(sid, 3)
+    with pytest.raises(Conflict):
+        await c.checkpoint(sid, 2)  # the prefix must advance
+    # the other sandbox is unaffected by all of this
+    assert (await c.exec(other, "echo fine")).stdout.strip() == "fine"
+
+
+@pytest.mark.timeout(240)
+async def test_eight_sandboxes_checkpoint_at_once(env) -> None:  # type: ignore[no-untyped-def]
+    c = env.client
+    ids = [(await c.create(limits=SandboxLimits(memory_mb=128))).sandbox_id for _ in range(8)]
+    await asyncio.gather(*(c.exec(s, f"echo {s} > /root/me") for s in ids))
+    infos = await asyncio.gather(*(c.checkpoint(s, 1) for s in ids))
+    assert sorted(i.sandbox_id for i in infos) == sorted(ids)
+    await asyncio.gather(*(c.exec(s, "rm /root/me") for s in ids))
+    await asyncio.gather(*(c.restore(s) for s in ids))
+    outs = await asyncio.gather(*(c.exec(s, "cat /root/me") for s in ids))
+    assert [o.stdout.strip() for o in outs] == ids
