@@ -348,7 +348,7 @@ class Row:
         if self.key is None:
             return "—"
         op, bound = TARGETS[self.key]
-        shown = f"{bound * 100:.0f} %" if self.unit == "%" else f"{bound:g}"
+        shown = f"{bound * 100:.0f} %" if self.unit == "%" else f"{bound:g} {self.unit}"
         return f"{'≥' if op == '>=' else '≤'} {shown}"
 
     @property

@@ -129,6 +129,9 @@ class Server:
             task.add_done_callback(self.tasks.discard)
 
         sub = await self.nc.subscribe(subject, queue=queue or "", cb=cb)
+        # Round-trip to the server so the subscription is live before anyone is told "ready"
+        # (otherwise a request from another connection can beat our SUB and see no responders).
+        await self.nc.flush(timeout=5)
         self.subs.append(sub)
         return sub
 

@@ -68,7 +68,9 @@ class Router:
         self.core = RouterCore(config, decode=self.tokenizer.decode)
         self.server = Server(nc, service="router")
         self.status = Status.STARTING
-        self.persist_q: asyncio.Queue[PersistChunk | EmitEvent | SendToCaller] = asyncio.Queue()
+        self.persist_q: asyncio.Queue[PersistChunk | EmitEvent | SendToCaller | AcceptedRequest] = (
+            asyncio.Queue()
+        )
         self.tasks: set[asyncio.Task[None]] = set()
         self.log = get_logger(service="router")
 
@@ -126,7 +128,22 @@ class Router:
             finally:
                 self.persist_q.task_done()
 
-    async def _persist(self, item: PersistChunk | EmitEvent | SendToCaller) -> None:
+    async def _persist(
+        self, item: PersistChunk | EmitEvent | SendToCaller | AcceptedRequest
+    ) -> None:
+        if isinstance(item, AcceptedRequest):
+            try:
+                await self.js.publish(
+                    subjects.request_log(item.request_id),
+                    encode(item),
+                    headers={"Nats-Msg-Id": item.request_id},
+                    timeout=5.0,
+                )
+            except (TimeoutError, nats.errors.Error) as exc:
+                self.log.warning(
+                    "request_log_publish_failed", request=item.request_id, error=repr(exc)
+                )
+            return
         if isinstance(item, SendToCaller):
             try:
                 await self.nc.publish(item.inbox, encode(item.message))
@@ -177,7 +194,9 @@ class Router:
                 # Every request gets a seed: token j then depends only on (seed, j, logits), so
                 # any regeneration after a failure reproduces exactly what the caller saw.
                 sampling = msgspec.structs.replace(sampling, seed=random.getrandbits(31))
-            await self._persist_request(req, ids, sampling, msg.reply)
+            # Durable copy via the ordered persist queue: placement does not wait for the
+            # JetStream ack, and the result cannot overtake it (same FIFO queue).
+            self.persist_q.put_nowait(self._accepted(req, ids, sampling, msg.reply))
         await self.execute(
             self.core.submit(
                 req.request_id,
@@ -190,10 +209,10 @@ class Router:
         )
         return None
 
-    async def _persist_request(
+    def _accepted(
         self, req: GenerateRequest, ids: list[int], sampling: SamplingParams, reply: str
-    ) -> None:
-        accepted = AcceptedRequest(
+    ) -> AcceptedRequest:
+        return AcceptedRequest(
             request_id=req.request_id,
             prompt_token_ids=ids,
             sampling=sampling,
@@ -201,15 +220,6 @@ class Router:
             engine_id=req.engine_id,
             accepted_at=time.time(),
         )
-        try:
-            await self.js.publish(
-                subjects.request_log(req.request_id),
-                encode(accepted),
-                headers={"Nats-Msg-Id": req.request_id},
-                timeout=5.0,
-            )
-        except (TimeoutError, nats.errors.Error) as exc:
-            self.log.warning("request_log_publish_failed", request=req.request_id, error=repr(exc))
 
     async def on_register(self, req: RegisterWorker, _msg: Msg) -> RegisterReply:
         before = {r for r, s in self.core.active.items() if s.engine_id is None}

@@ -50,11 +50,12 @@ async def run(
         prior, revision = await _read_pointer(kv, log)
         manifest = await asyncio.to_thread(store.start, prior)
         pointer = _Pointer(kv, revision)
-        await pointer.advance(manifest)
         handlers = _Handlers(config, store, pointer, js, log)
         await server.serve(subjects.weights_get(), WeightsGet, handlers.get)
         await server.serve(subjects.weights_push(), WeightsPush, handlers.push)
         await nc.flush()  # subscriptions reach the server before anyone hears "ready"
+        # Publish the pointer only once weights.get answers: whoever sees it can fetch it.
+        await pointer.advance(manifest)
         status = Status.READY
         log.info("service_status", status=status.value, version=manifest.version)
         if ready is not None:

@@ -35,8 +35,9 @@ class WorkerConfig:
     cold_load_dir: str = ""
     """Baseline mode: load weights from this model directory on disk instead of mapping the
     weight store's shared memory (what a cold engine restart does)."""
-    watch_interval_s: float = 0.01
-    """Shadow: how often it checks the main worker's pid and heartbeat."""
+    watch_interval_s: float = 0.05
+    """Shadow: how often it reads the main worker's heartbeat (hangs); death is seen at once
+    through a pidfd."""
     hang_threshold_s: float = 2.0
     """Shadow: a heartbeat older than this (with the process alive) means the main worker hung.
     Longer than any single engine step, so a long prefill is never mistaken for a hang."""
