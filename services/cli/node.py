@@ -85,6 +85,30 @@ def up(
     max_num_seqs: int = typer.Option(
         16, "--max-num-seqs", min=1, help="Decode batch limit per engine."
     ),
+    failure_window: float = typer.Option(
+        60.0,
+        "--failure-window",
+        min=0.0,
+        help="Seconds: a second failure of an engine inside this window marks it unhealthy.",
+    ),
+    heartbeat_interval: float = typer.Option(
+        5.0,
+        "--heartbeat-interval",
+        min=0.01,
+        help="Seconds between the router's remote heartbeat pings (the baseline's detector).",
+    ),
+    hang_threshold: float = typer.Option(
+        2.0,
+        "--hang-threshold",
+        min=0.01,
+        help="Seconds: a main worker whose heartbeat is older than this counts as hung.",
+    ),
+    handover_timeout: float = typer.Option(
+        15.0,
+        "--handover-timeout",
+        min=0.0,
+        help="Seconds a dead main worker waits for its shadow's handover before a cold restart.",
+    ),
     timeout: float = typer.Option(120.0, help="Seconds to wait for the node to become ready."),
 ) -> None:
     """Start a Belayer node: NATS (JetStream), weight store, KV arena, router, workers."""
@@ -99,7 +123,9 @@ def up(
     argv = [
         sys.executable, "-m", "services.supervisor", "--run-dir", str(paths.root),
         "--engines", str(engines), "--recovery", recovery, "--token-log-chunk", str(token_log_chunk),
-        "--max-num-seqs", str(max_num_seqs),
+        "--max-num-seqs", str(max_num_seqs), "--failure-window", str(failure_window),
+        "--heartbeat-interval", str(heartbeat_interval), "--hang-threshold", str(hang_threshold),
+        "--handover-timeout", str(handover_timeout),
     ]  # fmt: skip
     if model:
         argv += ["--model-dir", str(Path(model).resolve())]

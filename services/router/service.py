@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 
 from common import subjects
 from common.bus import Server, connect, ensure_jetstream, publish_event, request
-from common.errors import BelayerError, InvalidRequest, NotFound
+from common.errors import BelayerError, Conflict, InvalidRequest, NotFound
 from common.logging import get_logger
 from common.service import Status
 from schemas.base import Ok, decode, encode
@@ -222,6 +222,24 @@ class Router:
         )
 
     async def on_register(self, req: RegisterWorker, _msg: Msg) -> RegisterReply:
+        # Only a worker that won the epoch compare-and-set may register under that epoch.
+        claimed, _ = await current_epoch(self.js, req.engine_id)
+        if req.epoch != claimed:
+            await self.execute(
+                [
+                    EmitEvent(
+                        "registration_rejected",
+                        req.engine_id,
+                        data={"epoch": req.epoch, "claimed_epoch": claimed, "pid": req.pid},
+                    )
+                ]
+            )
+            raise Conflict(
+                "epoch was not claimed by this worker",
+                engine_id=req.engine_id,
+                epoch=req.epoch,
+                claimed_epoch=claimed,
+            )
         before = {r for r, s in self.core.active.items() if s.engine_id is None}
         actions = self.core.register(
             req.engine_id,
@@ -245,8 +263,27 @@ class Router:
         return RegisterReply(engine_id=req.engine_id, epoch=req.epoch, resumed_requests=resumed)
 
     async def on_engine_failed(self, req: EngineFailed, _msg: Msg) -> Ok:
-        if req.engine_id not in self.core.engines:
+        eng = self.core.engines.get(req.engine_id)
+        if eng is None:
             raise NotFound("unknown engine", engine_id=req.engine_id)
+        if req.epoch > eng.epoch:
+            raise Conflict(
+                "failure report for an epoch the router never saw",
+                engine_id=req.engine_id,
+                epoch=req.epoch,
+                current_epoch=eng.epoch,
+            )
+        if req.epoch < eng.epoch:
+            await self.execute(
+                [
+                    EmitEvent(
+                        "stale_failure_report",
+                        req.engine_id,
+                        data={"epoch": req.epoch, "current_epoch": eng.epoch, "pid": req.pid},
+                    )
+                ]
+            )
+            return Ok(detail="stale epoch: already replaced")
         await self.execute(
             self.core.engine_failed(
                 req.engine_id, time.monotonic(), reason=req.reason or "reported", epoch=req.epoch

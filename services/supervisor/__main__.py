@@ -25,6 +25,30 @@ def parse(argv: list[str] | None = None) -> SupervisorConfig:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--environment", action="store_true", help="also run the sandbox service")
     p.add_argument("--run-id", default="")
+    p.add_argument(
+        "--failure-window",
+        type=float,
+        default=60.0,
+        help="seconds: a second failure of an engine inside it marks the engine unhealthy",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=5.0,
+        help="seconds between the router's remote heartbeat pings (the baseline detector)",
+    )
+    p.add_argument(
+        "--hang-threshold",
+        type=float,
+        default=2.0,
+        help="seconds: a main worker whose heartbeat is older than this (alive) counts as hung",
+    )
+    p.add_argument(
+        "--handover-timeout",
+        type=float,
+        default=15.0,
+        help="seconds a dead main worker waits for its shadow's handover before a cold restart",
+    )
     a = p.parse_args(argv)
     return SupervisorConfig(
         run_dir=a.run_dir,
@@ -36,6 +60,10 @@ def parse(argv: list[str] | None = None) -> SupervisorConfig:
         max_num_seqs=a.max_num_seqs,
         environment=a.environment,
         run_id=a.run_id,
+        failure_window_s=a.failure_window,
+        heartbeat_interval_s=a.heartbeat_interval,
+        hang_threshold_s=a.hang_threshold,
+        handover_timeout_s=a.handover_timeout,
     )
 
 

@@ -101,6 +101,8 @@ class Supervisor:
     async def start(self) -> None:
         c = self.config
         self.paths.logs.mkdir(parents=True, exist_ok=True)
+        # Heartbeat files of a previous (crashed) node must not look like dead main workers.
+        shutil.rmtree(self.paths.heartbeats, ignore_errors=True)
         self.paths.heartbeats.mkdir(parents=True, exist_ok=True)
         if not self.nats_url:
             self.nats = await asyncio.to_thread(

@@ -16,10 +16,13 @@ import pytest
 
 from common import subjects
 from common.bus import connect, request
-from common.errors import BusUnavailable, NotFound, ResourceLimit, Timeout
-from schemas.base import ErrorReply, decode
+from common.errors import BusUnavailable, Conflict, NotFound, ResourceLimit, Timeout
+from schemas.base import ErrorReply, Ok, decode
 from schemas.serving import (
+    EngineFailed,
     GenerateRequest,
+    RegisterReply,
+    RegisterWorker,
     RouterStatus,
     SamplingParams,
     StatusRequest,
@@ -119,7 +122,26 @@ async def test_bad_input_gets_typed_errors_and_others_continue(node: Node) -> No
             await generate(nc, greedy("huge", prompt="word " * 5000))
         with pytest.raises(NotFound):
             await generate(nc, greedy("pinned", engine_id="e9"))
+        # a worker that did not win the epoch compare-and-set cannot register
+        with pytest.raises(Conflict):
+            await request(
+                nc,
+                subjects.router_register(),
+                RegisterWorker(engine_id="e0", epoch=99, pid=1),
+                RegisterReply,
+            )
+        # a failure report for an unknown engine, or for an epoch never seen, is refused
+        with pytest.raises(NotFound):
+            await request(
+                nc, subjects.router_engine_failed(), EngineFailed(engine_id="e9", epoch=1), Ok
+            )
+        with pytest.raises(Conflict):
+            await request(
+                nc, subjects.router_engine_failed(), EngineFailed(engine_id="e0", epoch=99), Ok
+            )
         assert len((await other).token_ids) == 64
+        st = node.status()
+        assert all(e["healthy"] for e in st["engines"])
     finally:
         await nc.drain()
 
