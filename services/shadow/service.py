@@ -242,10 +242,7 @@ async def run(
                 # stay a shadow and watch the new main worker.
                 shadow.log.info("handover_skipped", reason=str(exc))
                 await asyncio.sleep(config.watch_interval_s)
-        async with asyncio.TaskGroup() as tg:
-            pub = tg.create_task(worker.publish_loop(), name="publish_loop")
-            await stop.wait()
-            pub.cancel()
+        await stop.wait()
     finally:
         await worker.close()
         await nc.drain()

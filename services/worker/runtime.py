@@ -57,11 +57,13 @@ class EngineLoop:
         on_batch: Callable[[int, list[SeqDelta]], None],
         heartbeat_file: Path | None,
         idle_turn_s: float = 0.01,
+        on_turn: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
         self.on_batch = on_batch
         self.heartbeat_file = heartbeat_file
         self.idle_turn_s = idle_turn_s
+        self.on_turn = on_turn
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.stopping = threading.Event()
@@ -124,6 +126,8 @@ class EngineLoop:
         try:
             while not self.stopping.is_set():
                 self._beat()
+                if self.on_turn is not None:
+                    self.on_turn()
                 errors: list[SeqDelta] = []
                 while True:
                     try:

@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from common import subjects
 from common.bus import Server, connect, ensure_jetstream, publish_event, request
 from common.errors import BelayerError, Conflict, Timeout
+from common.fastpub import FastPublisher
 from common.logging import get_logger
 from common.service import Status
 from schemas.base import Ok, encode
@@ -64,7 +65,7 @@ class Worker:
         self.loop: EngineLoop | None = None
         self.server = Server(nc, service=f"worker:{config.engine_id}")
         self.timings: dict[str, float] = {}
-        self._out: asyncio.Queue[tuple[int, list[SeqDelta]]] = asyncio.Queue()
+        self.publisher: FastPublisher | None = None
         self.log = get_logger(engine=config.engine_id, pid=self.pid, role=config.role)
 
     # --- phase 1: prepare (slow; a shadow does it ahead of time) -----------------------------
@@ -107,13 +108,29 @@ class Worker:
         hb = Path(self.config.heartbeat_file) if self.config.heartbeat_file else None
         if hb is not None:
             write_identity(hb, Identity(self.pid, self.epoch, self.engine_id))
-        aio_loop = asyncio.get_running_loop()
+        # Step batches leave from the engine thread itself over a publish-only connection: no
+        # thread hop and no event-loop turns per step (see common/fastpub.py).
+        self.publisher = FastPublisher(self.config.nats_url, name=f"worker-{self.engine_id}-steps")
+        subject = subjects.router_tokens()
+        publisher = self.publisher
 
         def on_batch(step: int, deltas: list[SeqDelta]) -> None:
-            aio_loop.call_soon_threadsafe(self._out.put_nowait, (step, deltas))
+            batch = StepBatch(
+                engine_id=self.engine_id,
+                epoch=self.epoch,
+                worker_pid=self.pid,
+                step=step,
+                weight_version=self.weight_version,
+                deltas=deltas,
+            )
+            publisher.publish(subject, encode(batch))
 
         self.loop = EngineLoop(
-            self.engine, on_batch=on_batch, heartbeat_file=hb, idle_turn_s=self.config.idle_turn_s
+            self.engine,
+            on_batch=on_batch,
+            heartbeat_file=hb,
+            idle_turn_s=self.config.idle_turn_s,
+            on_turn=publisher.poll,
         )
         self.loop.start()
         await self.server.serve(
@@ -191,27 +208,13 @@ class Worker:
             steps=self.loop.steps if self.loop else 0,
         )
 
-    # --- output -----------------------------------------------------------------------------
-    async def publish_loop(self) -> None:
-        """Forward each step's outputs to the router as one ``StepBatch``."""
-        subject = subjects.router_tokens()
-        while True:
-            step, deltas = await self._out.get()
-            batch = StepBatch(
-                engine_id=self.engine_id,
-                epoch=self.epoch,
-                worker_pid=self.pid,
-                step=step,
-                weight_version=self.weight_version,
-                deltas=deltas,
-            )
-            await self.nc.publish(subject, encode(batch))
-
     async def close(self) -> None:
         self.status = Status.DRAINING
         await self.server.drain(timeout=2.0)
         if self.loop is not None:
             self.loop.stop()
+        if self.publisher is not None:
+            self.publisher.close()
         self.status = Status.STOPPED
 
 
@@ -239,10 +242,7 @@ async def run(
         )
         if ready is not None:
             ready.set()
-        async with asyncio.TaskGroup() as tg:
-            pub = tg.create_task(worker.publish_loop(), name="publish_loop")
-            await stop.wait()
-            pub.cancel()
+        await stop.wait()
     finally:
         await worker.close()
         await nc.drain()

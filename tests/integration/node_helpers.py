@@ -3,14 +3,32 @@ temporary run directory, stopped with `belayer down`, checked for leftovers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from common import subjects
+from common.bus import request
 from common.config import SHM_DIR, shm_prefix
+from common.errors import BelayerError
+from schemas.base import ErrorReply, decode, encode, raise_error
+from schemas.events import Event
+from schemas.node import SupervisorStatus, SupervisorStatusRequest
+from schemas.serving import (
+    GenerateReply,
+    GenerateRequest,
+    GenerateResult,
+    RouterStatus,
+    SamplingParams,
+    StatusRequest,
+    TokenDelta,
+)
 
 BELAYER = [sys.executable, "-m", "services.cli.main"]
 
@@ -60,3 +78,234 @@ def stop_node(node: Node) -> None:
         if str(node.run_dir) in line or node.nats_url.rsplit(":", 1)[1] in line
     ]
     assert not mine, f"processes left behind: {mine}"
+
+
+# --- chaos helpers: events as they happen, strict token streams, processes --------------------
+class EventLog:
+    """Every event of the node's EVENTS stream, from its first one on (a JetStream ordered
+    consumer), kept in arrival order; ``wait_for`` blocks until a matching one is there."""
+
+    def __init__(self, nc: Any) -> None:
+        self.nc = nc
+        self.events: list[Event] = []
+        self._changed = asyncio.Condition()
+        self._sub: Any = None
+
+    async def start(self) -> EventLog:
+        async def cb(msg: Any) -> None:
+            try:
+                ev = decode(msg.data, Event)
+            except BelayerError:
+                return
+            async with self._changed:
+                self.events.append(ev)
+                self._changed.notify_all()
+
+        self._sub = await self.nc.jetstream().subscribe(
+            subjects.EVENTS_ALL, ordered_consumer=True, cb=cb
+        )
+        return self
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    def matching(
+        self, kind: str, engine_id: str | None = None, *, after: float = 0.0, **data: object
+    ) -> list[Event]:
+        """Events of ``kind`` (for ``engine_id``, stamped after ``after``, with these data)."""
+        return [
+            e
+            for e in self.events
+            if e.kind == kind
+            and (engine_id is None or e.engine_id == engine_id)
+            and e.ts > after
+            and all(e.data.get(k) == v for k, v in data.items())
+        ]
+
+    async def wait_for(
+        self,
+        kind: str,
+        engine_id: str | None = None,
+        *,
+        after: float = 0.0,
+        timeout: float = 30.0,
+        **data: object,
+    ) -> Event:
+        """The first matching event (see ``matching``), waiting up to ``timeout`` for it."""
+
+        async def first() -> Event:
+            async with self._changed:
+                while True:
+                    found = self.matching(kind, engine_id, after=after, **data)
+                    if found:
+                        return found[0]
+                    await self._changed.wait()
+
+        try:
+            return await asyncio.wait_for(first(), timeout)
+        except TimeoutError:
+            seen = [(e.kind, e.engine_id, e.data) for e in self.events[-20:]]
+            raise AssertionError(
+                f"no {kind} event for {engine_id} {data} within {timeout} s; last events: {seen}"
+            ) from None
+
+
+@dataclass
+class StreamRecord:
+    """What one caller saw: every delta as sent, and the checks on it."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    """Tokens in order, each exactly once."""
+    delta_times: list[float] = field(default_factory=list)
+    """Unix time each delta carrying new tokens arrived."""
+    overlaps: list[int] = field(default_factory=list)
+    """Tokens re-sent (delta.start < tokens held), each time it happened."""
+    result: GenerateResult | None = None
+    _waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
+
+    async def wait_tokens(self, n: int, timeout: float = 30.0) -> None:
+        """Until the caller holds ≥ ``n`` tokens (or the request finished)."""
+        if len(self.tokens) >= n or self.result is not None:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, fut))
+        await asyncio.wait_for(fut, timeout)
+
+    def _wake(self, finished: bool = False) -> None:
+        keep = []
+        for n, fut in self._waiters:
+            if finished or len(self.tokens) >= n:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((n, fut))
+        self._waiters = keep
+
+
+async def stream_generate(
+    nc: Any, req: GenerateRequest, *, timeout: float = 120.0, record: StreamRecord | None = None
+) -> StreamRecord:
+    """Like ``services.router.client.generate`` but strict about what the router sends: a gap
+    fails, and a re-sent token (overlap) must equal the one already delivered — it is counted
+    in ``overlaps`` so a test can bound (or forbid) it."""
+    rec = record or StreamRecord(req.request_id)
+    inbox = nc.new_inbox()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def cb(msg: Any) -> None:
+        queue.put_nowait(msg)
+
+    sub = await nc.subscribe(inbox, cb=cb)
+    try:
+        await nc.publish(subjects.router_generate(), encode(req), reply=inbox)
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"{req.request_id}: no result within {timeout} s")
+            try:
+                msg = await asyncio.wait_for(queue.get(), remaining)
+            except TimeoutError:
+                continue
+            reply = decode(msg.data, GenerateReply)
+            if isinstance(reply, ErrorReply):
+                raise_error(reply)
+            elif isinstance(reply, TokenDelta):
+                held = len(rec.tokens)
+                assert reply.start <= held, f"{req.request_id}: gap {held} → {reply.start}"
+                overlap = min(held - reply.start, len(reply.token_ids))
+                if overlap:
+                    rec.overlaps.append(overlap)
+                    assert reply.token_ids[:overlap] == rec.tokens[reply.start : held], (
+                        f"{req.request_id}: re-sent tokens differ from the delivered ones"
+                    )
+                fresh = reply.token_ids[overlap:]
+                if fresh:
+                    rec.tokens += fresh
+                    rec.delta_times.append(time.time())
+                    rec._wake()
+            else:
+                assert isinstance(reply, GenerateResult)
+                rec.result = reply
+                rec._wake(finished=True)
+                return rec
+    finally:
+        await sub.unsubscribe()
+
+
+def node_processes(node: Node, needle: str = "") -> list[str]:
+    """``pid args`` lines of this node's processes (optionally only those containing needle)."""
+    ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+    out = []
+    for line in ps.splitlines()[1:]:
+        pid, stat, args = line.split(None, 2)
+        if str(node.run_dir) in args and needle in args and not stat.startswith("Z"):
+            out.append(f"{pid} {args}")
+    return out
+
+
+def pid_gone(pid: int) -> bool:
+    """True once ``pid`` no longer runs (gone, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def greedy(
+    rid: str, prompt: str = "the quick brown fox", n: int = 24, **kw: Any
+) -> GenerateRequest:
+    """A greedy request of exactly ``n`` tokens."""
+    return GenerateRequest(
+        request_id=rid,
+        prompt=prompt,
+        sampling=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+        **kw,
+    )
+
+
+def sampled(rid: str, prompt: str, n: int, seed: int, **kw: Any) -> GenerateRequest:
+    """A sampled (temperature 1) request with an explicit seed, exactly ``n`` tokens."""
+    return GenerateRequest(
+        request_id=rid,
+        prompt=prompt,
+        sampling=SamplingParams(temperature=1.0, seed=seed, max_tokens=n, ignore_eos=True),
+        **kw,
+    )
+
+
+async def router_status(nc: Any, timeout: float = 3.0) -> RouterStatus:
+    """The router's status over the bus (faster than the CLI)."""
+    return await request(
+        nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=timeout
+    )
+
+
+async def main_pids(nc: Any) -> dict[str, int]:
+    """engine id → the pid of its current main worker, as the router knows it."""
+    return {e.id: e.worker_pid for e in (await router_status(nc)).engines}
+
+
+async def supervisor_pids(nc: Any) -> dict[str, int]:
+    """process name → pid, from the supervisor."""
+    st: SupervisorStatus = await request(
+        nc, subjects.supervisor_status(), SupervisorStatusRequest(), SupervisorStatus, timeout=3
+    )
+    return {p.name: p.pid for p in st.procs if p.alive and p.pid}
+
+
+async def wait_until(cond: Any, *, timeout: float, what: str, every: float = 0.05) -> None:
+    """Poll the (sync or async) predicate ``cond`` until true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting until {what}")
+        await asyncio.sleep(every)  # bounded poll of an outside condition (a process, a status)

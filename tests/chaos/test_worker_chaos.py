@@ -1,0 +1,272 @@
+"""Chaos on rollout workers, on one real 2-engine node (real nats-server, real processes): kill
+main workers at random points (prefill included, several requests in flight), hang one with
+SIGSTOP, kill both engines at once, forge stale-epoch output. Every caller must get exactly the
+tokens of an uninterrupted run, each once, all from one weight version.
+
+The node runs with a 1 s failure window so that the repeated kills here (seconds apart, each
+after the previous handover finished and a fresh shadow is warm) are independent failures; the
+repeated-failure path (unhealthy engine) is in ``test_router_chaos.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+
+from common import subjects
+from common.bus import connect
+from schemas.base import encode
+from schemas.serving import GenerateRequest, SeqDelta, StepBatch
+from tests.integration.node_helpers import (
+    EventLog,
+    Node,
+    StreamRecord,
+    greedy,
+    main_pids,
+    pid_gone,
+    router_status,
+    sampled,
+    start_node,
+    stop_node,
+    stream_generate,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+ENGINES = ("e0", "e1")
+N = 96
+"""Tokens per request: long enough that kills land mid-stream, short enough for 2 CPUs."""
+SEED = int(os.environ.get("BELAYER_CHAOS_SEED", random.randrange(1 << 30)))
+"""Kill points are random; rerun a failure with ``BELAYER_CHAOS_SEED=<seed>``."""
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    n = start_node(
+        tmp_path_factory.mktemp("chaos-workers"), "--engines", "2", "--failure-window", "1"
+    )
+    try:
+        yield n
+    finally:
+        stop_node(n)
+
+
+@pytest_asyncio.fixture
+async def bus(node: Node) -> AsyncIterator[tuple[object, EventLog]]:
+    """A client and the node's event log; waits until every engine has a warm shadow."""
+    nc = await connect(node.nats_url, name="chaos")
+    events = await EventLog(nc).start()
+    try:
+        await settle(events)
+        yield nc, events
+    finally:
+        await events.stop()
+        await nc.drain()
+
+
+async def settle(events: EventLog, *, after: float = 0.0, timeout: float = 60.0) -> None:
+    """Wait until each engine's newest shadow announced ``shadow_ready`` (after ``after``)."""
+    for eid in ENGINES:
+        await events.wait_for("shadow_ready", eid, after=after, timeout=timeout)
+
+
+async def references(nc: object, reqs: list[GenerateRequest]) -> dict[str, list[int]]:
+    """Uninterrupted runs of the same prompts and sampling (``ref-`` ids), 8 at a time."""
+    out: dict[str, list[int]] = {}
+    for i in range(0, len(reqs), 8):
+        batch = reqs[i : i + 8]
+        recs = await asyncio.gather(
+            *(
+                stream_generate(nc, r.__class__(**{**_fields(r), "request_id": f"ref-{r.request_id}"}))
+                for r in batch
+            )
+        )
+        for r, rec in zip(batch, recs, strict=True):
+            out[r.request_id] = rec.tokens
+    return out
+
+
+def _fields(req: GenerateRequest) -> dict[str, object]:
+    return {f: getattr(req, f) for f in req.__struct_fields__}
+
+
+def check(rec: StreamRecord, reference: list[int], *, resent_ok: bool = False) -> None:
+    """The caller's tokens equal the reference, each delivered once, one weight version."""
+    assert rec.result is not None
+    rid = rec.request_id
+    assert rec.tokens == reference, f"{rid} differs from the uninterrupted run (seed {SEED})"
+    assert rec.result.token_ids == rec.tokens, f"{rid}: result differs from the streamed tokens"
+    assert len(set(rec.result.token_weight_versions)) == 1, f"{rid}: mixed weight versions"
+    assert len(rec.result.token_weight_versions) == len(rec.tokens)
+    if not resent_ok:
+        assert rec.overlaps == [], f"{rid}: tokens sent twice {rec.overlaps}"
+
+
+def launch(nc: object, reqs: list[GenerateRequest]) -> tuple[list[StreamRecord], list[asyncio.Task]]:
+    recs = [StreamRecord(r.request_id) for r in reqs]
+    tasks = [
+        asyncio.create_task(stream_generate(nc, r, record=rec, timeout=120))
+        for r, rec in zip(reqs, recs, strict=True)
+    ]
+    return recs, tasks
+
+
+def prompt(i: int) -> str:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()
+    return " ".join(words[(i * 3 + j) % len(words)] for j in range(3 + i % 5))
+
+
+async def test_sigkill_at_random_points_resumes_every_request_exactly(
+    bus: tuple[object, EventLog],
+) -> None:
+    """≥ 20 requests over 6 kill rounds, alternating engines: round 0 kills right after submit
+    (before any token: prefill), the others after a random number of tokens, with 4 requests in
+    flight (2 on the victim — one greedy, one seeded sampled — 1 on the other engine, 1
+    unpinned). Between kills: handover_complete and a new warm shadow."""
+    nc, events = bus
+    rng = random.Random(SEED)
+    rounds = 6
+    plan: list[list[GenerateRequest]] = []
+    for r in range(rounds):
+        victim, other = ENGINES[r % 2], ENGINES[1 - r % 2]
+        plan.append([
+            greedy(f"k{r}-g", prompt(4 * r), N, engine_id=victim),
+            sampled(f"k{r}-s", prompt(4 * r + 1), N, seed=rng.randrange(1 << 30), engine_id=victim),
+            greedy(f"k{r}-o", prompt(4 * r + 2), N, engine_id=other),
+            sampled(f"k{r}-u", prompt(4 * r + 3), N, seed=rng.randrange(1 << 30)),
+        ])  # fmt: skip
+    ref = await references(nc, [q for rnd in plan for q in rnd])
+    finished0 = (await router_status(nc)).finished
+    kill_after = [0] + [rng.randrange(1, N // 2) for _ in range(rounds - 1)]
+    for r, reqs in enumerate(plan):
+        victim = ENGINES[r % 2]
+        pid = (await main_pids(nc))[victim]
+        recs, tasks = launch(nc, reqs)
+        if kill_after[r] == 0:
+            await nc.flush()  # the submits reached NATS; the worker dies during placement/prefill
+        else:
+            await recs[0].wait_tokens(kill_after[r])
+        t_kill = time.time()
+        os.kill(pid, signal.SIGKILL)
+        done = await events.wait_for("handover_complete", victim, old_pid=pid, timeout=30)
+        for rec in await asyncio.gather(*tasks):
+            check(rec, ref[rec.request_id])
+        if kill_after[r] == 0:
+            assert all(t > t_kill for t in recs[0].delta_times + recs[1].delta_times)
+        else:
+            assert recs[0].result is not None and recs[0].result.resumes >= 1
+            assert recs[0].result.engine_ids == [victim]
+        await events.wait_for("shadow_ready", victim, after=done.ts, timeout=60)
+    st = await router_status(nc)
+    assert st.inflight == 0
+    assert st.finished - finished0 == rounds * 4, "a request finished more or less than once"
+    assert all(e.healthy for e in st.engines)
+
+
+async def test_sigstop_hang_is_taken_over_and_the_residual_is_fenced_and_killed(
+    bus: tuple[object, EventLog],
+) -> None:
+    """SIGSTOP the main worker: the shadow sees the stale heartbeat and takes over; the old pid
+    gets SIGCONT right after detection, so it runs again while the engine has moved on — none
+    of its output may reach a caller, and the control plane kills it."""
+    nc, events = bus
+    reqs = [
+        greedy("hang-g", prompt(40), 160, engine_id="e0"),
+        sampled("hang-s", prompt(41), 160, seed=SEED, engine_id="e0"),
+    ]
+    ref = await references(nc, reqs)
+    pid = (await main_pids(nc))["e0"]
+    recs, tasks = launch(nc, reqs)
+    await recs[0].wait_tokens(8)
+    t_stop = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        detected = await events.wait_for("handover_detected", "e0", old_pid=pid, timeout=15)
+    finally:
+        os.kill(pid, signal.SIGCONT)  # the residual worker wakes up with its old epoch
+    assert detected.data["verdict"] == "hung"
+    assert detected.data["t_detect"] - t_stop >= 1.5, "a hang was declared before the threshold"
+    done = await events.wait_for("handover_complete", "e0", old_pid=pid, timeout=15)
+    await wait_until(lambda: pid_gone(pid), timeout=5, what=f"residual worker {pid} is dead")
+    health = events.matching("handover_health_ok", "e0", after=detected.ts - 1e-3)
+    killed_by_supervisor = events.matching("residual_killed", "e0", pid=pid)
+    assert (health and health[0].data["residual_killed"]) or killed_by_supervisor
+    for rec in await asyncio.gather(*tasks):
+        check(rec, ref[rec.request_id])
+    # Whatever the woken worker published after the engine went down was rejected, not relayed.
+    for ev in events.matching("stale_output_rejected", "e0", pid=pid):
+        assert ev.data["epoch"] < done.data["epoch"] or ev.data["epoch"] == done.data["old_epoch"]
+    await events.wait_for("shadow_ready", "e0", after=done.ts, timeout=60)
+
+
+async def test_both_engines_killed_at_once_both_hand_over(bus: tuple[object, EventLog]) -> None:
+    nc, events = bus
+    reqs = [
+        greedy("both-e0-g", prompt(50), N, engine_id="e0"),
+        sampled("both-e0-s", prompt(51), N, seed=SEED + 1, engine_id="e0"),
+        greedy("both-e1-g", prompt(52), N, engine_id="e1"),
+        sampled("both-e1-s", prompt(53), N, seed=SEED + 2, engine_id="e1"),
+    ]
+    ref = await references(nc, reqs)
+    pids = await main_pids(nc)
+    recs, tasks = launch(nc, reqs)
+    await asyncio.gather(recs[0].wait_tokens(6), recs[2].wait_tokens(6))
+    for eid in ENGINES:
+        os.kill(pids[eid], signal.SIGKILL)
+    done = [
+        await events.wait_for("handover_complete", eid, old_pid=pids[eid], timeout=30)
+        for eid in ENGINES
+    ]
+    for rec in await asyncio.gather(*tasks):
+        check(rec, ref[rec.request_id])
+        assert rec.result is not None and rec.result.resumes >= 1
+    after = max(d.ts for d in done)
+    await settle(events, after=after - 5.0)  # each engine's replacement shadow is warm again
+    assert all(e.healthy for e in (await router_status(nc)).engines)
+
+
+async def test_stale_epoch_output_never_reaches_the_caller(bus: tuple[object, EventLog]) -> None:
+    """A forged StepBatch from an old epoch of the request's engine (bogus tokens, even a
+    'finished') is rejected with an event; the caller sees only the real tokens."""
+    nc, events = bus
+    req = greedy("stale-victim", prompt(60), 160, engine_id="e0")
+    ref = await references(nc, [req])
+    eng = next(e for e in (await router_status(nc)).engines if e.id == "e0")
+    assert eng.epoch >= 2, "earlier tests advanced the epoch"
+    recs, tasks = launch(nc, [req])
+    await recs[0].wait_tokens(4)
+    forged_pid = 999_999
+    t0 = time.time()
+    for epoch in (eng.epoch - 1, 0):
+        forged = StepBatch(
+            engine_id="e0",
+            epoch=epoch,
+            worker_pid=forged_pid,
+            step=10**6,
+            weight_version=eng.weight_version,
+            deltas=[
+                SeqDelta(
+                    request_id=req.request_id,
+                    token_ids=[1, 2, 3],
+                    logprobs=[0.0, 0.0, 0.0],
+                    finished=True,
+                    finish_reason="stop",
+                )
+            ],
+        )
+        await nc.publish(subjects.router_tokens(), encode(forged))
+    for epoch in (eng.epoch - 1, 0):
+        await events.wait_for(
+            "stale_output_rejected", "e0", after=t0, epoch=epoch, pid=forged_pid, timeout=10
+        )
+    rec = await tasks[0]
+    check(rec, ref[req.request_id])
+    assert rec.result is not None and rec.result.finish_reason == "length"
