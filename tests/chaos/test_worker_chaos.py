@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
+from msgspec.structs import replace
 
 from common import subjects
 from common.bus import connect
@@ -84,18 +85,11 @@ async def references(nc: object, reqs: list[GenerateRequest]) -> dict[str, list[
     for i in range(0, len(reqs), 8):
         batch = reqs[i : i + 8]
         recs = await asyncio.gather(
-            *(
-                stream_generate(nc, r.__class__(**{**_fields(r), "request_id": f"ref-{r.request_id}"}))
-                for r in batch
-            )
+            *(stream_generate(nc, replace(r, request_id=f"ref-{r.request_id}")) for r in batch)
         )
         for r, rec in zip(batch, recs, strict=True):
             out[r.request_id] = rec.tokens
     return out
-
-
-def _fields(req: GenerateRequest) -> dict[str, object]:
-    return {f: getattr(req, f) for f in req.__struct_fields__}
 
 
 def check(rec: StreamRecord, reference: list[int], *, resent_ok: bool = False) -> None:
@@ -110,7 +104,9 @@ def check(rec: StreamRecord, reference: list[int], *, resent_ok: bool = False) -
         assert rec.overlaps == [], f"{rid}: tokens sent twice {rec.overlaps}"
 
 
-def launch(nc: object, reqs: list[GenerateRequest]) -> tuple[list[StreamRecord], list[asyncio.Task]]:
+def launch(
+    nc: object, reqs: list[GenerateRequest]
+) -> tuple[list[StreamRecord], list[asyncio.Task]]:
     recs = [StreamRecord(r.request_id) for r in reqs]
     tasks = [
         asyncio.create_task(stream_generate(nc, r, record=rec, timeout=120))
@@ -201,9 +197,10 @@ async def test_sigstop_hang_is_taken_over_and_the_residual_is_fenced_and_killed(
     assert (health and health[0].data["residual_killed"]) or killed_by_supervisor
     for rec in await asyncio.gather(*tasks):
         check(rec, ref[rec.request_id])
-    # Whatever the woken worker published after the engine went down was rejected, not relayed.
+    # Whatever the woken worker published after the engine went down was rejected, not relayed
+    # (how much it managed to publish before the shadow's SIGKILL depends on timing).
     for ev in events.matching("stale_output_rejected", "e0", pid=pid):
-        assert ev.data["epoch"] < done.data["epoch"] or ev.data["epoch"] == done.data["old_epoch"]
+        assert ev.data["epoch"] == done.data["old_epoch"]
     await events.wait_for("shadow_ready", "e0", after=done.ts, timeout=60)
 
 
