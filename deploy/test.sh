@@ -10,12 +10,14 @@ echo "test: ruff"
 .venv/bin/ruff format --check . >/dev/null || { echo "test: ruff format --check failed (run .venv/bin/ruff format .)"; exit 1; }
 echo "test: pytest"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+before=$(ls /dev/shm 2>/dev/null | grep '^belayer-' | sort || true)
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 rc=$?
 set -e
 # Leftovers are defects: a test that leaked a process, a container or a /dev/shm file fails the run.
-leaks=$(ls /dev/shm 2>/dev/null | grep '^belayer-' || true)
+after=$(ls /dev/shm 2>/dev/null | grep '^belayer-' | sort || true)
+leaks=$(comm -13 <(echo "$before") <(echo "$after") | grep . || true)
 if [ -n "$leaks" ]; then echo "test: shared-memory files left behind: $leaks"; rc=1; fi
 if [ $rc -eq 5 ]; then echo "test: no tests ran"; fi
 exit $rc

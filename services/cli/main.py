@@ -73,6 +73,26 @@ def bench_serve(
     bench_main(json_out or Path("bench-results/serve.json"), new_tokens=new_tokens)
 
 
+@bench_app.command("handover")
+def bench_handover(
+    json_out: Path | None = typer.Option(
+        None,
+        "--json",
+        help="Write results to this JSON file (default: bench-results/handover.json).",
+    ),
+    failures: int = typer.Option(10, min=1, help="Worker failures to inject in belayer mode."),
+    heartbeat_s: float = typer.Option(
+        5.0, "--heartbeat", help="Baseline: the router's remote heartbeat interval (seconds)."
+    ),
+) -> None:
+    """SIGKILL → detection / new worker ready / first resumed token, belayer vs baseline."""
+    from bench.handover import main as bench_main
+
+    bench_main(
+        json_out or Path("bench-results/handover.json"), failures=failures, heartbeat_s=heartbeat_s
+    )
+
+
 def _mount_environment() -> None:
     """The environment CLI needs the docker SDK; mount it when importable."""
     try:

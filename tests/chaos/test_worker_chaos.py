@@ -193,7 +193,7 @@ async def test_sigstop_hang_is_taken_over_and_the_residual_is_fenced_and_killed(
     done = await events.wait_for("handover_complete", "e0", old_pid=pid, timeout=15)
     await wait_until(lambda: pid_gone(pid), timeout=5, what=f"residual worker {pid} is dead")
     health = events.matching("handover_health_ok", "e0", after=detected.ts - 1e-3)
-    killed_by_supervisor = events.matching("residual_killed", "e0", pid=pid)
+    killed_by_supervisor = events.matching("residual_killed", pid=pid)  # engine in data
     assert (health and health[0].data["residual_killed"]) or killed_by_supervisor
     for rec in await asyncio.gather(*tasks):
         check(rec, ref[rec.request_id])

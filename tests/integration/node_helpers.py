@@ -16,7 +16,7 @@ from typing import Any
 from common import subjects
 from common.bus import request
 from common.config import SHM_DIR, shm_prefix
-from common.errors import BelayerError
+from common.errors import BelayerError, BusUnavailable
 from schemas.base import ErrorReply, decode, encode, raise_error
 from schemas.events import Event
 from schemas.node import SupervisorStatus, SupervisorStatusRequest
@@ -209,6 +209,8 @@ async def stream_generate(
                 msg = await asyncio.wait_for(queue.get(), remaining)
             except TimeoutError:
                 continue
+            if msg.headers and msg.headers.get("Status") == "503":
+                raise BusUnavailable("no router is serving router.generate")
             reply = decode(msg.data, GenerateReply)
             if isinstance(reply, ErrorReply):
                 raise_error(reply)
@@ -218,8 +220,11 @@ async def stream_generate(
                 overlap = min(held - reply.start, len(reply.token_ids))
                 if overlap:
                     rec.overlaps.append(overlap)
-                    assert reply.token_ids[:overlap] == rec.tokens[reply.start : held], (
-                        f"{req.request_id}: re-sent tokens differ from the delivered ones"
+                    again = rec.tokens[reply.start : reply.start + overlap]
+                    assert reply.token_ids[:overlap] == again, (
+                        f"{req.request_id}: re-sent tokens differ from the delivered ones: "
+                        f"start {reply.start}, held {held}, re-sent {reply.token_ids[:overlap]}, "
+                        f"delivered {again}"
                     )
                 fresh = reply.token_ids[overlap:]
                 if fresh:

@@ -1,0 +1,392 @@
+"""``belayer bench handover``: what a rollout-worker failure costs, Belayer vs the baseline.
+
+On a real 1-engine node (tiny model), for each failure: a streaming greedy request is running,
+the main worker gets SIGKILL, and we time from the kill to
+
+(a) detection — ``t_detect`` of the shadow's ``handover_detected`` (belayer), the router's
+    ``engine_failed`` event (baseline: remote heartbeat every ``heartbeat_s``);
+(b) a new worker ready — ``t_ready`` of ``handover_ready`` (belayer), the cold-started worker's
+    ``worker_ready`` event (baseline);
+(c) the first resumed token the streaming client sees (client clock, first new token after the
+    kill);
+
+plus tokens regenerated per failure (the router's ``requests_resumed`` event: ``held_tokens``
+are handed to the new worker as prompt in belayer mode — 0 regenerated — and recomputed from
+the prompt in baseline mode) and a correctness check (the caller's tokens equal an
+uninterrupted run, each delivered once). Also: failure-free throughput at batch 8 with shadows
+(belayer) vs without (baseline node), and the idle shadow's CPU share (/proc utime + stime over
+a few idle seconds). Every node is stopped with ``belayer down``, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench.serve import belayer, machine_info, stop_node
+
+ENGINE = "e0"
+STREAM_TOKENS = 400
+"""Tokens of the request that is interrupted (long enough to outlive a baseline recovery's
+start, short enough to keep the run brief)."""
+KILL_AFTER = 24
+"""Tokens the client holds when the worker is killed."""
+BATCH = 8
+THROUGHPUT_TOKENS = 128
+THROUGHPUT_REPEATS = 3
+IDLE_WINDOW_S = 5.0
+_TICK = os.sysconf("SC_CLK_TCK")
+
+TARGETS: dict[str, tuple[str, float]] = {
+    "detect_p50_s": ("<=", 0.1),
+    "detect_p99_s": ("<=", 0.2),
+    "first_token_p50_s": ("<=", 1.0),
+    "speedup_first_token": (">=", 10.0),
+    "regenerated_tokens": ("<=", 0.0),
+    "throughput_overhead": ("<=", 0.02),
+}
+
+
+def progress(message: str) -> None:
+    sys.stderr.write(f"[bench handover] {message}\n")
+    sys.stderr.flush()
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+# --- node ---------------------------------------------------------------------------------------
+def up(run_dir: Path, model_dir: Path, *args: str) -> dict[str, Any]:
+    proc = belayer(
+        "up", "--detach", "--run-dir", str(run_dir), "--engines", "1", "--model", str(model_dir),
+        "--failure-window", "0", *args, timeout=240,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"belayer up failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return json.loads((run_dir / "node.json").read_text())
+
+
+class Events:
+    """The node's event stream from its start (JetStream ordered consumer)."""
+
+    def __init__(self, nc: Any) -> None:
+        self.nc = nc
+        self.events: list[Any] = []
+        self.changed = asyncio.Event()
+        self.last_handover = 0.0
+        """Unix time of the last handover_complete (a newer shadow_ready means warm again)."""
+
+    async def start(self) -> Events:
+        from common import subjects
+        from schemas.base import decode
+        from schemas.events import Event
+
+        async def cb(msg: Any) -> None:
+            self.events.append(decode(msg.data, Event))
+            self.changed.set()
+
+        await self.nc.jetstream().subscribe(subjects.EVENTS_ALL, ordered_consumer=True, cb=cb)
+        return self
+
+    async def wait(self, kind: str, *, after: float, timeout: float, **data: Any) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            for ev in self.events:
+                if ev.kind == kind and ev.ts > after:
+                    if all(ev.data.get(k) == v for k, v in data.items()):
+                        return ev
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no {kind} event {data} within {timeout} s")
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), left)
+
+
+async def main_pid(nc: Any) -> int:
+    from common import subjects
+    from common.bus import request
+    from schemas.serving import RouterStatus, StatusRequest
+
+    st: RouterStatus = await request(
+        nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=5
+    )
+    return next(e.worker_pid for e in st.engines if e.id == ENGINE)
+
+
+def request(rid: str, n: int, offset: int = 0) -> Any:
+    from schemas.serving import GenerateRequest, SamplingParams
+
+    return GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=[(11 * j + 7 * offset + 3) % 4096 for j in range(16)],
+        sampling=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+    )
+
+
+# --- measurements -----------------------------------------------------------------------------
+async def throughput(nc: Any) -> dict[str, Any]:
+    """Batch 8 of greedy requests, tokens/s from submit to the last result; median of runs."""
+    from services.router.client import generate
+
+    async def run(n: int) -> float:
+        tag = uuid.uuid4().hex[:8]
+        t0 = time.perf_counter()
+        done = await asyncio.gather(
+            *(generate(nc, request(f"tp-{tag}-{i}", n, i), timeout=120) for i in range(BATCH))
+        )
+        return sum(len(r.token_ids) for r in done) / (time.perf_counter() - t0)
+
+    await run(8)  # warm-up
+    runs = [await run(THROUGHPUT_TOKENS) for _ in range(THROUGHPUT_REPEATS)]
+    return {"tok_s": statistics.median(runs), "runs": runs}
+
+
+def proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+async def shadow_idle_cpu(nc: Any) -> dict[str, Any]:
+    from common import subjects
+    from common.bus import request as bus_request
+    from schemas.node import SupervisorStatus, SupervisorStatusRequest
+
+    st: SupervisorStatus = await bus_request(
+        nc, subjects.supervisor_status(), SupervisorStatusRequest(), SupervisorStatus, timeout=5
+    )
+    pid = next(p.pid for p in st.procs if p.name == f"shadow-{ENGINE}" and p.alive)
+    assert pid is not None
+    c0, t0 = proc_cpu_s(pid), time.monotonic()
+    await asyncio.sleep(IDLE_WINDOW_S)  # the measurement window itself, not synchronisation
+    c1, t1 = proc_cpu_s(pid), time.monotonic()
+    return {"pid": pid, "cpu_s": c1 - c0, "window_s": t1 - t0, "share": (c1 - c0) / (t1 - t0)}
+
+
+async def one_failure(
+    nc: Any, events: Events, reference: list[int], i: int, *, baseline: bool
+) -> dict[str, Any]:
+    """Kill the main worker while a request streams; time detection, ready, first token."""
+    from services.router.client import generate
+
+    if not baseline:  # the shadow must be warm (it was respawned after the previous handover)
+        await events.wait("shadow_ready", after=events.last_handover, timeout=60)
+    pid = await main_pid(nc)
+    times: list[float] = []
+    held = asyncio.Event()
+
+    def on_delta(d: Any) -> None:
+        times.extend([time.time()] * len(d.token_ids))
+        if len(times) >= KILL_AFTER:
+            held.set()
+
+    task = asyncio.create_task(
+        generate(nc, request(f"ho-{uuid.uuid4().hex[:8]}", STREAM_TOKENS), on_delta=on_delta,
+                 timeout=180)
+    )  # fmt: skip
+    await asyncio.wait_for(held.wait(), 60)
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    if baseline:
+        failed = await events.wait("engine_failed", after=t_kill, timeout=60, pid=pid)
+        t_detect = failed.ts
+        ready = await events.wait("worker_ready", after=t_kill, timeout=120)
+        t_ready = ready.ts
+    else:
+        done = await events.wait("handover_complete", after=t_kill, timeout=60, old_pid=pid)
+        events.last_handover = done.ts
+        t_detect, t_ready = done.data["t_detect"], done.data["t_ready"]
+    result = await task
+    resumed = await events.wait("requests_resumed", after=t_kill, timeout=30)
+    after_kill = [t for t in times if t > t_kill]
+    held_tokens = int(resumed.data.get("held_tokens", 0))
+    row = {
+        "detect_s": t_detect - t_kill,
+        "ready_s": t_ready - t_kill,
+        "first_token_s": (after_kill[0] - t_kill) if after_kill else None,
+        "held_tokens": held_tokens,
+        "regenerated_tokens": held_tokens if baseline else 0,
+        "correct": result.token_ids == reference and len(times) == STREAM_TOKENS,
+        "resumes": result.resumes,
+    }
+    progress(
+        f"{'baseline' if baseline else 'belayer'} failure {i + 1}: detect {row['detect_s']:.3f} s, "
+        f"ready {row['ready_s']:.3f} s, first token {row['first_token_s'] or float('nan'):.3f} s, "
+        f"regenerated {row['regenerated_tokens']}, correct {row['correct']}"
+    )
+    return row
+
+
+async def measure(url: str, failures: int, *, baseline: bool) -> dict[str, Any]:
+    from common.bus import connect
+    from services.router.client import generate
+
+    nc = await connect(url, name="bench-handover")
+    try:
+        events = await Events(nc).start()
+        if not baseline:
+            await events.wait("shadow_ready", after=0, timeout=60)
+        progress(f"{'baseline' if baseline else 'belayer'}: failure-free throughput, batch {BATCH}")
+        tp = await throughput(nc)
+        progress(f"  {tp['tok_s']:.0f} tok/s (runs {[round(x) for x in tp['runs']]})")
+        idle = None
+        if not baseline:
+            progress(f"belayer: idle shadow CPU over {IDLE_WINDOW_S:.0f} s")
+            idle = await shadow_idle_cpu(nc)
+            progress(f"  {idle['share'] * 100:.2f} % of one core")
+        reference = (
+            await generate(nc, request("ho-reference", STREAM_TOKENS), timeout=120)
+        ).token_ids
+        rows = [
+            await one_failure(nc, events, reference, i, baseline=baseline) for i in range(failures)
+        ]
+        return {"throughput": tp, "idle_shadow": idle, "failures": rows}
+    finally:
+        await nc.drain()
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"n": len(rows)}
+    for key in ("detect_s", "ready_s", "first_token_s"):
+        vals = [r[key] for r in rows if r[key] is not None]
+        out[key] = {"p50": percentile(vals, 50), "p99": percentile(vals, 99), "all": vals}
+    out["regenerated_tokens"] = {
+        "mean": statistics.mean(r["regenerated_tokens"] for r in rows) if rows else None,
+        "max": max((r["regenerated_tokens"] for r in rows), default=None),
+    }
+    out["all_correct"] = all(r["correct"] for r in rows)
+    return out
+
+
+def verdict(key: str, value: float | None) -> str:
+    if value is None:
+        return "MISS"
+    op, bound = TARGETS[key]
+    return "PASS" if (value >= bound if op == ">=" else value <= bound) else "MISS"
+
+
+def report(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    b, base = result["belayer"], result["baseline"]
+    rows: list[tuple[str, str, str, str]] = []
+
+    def s(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.3f} s"
+
+    for label, key in (("detect", "detect_s"), ("new worker ready", "ready_s"),
+                       ("first resumed token", "first_token_s")):  # fmt: skip
+        for name, summary in (("belayer", b["summary"]), ("baseline", base["summary"])):
+            for q in ("p50", "p99"):
+                v = summary[key][q]
+                tkey = {"detect_s": "detect", "first_token_s": "first_token"}.get(key)
+                target = ""
+                if name == "belayer" and tkey and f"{tkey}_{q}_s" in TARGETS:
+                    target = f"{tkey}_{q}_s"
+                rows.append((
+                    f"SIGKILL → {label}, {name} {q}", s(v),
+                    f"≤ {TARGETS[target][1]} s" if target else "", verdict(target, v) if target else "",
+                ))  # fmt: skip
+    sp = result["speedup_first_token"]
+    rows.append(("first resumed token: baseline / belayer (p50)",
+                 "n/a" if sp is None else f"{sp:.1f}x", "≥ 10x", verdict("speedup_first_token", sp)))  # fmt: skip
+    for name, summary in (("belayer", b["summary"]), ("baseline", base["summary"])):
+        rg = summary["regenerated_tokens"]["max"]
+        rows.append((f"tokens regenerated per failure, {name} (max)", str(rg),
+                     "0" if name == "belayer" else "",
+                     verdict("regenerated_tokens", rg) if name == "belayer" else ""))  # fmt: skip
+        rows.append((f"every resumed request correct, {name}", str(summary["all_correct"]), "", ""))
+    rows.append(
+        ("throughput batch 8, with shadows", f"{b['throughput']['tok_s']:.0f} tok/s", "", "")
+    )
+    rows.append(("throughput batch 8, without (baseline)", f"{base['throughput']['tok_s']:.0f} tok/s", "", ""))  # fmt: skip
+    ov = result["throughput_overhead"]
+    rows.append(("throughput overhead of shadows", f"{ov * 100:.1f} %", "≤ 2 %",
+                 verdict("throughput_overhead", ov)))  # fmt: skip
+    idle = b["idle_shadow"]
+    rows.append(("idle shadow CPU share", f"{idle['share'] * 100:.2f} %", "", ""))
+    return rows
+
+
+def print_table(rows: list[tuple[str, str, str, str]]) -> None:
+    width = max(len(r[0]) for r in rows)
+    print(f"{'metric':{width}}  {'value':>12}  {'target':>8}  ")
+    for metric, value, target, v in rows:
+        print(f"{metric:{width}}  {value:>12}  {target:>8}  {v}")
+
+
+def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> dict[str, Any]:
+    """Run both modes (a few minutes), print the table, write ``json_path``."""
+    from services.model.tiny import init_tiny_model
+
+    machine = machine_info()
+    progress(f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
+    baseline_failures = max(1, min(3, failures))
+    result: dict[str, Any] = {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "stream_tokens": STREAM_TOKENS,
+        "kill_after_tokens": KILL_AFTER,
+        "heartbeat_s": heartbeat_s,
+        "machine": machine,
+        "targets": {k: {"op": op, "bound": bd} for k, (op, bd) in TARGETS.items()},
+    }
+    with tempfile.TemporaryDirectory(prefix="belayer-bench-handover-") as tmp:
+        model_dir = init_tiny_model(Path(tmp) / "model")
+        for mode, n in (("belayer", failures), ("baseline", baseline_failures)):
+            run_dir = Path(tmp) / mode
+            try:
+                progress(f"starting a {mode} node (1 engine)")
+                extra = ["--recovery", mode]
+                if mode == "baseline":
+                    extra += ["--heartbeat-interval", str(heartbeat_s)]
+                node = up(run_dir, model_dir, *extra)
+                measured = asyncio.run(measure(node["nats_url"], n, baseline=mode == "baseline"))
+            finally:
+                progress(f"stopping the {mode} node: belayer down")
+                with contextlib.suppress(Exception):
+                    stop_node(run_dir)
+            measured["summary"] = summarize(measured["failures"])
+            result[mode] = measured
+    b, base = result["belayer"]["summary"], result["baseline"]["summary"]
+    bf, basef = b["first_token_s"]["p50"], base["first_token_s"]["p50"]
+    result["speedup_first_token"] = basef / bf if bf and basef else None
+    tp_b, tp_base = (
+        result["belayer"]["throughput"]["tok_s"],
+        result["baseline"]["throughput"]["tok_s"],
+    )
+    result["throughput_overhead"] = 1.0 - tp_b / tp_base
+    values = {
+        "detect_p50_s": b["detect_s"]["p50"],
+        "detect_p99_s": b["detect_s"]["p99"],
+        "first_token_p50_s": bf,
+        "speedup_first_token": result["speedup_first_token"],
+        "regenerated_tokens": b["regenerated_tokens"]["max"],
+        "throughput_overhead": result["throughput_overhead"],
+    }
+    result["verdicts"] = {k: verdict(k, v) for k, v in values.items()}
+    result["machine"]["loadavg_after"] = list(os.getloadavg())
+    print_table(report(result))
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    progress(f"wrote {json_path}")
+    return result
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("bench-results/handover.json"))
