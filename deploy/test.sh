@@ -11,6 +11,8 @@ echo "test: ruff"
 echo "test: pytest"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 before=$(ls /dev/shm 2>/dev/null | grep '^belayer-' | sort || true)
+containers() { /usr/bin/docker ps -aq --filter label=belayer.sandbox 2>/dev/null | sort || true; }
+cbefore=$(containers)
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 rc=$?
@@ -19,5 +21,7 @@ set -e
 after=$(ls /dev/shm 2>/dev/null | grep '^belayer-' | sort || true)
 leaks=$(comm -13 <(echo "$before") <(echo "$after") | grep . || true)
 if [ -n "$leaks" ]; then echo "test: shared-memory files left behind: $leaks"; rc=1; fi
+cleaks=$(comm -13 <(echo "$cbefore") <(containers) | grep . || true)
+if [ -n "$cleaks" ]; then echo "test: sandbox containers left behind: $cleaks"; rc=1; fi
 if [ $rc -eq 5 ]; then echo "test: no tests ran"; fi
 exit $rc
