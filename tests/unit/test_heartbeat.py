@@ -1,0 +1,59 @@
+"""Heartbeat verdicts and pid liveness (pidfd) — the shadow's failure detector."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from services.supervisor.backoff import Backoff
+from services.worker.heartbeat import (
+    Identity,
+    PidWatch,
+    Verdict,
+    assess,
+    read_identity,
+    write_identity,
+)
+
+
+def test_assess() -> None:
+    assert assess(pid_alive=None, age_s=None, stale_after_s=2) is Verdict.WAITING
+    assert assess(pid_alive=True, age_s=0.01, stale_after_s=2) is Verdict.ALIVE
+    assert assess(pid_alive=True, age_s=2.5, stale_after_s=2) is Verdict.HUNG
+    assert assess(pid_alive=False, age_s=0.01, stale_after_s=2) is Verdict.DEAD
+
+
+def test_identity_roundtrip(tmp_path: Path) -> None:
+    hb = tmp_path / "e0.hb"
+    assert read_identity(hb) is None
+    write_identity(hb, Identity(pid=12, epoch=3, engine_id="e0"))
+    ident, mtime = read_identity(hb)  # type: ignore[misc]
+    assert ident == Identity(12, 3, "e0") and mtime > 0
+    hb.write_text("{not json")
+    assert read_identity(hb) is None
+
+
+def test_pidwatch_sees_death_of_an_unreaped_child() -> None:
+    proc = subprocess.Popen(["sleep", "30"])
+    watch = PidWatch(proc.pid)
+    try:
+        assert watch.alive()
+        proc.kill()
+        # Not reaped yet: the process is a zombie, kill(pid, 0) would still succeed.
+        for _ in range(1000):
+            if not watch.alive():
+                break
+            time.sleep(0.001)  # bounded wait for the kernel to deliver SIGKILL
+        assert not watch.alive()
+    finally:
+        watch.close()
+        proc.wait()
+    assert not PidWatch(proc.pid).alive()  # reaped: no such process
+
+
+def test_backoff_doubles_and_resets() -> None:
+    b = Backoff(initial=0.5, maximum=4.0, stable_after=30.0)
+    assert [b.next_delay(1.0) for _ in range(5)] == [0.5, 1.0, 2.0, 4.0, 4.0]
+    assert b.next_delay(60.0) == 0.5
+    assert b.restarts == 6
