@@ -64,6 +64,11 @@ def engine_ping(engine_id: str) -> str:
     return f"{PREFIX}.engine.{check_token(engine_id, 'engine id')}.ping"
 
 
+def engine_state(engine_id: str) -> str:
+    """Request: the worker's copy of given requests (tokens so far, finished or not)."""
+    return f"{PREFIX}.engine.{check_token(engine_id, 'engine id')}.state"
+
+
 def router_generate() -> str:
     """Request (streamed replies): generate tokens for a request."""
     return f"{PREFIX}.router.generate"

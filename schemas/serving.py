@@ -84,6 +84,8 @@ class GenerateResult(Message, tag="GenerateResult.v1"):
     """How many times the request was resumed on another worker."""
     version_changed: bool = False
     """True if the weight version changed between the prefix and a resumed continuation."""
+    regenerated: int = 0
+    """Tokens that were generated again after a failure (0 under token-level recovery)."""
 
 
 GenerateReply = TokenDelta | GenerateResult | ErrorReply
@@ -107,6 +109,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     """How many of ``token_ids`` were generated before (0 for a fresh request)."""
     sampling: SamplingParams
     """``max_tokens`` is what is left to generate."""
+    held_logprobs: list[float] = []
+    """Logprobs of the ``generated_offset`` held tokens, so the worker can report them back
+    (``EngineStateReply``) to a restarted router."""
 
 
 class EngineSubmit(Message, tag="EngineSubmit.v1"):
@@ -135,6 +140,9 @@ class SeqDelta(msgspec.Struct, kw_only=True):
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    start: int = -1
+    """Index of ``token_ids[0]`` among the request's generated tokens (held ones included);
+    lets the router drop overlaps and detect gaps. -1: unknown."""
 
 
 class StepBatch(Message, tag="StepBatch.v1"):
@@ -252,3 +260,30 @@ class EngineFailed(Message, tag="EngineFailed.v1"):
     """``exited``, ``hung``, ``heartbeat`` (remote ping missed)…"""
     detected_at: float = 0.0
     """Unix time of detection."""
+
+
+class EngineStateRequest(Message, tag="EngineStateRequest.v1"):
+    """Request on ``belayer.engine.<id>.state``: what the worker holds for these requests
+    (a restarted router adopts running requests instead of regenerating them)."""
+
+    request_ids: list[str]
+
+
+class HeldRequest(msgspec.Struct, kw_only=True):
+    """A worker's copy of one request: every generated token it knows, held ones included."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+class EngineStateReply(Message, tag="EngineStateReply.v1"):
+    """Reply of ``belayer.engine.<id>.state``: requests the worker runs or recently finished
+    (unknown ids are simply absent)."""
+
+    engine_id: str
+    epoch: int
+    weight_version: int
+    requests: list[HeldRequest]

@@ -24,7 +24,9 @@ from schemas.serving import (
     EngineInfo,
     EngineRequest,
     GenerateResult,
+    HeldRequest,
     SamplingParams,
+    SeqDelta,
     StepBatch,
     TokenDelta,
     TokenLogChunk,
@@ -124,9 +126,8 @@ class RequestState:
     logged: int = 0
     chunk_index: int = 0
     version_changed: bool = False
-    skip: int = 0
-    """Baseline mode: tokens the restarted worker regenerates that the caller already holds."""
     regenerated: int = 0
+    """Tokens a worker produced again that the router already held (dropped by index)."""
 
 
 class RouterCore:
@@ -141,6 +142,8 @@ class RouterCore:
         """Requests waiting for any healthy engine."""
         self.finished: OrderedDict[str, GenerateResult] = OrderedDict()
         self.regenerated_tokens = 0
+        self.hold_pending = False
+        """While True (a restarted router adopting live requests), pending requests wait."""
 
     # --- requests ---------------------------------------------------------------------------
     def validate(
@@ -249,8 +252,9 @@ class RouterCore:
     def _engine_request(self, req: RequestState) -> EngineRequest:
         held = len(req.tokens)
         if self.config.recovery == "baseline" and held:
-            # Baseline: start over from the prompt; the caller already has ``held`` tokens.
-            req.skip = held
+            # Baseline: start over from the prompt; the caller already has ``held`` tokens,
+            # so the first ``held`` the worker produces again are dropped by index (counted as
+            # regenerated). Exact for greedy; with sampling the regenerated tokens can differ.
             return EngineRequest(
                 request_id=req.request_id,
                 token_ids=list(req.prompt_ids),
@@ -271,6 +275,7 @@ class RouterCore:
             token_ids=req.prompt_ids + req.tokens,
             generated_offset=held,
             sampling=sampling,
+            held_logprobs=list(req.logprobs),
         )
 
     # --- workers ----------------------------------------------------------------------------
@@ -385,9 +390,57 @@ class RouterCore:
         return actions
 
     def _take_pending(self) -> list[RequestState]:
+        if self.hold_pending:
+            return []
         reqs = [self.active[r] for r in self.pending if r in self.active]
         self.pending.clear()
         return reqs
+
+    def release_pending(self) -> list[Action]:
+        """End of a restart's adoption phase: place whatever no worker still held."""
+        self.hold_pending = False
+        return self._place(self._take_pending())
+
+    def adopt(self, engine_id: str, held: list[HeldRequest], weight_version: int) -> list[Action]:
+        """A restarted router takes over requests a live worker still runs (or just finished):
+        the worker's tokens extend what the log had, so nothing is generated again."""
+        eng = self.engines.get(engine_id)
+        if eng is None or eng.status is not EngineStatus.UP:
+            return []
+        actions: list[Action] = []
+        for h in held:
+            req = self.active.get(h.request_id)
+            if req is None or req.engine_id is not None or len(h.token_ids) < len(req.tokens):
+                continue
+            if h.token_ids[: len(req.tokens)] != req.tokens:
+                actions.append(
+                    EmitEvent(
+                        "adopt_mismatch", engine_id, h.request_id, {"logged": len(req.tokens)}
+                    )
+                )
+                continue
+            if h.request_id in self.pending:
+                self.pending.remove(h.request_id)
+            logged = len(req.tokens)
+            req.tokens = list(h.token_ids)
+            req.logprobs = req.logprobs + list(h.logprobs[logged:])
+            req.versions = req.versions + [weight_version] * (len(req.tokens) - logged)
+            req.engine_id = engine_id
+            req.engine_history.append(engine_id)
+            eng.assigned.add(h.request_id)
+            # The caller got at least the logged tokens from the old router (it streamed them
+            # before logging them): catch up from there; clients drop what they already hold.
+            actions += [
+                SendToCaller(inbox, self._delta(req, logged, len(req.tokens)))
+                for inbox, stream in req.subscribers.items()
+                if stream and len(req.tokens) > logged
+            ]
+            actions += self._log_full_chunks(req)
+            if h.finished:
+                actions += self._finish(req, h.finish_reason or "stop")
+        if held:
+            actions.append(EmitEvent("requests_adopted", engine_id, data={"count": len(held)}))
+        return actions
 
     # --- tokens -----------------------------------------------------------------------------
     def on_step(self, batch: StepBatch) -> list[Action]:
@@ -417,28 +470,48 @@ class RouterCore:
                 continue
             if d.finish_reason == "abort" and not d.token_ids:
                 continue  # the worker dropping a copy it was told to replace; not the caller's abort
-            toks, lps = list(d.token_ids), list(d.logprobs)
-            if req.skip:
-                # Baseline mode: the restarted worker recomputes tokens the caller already has.
-                n = min(req.skip, len(toks))
-                req.skip -= n
-                req.regenerated += n
-                self.regenerated_tokens += n
-                toks, lps = toks[n:], lps[n:]
-            if toks:
-                if req.versions and req.versions[-1] != batch.weight_version:
-                    req.version_changed = True
-                start = len(req.tokens)
-                req.tokens += toks
-                req.logprobs += lps
-                req.versions += [batch.weight_version] * len(toks)
-                actions += [
-                    SendToCaller(inbox, self._delta(req, start, len(req.tokens)))
-                    for inbox, stream in req.subscribers.items()
-                    if stream
-                ]
-                actions += self._log_full_chunks(req)
-            if d.finished and not req.skip:
+            actions += self._apply_delta(req, d, batch.weight_version)
+        return actions
+
+    def _apply_delta(self, req: RequestState, d: SeqDelta, version: int) -> list[Action]:
+        """Place a worker's tokens by index: overlaps (tokens generated again — baseline
+        restarts, a restarted router's resubmission) are dropped and counted; a gap (a lost
+        batch) resubmits the request from the tokens held, so nothing is skipped."""
+        toks, lps = list(d.token_ids), list(d.logprobs)
+        held = len(req.tokens)
+        start = held if d.start < 0 else d.start
+        if start > held:
+            eng = self.engines[req.engine_id] if req.engine_id else None
+            if eng is None:
+                return []
+            return [
+                EmitEvent(
+                    "token_gap_resubmitted", eng.id, req.request_id, {"held": held, "start": start}
+                ),
+                SubmitToEngine(eng.id, eng.epoch, [self._engine_request(req)]),
+            ]
+        overlap = min(held - start, len(toks))
+        if overlap:
+            req.regenerated += overlap
+            self.regenerated_tokens += overlap
+            toks, lps = toks[overlap:], lps[overlap:]
+        actions: list[Action] = []
+        if toks:
+            if req.versions and req.versions[-1] != version:
+                req.version_changed = True
+            req.tokens += toks
+            req.logprobs += lps
+            req.versions += [version] * len(toks)
+            actions += [
+                SendToCaller(inbox, self._delta(req, held, len(req.tokens)))
+                for inbox, stream in req.subscribers.items()
+                if stream
+            ]
+            actions += self._log_full_chunks(req)
+        if d.finished:
+            # A regenerating worker (baseline) that stops before reaching the held tokens
+            # cannot finish what the caller already holds more of.
+            if start + len(d.token_ids) >= held:
                 actions += self._finish(req, d.finish_reason or "stop")
         return actions
 
@@ -493,6 +566,7 @@ class RouterCore:
             engine_ids=req.engine_history,
             resumes=req.resumes,
             version_changed=req.version_changed,
+            regenerated=req.regenerated,
         )
         self.remember(result)
         actions: list[Action] = [

@@ -31,6 +31,8 @@ from schemas.serving import (
     CancelRequest,
     EngineAbort,
     EngineFailed,
+    EngineStateReply,
+    EngineStateRequest,
     EngineSubmit,
     GenerateRequest,
     GenerateResult,
@@ -72,6 +74,8 @@ class Router:
             asyncio.Queue()
         )
         self.tasks: set[asyncio.Task[None]] = set()
+        self.stash: list[StepBatch] | None = []
+        """Step batches received while adopting after a restart (None once live)."""
         self.log = get_logger(service="router")
 
     # --- action execution -------------------------------------------------------------------
@@ -297,6 +301,9 @@ class Router:
         except BelayerError as exc:
             self.log.warning("bad_step_batch", error=str(exc))
             return
+        if self.stash is not None:
+            self.stash.append(batch)  # adopting after a restart: replayed once adoption is done
+            return
         await self.execute(self.core.on_step(batch))
 
     async def on_cancel(self, req: CancelRequest, _msg: Msg) -> Ok:
@@ -396,6 +403,7 @@ class Router:
         )
         if not accepted:
             return
+        self.core.hold_pending = True
         chunks = await self._read_all(subjects.STREAM_TOKENS, subjects.TOKEN_LOG_ALL, TokenLogChunk)
         by_request: dict[str, list[TokenLogChunk]] = {}
         for c in chunks:
@@ -416,9 +424,40 @@ class Router:
             seconds=round(time.monotonic() - t0, 3),
         )
 
+    async def adopt_running(self) -> None:
+        """Ask every live engine for the restored requests it still holds and adopt them, so a
+        router restart regenerates nothing while the workers live. Step batches that arrive
+        meanwhile are stashed and replayed after (placement by index drops what overlaps)."""
+        waiting = [r for r in self.core.pending if r in self.core.active]
+        for eng in list(self.core.engines.values()):
+            if not waiting:
+                break
+            try:
+                reply: EngineStateReply = await request(
+                    self.nc,
+                    subjects.engine_state(eng.id),
+                    EngineStateRequest(request_ids=waiting),
+                    EngineStateReply,
+                    timeout=2.0,
+                )
+            except BelayerError as exc:
+                self.log.warning("engine_state_failed", engine=eng.id, error=str(exc))
+                continue
+            if reply.epoch != eng.epoch:
+                continue
+            await self.execute(self.core.adopt(eng.id, reply.requests, reply.weight_version))
+            waiting = [r for r in self.core.pending if r in self.core.active]
+        stashed, self.stash = self.stash, None
+        for batch in stashed or []:
+            await self.execute(self.core.on_step(batch))
+        await self.execute(self.core.release_pending())
+        self.log.info("requests_adopted", left_to_resubmit=len(self.core.pending))
+
     async def start(self) -> None:
+        await self.nc.subscribe(subjects.router_tokens(), cb=self.on_tokens)
         await self.restore_from_log()
         await self.rediscover_engines()
+        await self.adopt_running()
         await self.server.serve(subjects.router_generate(), GenerateRequest, self.on_generate)
         await self.server.serve(subjects.router_register(), RegisterWorker, self.on_register)
         await self.server.serve(subjects.router_cancel(), CancelRequest, self.on_cancel)
@@ -426,7 +465,6 @@ class Router:
         await self.server.serve(
             subjects.router_engine_failed(), EngineFailed, self.on_engine_failed
         )
-        await self.nc.subscribe(subjects.router_tokens(), cb=self.on_tokens)
         self.status = Status.READY
 
 

@@ -241,12 +241,13 @@ class Supervisor:
                 "service_restarted", name=child.name, pid=child.pid, restarts=child.backoff.restarts
             )
 
-    async def _event(self, kind: str, **data: Any) -> None:
+    async def _event(self, kind: str, *, engine_id: str | None = None, **data: Any) -> None:
         if self.nc is None:
             return
-        await publish_event(
-            self.nc.jetstream(), Event(kind=kind, ts=time.time(), source="supervisor", data=data)
+        event = Event(
+            kind=kind, ts=time.time(), source="supervisor", engine_id=engine_id, data=data
         )
+        await publish_event(self.nc.jetstream(), event)
 
     async def _on_status(self, _req: SupervisorStatusRequest, _msg: Msg) -> SupervisorStatus:
         now = time.monotonic()

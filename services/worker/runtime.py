@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.logging import get_logger
-from schemas.serving import EngineRequest, SeqDelta
-from services.worker.engine.llm_engine import LLMEngine
+from schemas.serving import EngineRequest, HeldRequest, SeqDelta
+from services.worker.engine.llm_engine import LLMEngine, StepOutput
 from services.worker.engine.sequence import SamplingParams as EngineSampling
 
 log = get_logger(component="engine_loop")
@@ -32,7 +34,38 @@ class Abort:
     request_ids: list[str]
 
 
-Command = Submit | Abort
+@dataclass
+class Snapshot:
+    """Ask the loop for its copy of some requests; the answer arrives on ``future``."""
+
+    request_ids: list[str]
+    future: Future[list[HeldRequest]]
+
+
+Command = Submit | Abort | Snapshot
+
+
+@dataclass
+class Track:
+    """Every generated token of one request this worker knows (held ones included)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool = False
+    finish_reason: str | None = None
+
+    def held(self, request_id: str) -> HeldRequest:
+        return HeldRequest(
+            request_id=request_id,
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            finished=self.finished,
+            finish_reason=self.finish_reason,  # type: ignore[arg-type]
+        )
+
+
+#: Finished requests remembered for a restarted router (``EngineStateRequest``).
+RECENT_LIMIT = 4096
 
 
 def to_engine_sampling(req: EngineRequest) -> EngineSampling:
@@ -68,6 +101,8 @@ class EngineLoop:
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.steps = 0
+        self.tracks: dict[str, Track] = {}
+        self.recent: OrderedDict[str, Track] = OrderedDict()
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal: BaseException | None = None
 
@@ -95,22 +130,36 @@ class EngineLoop:
                 self.heartbeat_file.touch()
 
     def _apply(self, cmd: Command, errors: list[SeqDelta]) -> None:
+        if isinstance(cmd, Snapshot):
+            held = [
+                t.held(rid)
+                for rid in cmd.request_ids
+                if (t := self.tracks.get(rid) or self.recent.get(rid)) is not None
+            ]
+            cmd.future.set_result(held)
+            return
         if isinstance(cmd, Abort):
             for rid in cmd.request_ids:
                 self.engine.abort_request(rid)
+                self.tracks.pop(rid, None)
             return
         for req in cmd.requests:
-            # A resubmitted id replaces the running one (a restarted router resumes requests
-            # this worker may still hold); the engine reports the old one as an abort.
+            # A resubmitted id replaces the running copy (a restarted router resumes requests
+            # this worker may still hold).
             self.engine.abort_request(req.request_id)
+            n = req.generated_offset
+            held = list(req.token_ids[len(req.token_ids) - n :]) if n else []
+            lps = list(req.held_logprobs[:n]) + [0.0] * max(0, n - len(req.held_logprobs))
             try:
                 self.engine.add_request(
                     req.request_id,
                     list(req.token_ids),
                     to_engine_sampling(req),
-                    generated_offset=req.generated_offset,
+                    generated_offset=n,
                 )
+                self.tracks[req.request_id] = Track(held, lps)
             except ValueError as exc:  # e.g. prompt longer than the engine can ever hold
+                self.tracks.pop(req.request_id, None)
                 errors.append(
                     SeqDelta(
                         request_id=req.request_id,
@@ -119,8 +168,38 @@ class EngineLoop:
                         finished=True,
                         finish_reason="error",
                         error=str(exc),
+                        start=n,
                     )
                 )
+
+    def _deltas(self, outputs: list[StepOutput]) -> list[SeqDelta]:
+        """Step outputs → deltas with positions; records them in the tracks."""
+        deltas = []
+        for o in outputs:
+            if o.finish_reason == "abort":
+                continue  # every abort is ours (a replaced copy or the router's cancel)
+            track = self.tracks.get(o.request_id)
+            if track is None:
+                continue
+            start = len(track.token_ids)
+            track.token_ids += o.new_token_ids
+            track.logprobs += o.new_logprobs
+            if o.finished:
+                track.finished, track.finish_reason = True, o.finish_reason
+                self.recent[o.request_id] = self.tracks.pop(o.request_id)
+                while len(self.recent) > RECENT_LIMIT:
+                    self.recent.popitem(last=False)
+            deltas.append(
+                SeqDelta(
+                    request_id=o.request_id,
+                    token_ids=list(o.new_token_ids),
+                    logprobs=list(o.new_logprobs),
+                    finished=o.finished,
+                    finish_reason=o.finish_reason,  # type: ignore[arg-type]
+                    start=start,
+                )
+            )
+        return deltas
 
     def _run(self) -> None:
         try:
@@ -142,16 +221,7 @@ class EngineLoop:
                     continue
                 outputs = self.engine.step()
                 self.steps += 1
-                deltas = [
-                    SeqDelta(
-                        request_id=o.request_id,
-                        token_ids=list(o.new_token_ids),
-                        logprobs=list(o.new_logprobs),
-                        finished=o.finished,
-                        finish_reason=o.finish_reason,  # type: ignore[arg-type]
-                    )
-                    for o in outputs
-                ]
+                deltas = self._deltas(outputs)
                 if deltas:
                     self.on_batch(self.steps, deltas)
         except BaseException as exc:  # the worker must die loudly, not hang with a stale loop

@@ -12,6 +12,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -29,7 +30,10 @@ from schemas.base import Ok, encode
 from schemas.events import Event
 from schemas.serving import (
     EngineAbort,
+    EngineStateReply,
+    EngineStateRequest,
     EngineSubmit,
+    HeldRequest,
     Ping,
     PingReply,
     RegisterReply,
@@ -46,7 +50,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.llm_engine import LLMEngine
 from services.worker.epoch import claim_epoch
 from services.worker.heartbeat import Identity, write_identity
-from services.worker.runtime import Abort, EngineLoop, Submit
+from services.worker.runtime import Abort, EngineLoop, Snapshot, Submit
 
 
 class Worker:
@@ -138,6 +142,9 @@ class Worker:
         )
         await self.server.serve(subjects.engine_abort(self.engine_id), EngineAbort, self._on_abort)
         await self.server.serve(subjects.engine_ping(self.engine_id), Ping, self._on_ping)
+        await self.server.serve(
+            subjects.engine_state(self.engine_id), EngineStateRequest, self._on_state
+        )
         if on_ready is not None:
             on_ready()
         await self.register()
@@ -195,6 +202,21 @@ class Worker:
         assert self.loop is not None
         self.loop.submit(Abort(req.request_ids))
         return Ok()
+
+    async def _on_state(self, req: EngineStateRequest, _msg: Msg) -> EngineStateReply:
+        assert self.loop is not None
+        fut: Future[list[HeldRequest]] = Future()
+        self.loop.submit(Snapshot(list(req.request_ids), fut))
+        try:
+            held = await asyncio.wait_for(asyncio.wrap_future(fut), 5.0)
+        except TimeoutError:
+            raise Timeout("engine loop did not answer", engine_id=self.engine_id) from None
+        return EngineStateReply(
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            weight_version=self.weight_version,
+            requests=held,
+        )
 
     async def _on_ping(self, _req: Ping, _msg: Msg) -> PingReply:
         running, waiting = self.loop.load if self.loop else (0, 0)

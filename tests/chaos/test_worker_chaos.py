@@ -1,7 +1,8 @@
 """Chaos on rollout workers, on one real 2-engine node (real nats-server, real processes): kill
 main workers at random points (prefill included, several requests in flight), hang one with
 SIGSTOP, kill both engines at once, forge stale-epoch output. Every caller must get exactly the
-tokens of an uninterrupted run, each once, all from one weight version.
+tokens of an uninterrupted run (greedy; sampled: up to the failure), each once, all from one
+weight version.
 
 The node runs with a 1 s failure window so that the repeated kills here (seconds apart, each
 after the previous handover finished and a fresh shadow is warm) are independent failures; the
@@ -92,16 +93,41 @@ async def references(nc: object, reqs: list[GenerateRequest]) -> dict[str, list[
     return out
 
 
-def check(rec: StreamRecord, reference: list[int], *, resent_ok: bool = False) -> None:
-    """The caller's tokens equal the reference, each delivered once, one weight version."""
+def check(
+    rec: StreamRecord, reference: list[int], *, exact: bool = True, resent_ok: bool = False
+) -> None:
+    """Each token delivered once, in order, from one weight version, and the result equals the
+    stream. ``exact``: the tokens equal the uninterrupted run. Otherwise (a sampled request
+    resumed on a new worker: the KV rebuilt by prefill can tip a later sample, which the design
+    allows) the tokens the caller held when the failure hit equal the uninterrupted run."""
     assert rec.result is not None
     rid = rec.request_id
-    assert rec.tokens == reference, f"{rid} differs from the uninterrupted run (seed {SEED})"
+    if exact:
+        assert rec.tokens == reference, f"{rid} differs from the uninterrupted run (seed {SEED})"
+    else:
+        held = rec.mark or 0
+        assert rec.tokens[:held] == reference[:held], f"{rid}: tokens before the failure changed"
+        assert len(rec.tokens) == len(reference), f"{rid}: lost or extra tokens"
     assert rec.result.token_ids == rec.tokens, f"{rid}: result differs from the streamed tokens"
+    assert len(rec.result.logprobs) == len(rec.tokens)
+    assert all(lp <= 0.0 for lp in rec.result.logprobs), f"{rid}: logprobs do not continue"
     assert len(set(rec.result.token_weight_versions)) == 1, f"{rid}: mixed weight versions"
     assert len(rec.result.token_weight_versions) == len(rec.tokens)
     if not resent_ok:
         assert rec.overlaps == [], f"{rid}: tokens sent twice {rec.overlaps}"
+
+
+def check_all(
+    recs: list[StreamRecord], reqs: list[GenerateRequest], ref: dict[str, list[int]], **kw: bool
+) -> None:
+    for rec, q in zip(recs, reqs, strict=True):
+        check(rec, ref[q.request_id], exact=q.sampling.temperature == 0, **kw)
+
+
+def mark(recs: list[StreamRecord]) -> None:
+    """Record what each caller held at the moment a failure is injected."""
+    for rec in recs:
+        rec.mark = len(rec.tokens)
 
 
 def launch(
@@ -151,10 +177,10 @@ async def test_sigkill_at_random_points_resumes_every_request_exactly(
         else:
             await recs[0].wait_tokens(kill_after[r])
         t_kill = time.time()
+        mark(recs)
         os.kill(pid, signal.SIGKILL)
         done = await events.wait_for("handover_complete", victim, old_pid=pid, timeout=30)
-        for rec in await asyncio.gather(*tasks):
-            check(rec, ref[rec.request_id])
+        check_all(list(await asyncio.gather(*tasks)), reqs, ref)
         if kill_after[r] == 0:
             assert all(t > t_kill for t in recs[0].delta_times + recs[1].delta_times)
         else:
@@ -183,6 +209,7 @@ async def test_sigstop_hang_is_taken_over_and_the_residual_is_fenced_and_killed(
     recs, tasks = launch(nc, reqs)
     await recs[0].wait_tokens(8)
     t_stop = time.time()
+    mark(recs)
     os.kill(pid, signal.SIGSTOP)
     try:
         detected = await events.wait_for("handover_detected", "e0", old_pid=pid, timeout=15)
@@ -193,10 +220,9 @@ async def test_sigstop_hang_is_taken_over_and_the_residual_is_fenced_and_killed(
     done = await events.wait_for("handover_complete", "e0", old_pid=pid, timeout=15)
     await wait_until(lambda: pid_gone(pid), timeout=5, what=f"residual worker {pid} is dead")
     health = events.matching("handover_health_ok", "e0", after=detected.ts - 1e-3)
-    killed_by_supervisor = events.matching("residual_killed", pid=pid)  # engine in data
+    killed_by_supervisor = events.matching("residual_killed", "e0", pid=pid)
     assert (health and health[0].data["residual_killed"]) or killed_by_supervisor
-    for rec in await asyncio.gather(*tasks):
-        check(rec, ref[rec.request_id])
+    check_all(list(await asyncio.gather(*tasks)), reqs, ref)
     # Whatever the woken worker published after the engine went down was rejected, not relayed
     # (how much it managed to publish before the shadow's SIGKILL depends on timing).
     for ev in events.matching("stale_output_rejected", "e0", pid=pid):
@@ -216,17 +242,18 @@ async def test_both_engines_killed_at_once_both_hand_over(bus: tuple[object, Eve
     pids = await main_pids(nc)
     recs, tasks = launch(nc, reqs)
     await asyncio.gather(recs[0].wait_tokens(6), recs[2].wait_tokens(6))
+    mark(recs)
     for eid in ENGINES:
         os.kill(pids[eid], signal.SIGKILL)
     done = [
         await events.wait_for("handover_complete", eid, old_pid=pids[eid], timeout=30)
         for eid in ENGINES
     ]
-    for rec in await asyncio.gather(*tasks):
-        check(rec, ref[rec.request_id])
-        assert rec.result is not None and rec.result.resumes >= 1
-    after = max(d.ts for d in done)
-    await settle(events, after=after - 5.0)  # each engine's replacement shadow is warm again
+    results = list(await asyncio.gather(*tasks))
+    check_all(results, reqs, ref)
+    assert all(rec.result is not None and rec.result.resumes >= 1 for rec in results)
+    for d in done:  # each engine's replacement shadow is warm again
+        await events.wait_for("shadow_ready", d.engine_id, after=d.ts, timeout=60)
     assert all(e.healthy for e in (await router_status(nc)).engines)
 
 

@@ -163,6 +163,8 @@ class StreamRecord:
     overlaps: list[int] = field(default_factory=list)
     """Tokens re-sent (delta.start < tokens held), each time it happened."""
     result: GenerateResult | None = None
+    mark: int | None = None
+    """Tokens the caller held when a failure was injected (set by the test)."""
     _waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
 
     async def wait_tokens(self, n: int, timeout: float = 30.0) -> None:

@@ -31,11 +31,12 @@ def batch(
     finished: bool = False,
     version: int = 1,
     pid: int = 100,
+    start: int = -1,
 ) -> StepBatch:
     return StepBatch(
         engine_id=engine, epoch=epoch, worker_pid=pid, step=1, weight_version=version,
         deltas=[SeqDelta(request_id=rid, token_ids=toks, logprobs=[-0.5] * len(toks), finished=finished,
-                         finish_reason="length" if finished else None)],
+                         finish_reason="length" if finished else None, start=start)],
     )  # fmt: skip
 
 
@@ -178,10 +179,59 @@ def test_baseline_regenerates_from_scratch_without_duplicates() -> None:
     c.engine_failed("e0", now=0.0, reason="crash")
     (sub,) = of(c.register("e0", 2, 101), SubmitToEngine)
     assert sub.requests[0].token_ids == [1] and sub.requests[0].generated_offset == 0
-    acts = c.on_step(batch("e0", 2, "r", [4, 5, 6]))
+    acts = c.on_step(batch("e0", 2, "r", [4, 5, 6], start=0))
     (d,) = [a.message for a in of(acts, SendToCaller)]
     assert d.start == 2 and d.token_ids == [6]
     assert c.regenerated_tokens == 2
+
+
+def test_tokens_are_placed_by_index() -> None:
+    c = core()
+    c.register("e0", 1, 100)
+    c.submit("r", [1], SamplingParams(max_tokens=10), inbox="in")
+    c.on_step(batch("e0", 1, "r", [4, 5], start=0))
+    # a duplicate batch changes nothing and reaches no caller
+    assert not of(c.on_step(batch("e0", 1, "r", [4, 5], start=0)), SendToCaller)
+    # a gap (a lost batch) resubmits from the held tokens instead of skipping any
+    acts = c.on_step(batch("e0", 1, "r", [9], start=5))
+    (sub,) = of(acts, SubmitToEngine)
+    assert sub.requests[0].token_ids == [1, 4, 5] and sub.requests[0].held_logprobs == [-0.5, -0.5]
+    assert c.active["r"].tokens == [4, 5]
+
+
+def test_restarted_router_adopts_what_workers_hold() -> None:
+    from schemas.serving import HeldRequest, TokenLogChunk
+
+    c = core()
+    c.hold_pending = True
+    log = [
+        TokenLogChunk(
+            request_id="r",
+            chunk_index=0,
+            start=0,
+            token_ids=[4, 5, 6, 7],
+            logprobs=[-1.0] * 4,
+            weight_versions=[1] * 4,
+        )
+    ]
+    c.restore("r", [1], SamplingParams(max_tokens=10), log, inbox="in")
+    c.restore("q", [2], SamplingParams(max_tokens=10), [], inbox="in2")
+    assert not of(c.register("e0", 1, 100), SubmitToEngine)  # held until adoption is done
+    held = [
+        HeldRequest(
+            request_id="r", token_ids=[4, 5, 6, 7, 8, 9], logprobs=[-1.0] * 4 + [-2.0, -3.0]
+        )
+    ]
+    acts = c.adopt("e0", held, weight_version=1)
+    (catch_up,) = [a.message for a in of(acts, SendToCaller)]
+    assert catch_up.start == 4 and catch_up.token_ids == [8, 9]
+    assert c.active["r"].engine_id == "e0" and c.active["r"].logprobs[-1] == -3.0
+    # the worker's next tokens continue by index; the one nobody holds is resubmitted
+    more = c.on_step(batch("e0", 1, "r", [10], start=6))
+    assert [a.message.token_ids for a in of(more, SendToCaller)] == [[10]]
+    (sub,) = of(c.release_pending(), SubmitToEngine)
+    assert [r.request_id for r in sub.requests] == ["q"]
+    assert c.regenerated_tokens == 0
 
 
 def test_restore_from_log() -> None:
