@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -60,25 +65,39 @@ bench_app = typer.Typer(help="Benchmarks: print a table and write JSON.", no_arg
 app.add_typer(bench_app, name="bench")
 
 
+def _run_bench(fn: Callable[[], dict[str, Any]], as_json: bool) -> None:
+    """Run a benchmark; with ``--json`` its table goes to stderr and the JSON to stdout."""
+    if not as_json:
+        fn()
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        result = fn()
+    sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
+
+
 @bench_app.command("serve")
 def bench_serve(
-    json_out: Path | None = typer.Option(
-        None, "--json", help="Write results to this JSON file (default: bench-results/serve.json)."
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the results as JSON on stdout (the table goes to stderr)."
+    ),
+    out: Path = typer.Option(
+        Path("bench-results/serve.json"), "--out", help="Where to write the JSON."
     ),
     new_tokens: int = typer.Option(128, help="New tokens per request."),
 ) -> None:
-    """Tokens/s at batch 1 and 8: engine alone vs the full bus path; attach vs cold load."""
+    """Tokens/s at batch 1 and 8: engine alone vs the full bus path; attach vs cold load; up time."""
     from bench.serve import main as bench_main
 
-    bench_main(json_out or Path("bench-results/serve.json"), new_tokens=new_tokens)
+    _run_bench(lambda: bench_main(out, new_tokens=new_tokens), as_json)
 
 
 @bench_app.command("handover")
 def bench_handover(
-    json_out: Path | None = typer.Option(
-        None,
-        "--json",
-        help="Write results to this JSON file (default: bench-results/handover.json).",
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the results as JSON on stdout (the table goes to stderr)."
+    ),
+    out: Path = typer.Option(
+        Path("bench-results/handover.json"), "--out", help="Where to write the JSON."
     ),
     failures: int = typer.Option(10, min=1, help="Worker failures to inject in belayer mode."),
     heartbeat_s: float = typer.Option(
@@ -88,9 +107,7 @@ def bench_handover(
     """SIGKILL → detection / new worker ready / first resumed token, belayer vs baseline."""
     from bench.handover import main as bench_main
 
-    bench_main(
-        json_out or Path("bench-results/handover.json"), failures=failures, heartbeat_s=heartbeat_s
-    )
+    _run_bench(lambda: bench_main(out, failures=failures, heartbeat_s=heartbeat_s), as_json)
 
 
 def _mount_environment() -> None:
