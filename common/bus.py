@@ -46,9 +46,8 @@ async def connect(url: str, *, name: str, timeout: float = 5.0, reconnect: bool 
             timeout,
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise BusUnavailable(
-            f"cannot reach NATS at {url}: {exc or type(exc).__name__}", url=url
-        ) from None
+        why = str(exc) or type(exc).__name__
+        raise BusUnavailable(f"cannot reach NATS at {url}: {why}", url=url) from None
 
 
 async def _error_cb(exc: Exception) -> None:

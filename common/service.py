@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import signal
+import sys
 from collections.abc import Callable
+
+from common.errors import BelayerError
+from common.logging import get_logger
 
 
 class Status(enum.Enum):
@@ -52,3 +56,9 @@ def run_main(coro_factory: Callable[[asyncio.Event], object]) -> int:
         return asyncio.run(main())
     except (KeyboardInterrupt, asyncio.CancelledError):
         return 130
+    except BelayerError as exc:
+        # A fatal error: one clear line (structured in the log file), a non-zero exit, and the
+        # supervisor restarts the service.
+        get_logger().error("service_failed", code=exc.code, error=str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

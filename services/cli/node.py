@@ -140,7 +140,9 @@ def up(
     with contextlib.suppress(FileNotFoundError):
         paths.node_file.unlink()
     t0 = time.monotonic()
-    with open(paths.logs / "supervisor.out", "ab") as out:
+    out_log = paths.logs / "supervisor.out"
+    offset = out_log.stat().st_size if out_log.exists() else 0
+    with open(out_log, "ab") as out:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True,
@@ -150,7 +152,9 @@ def up(
         if node is not None and node.ready and node.supervisor_pid == proc.pid:
             break
         if proc.poll() is not None:
-            tail = (paths.logs / "supervisor.out").read_text()[-3000:]
+            with open(out_log, "rb") as f:
+                f.seek(offset)
+                tail = f.read().decode(errors="replace")[-3000:]
             fail(f"the node failed to start (exit {proc.returncode}):\n{tail}")
         if time.monotonic() - t0 > timeout:
             proc.terminate()
