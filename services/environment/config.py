@@ -71,6 +71,11 @@ class EnvConfig:
     """Default pids limit."""
     fsync: bool = True
     """fsync checkpoint files and directories before publishing them."""
+    fsync_page_images: bool = False
+    """Also fsync CRIU's memory page images. Off by default: they are most of a checkpoint's
+    bytes (fsync doubles a 256 MB checkpoint's cost) and only a machine crash — outside the
+    failure model — could lose them; a torn image set then fails restore and the previous
+    ready checkpoint is used."""
 
     @property
     def env_dir(self) -> Path:

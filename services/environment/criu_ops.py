@@ -178,10 +178,13 @@ def dir_files(directory: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}
 
 
-def fsync_tree(directory: Path) -> None:
-    """fsync every file and directory below ``directory`` (and itself)."""
+def fsync_tree(directory: Path, *, skip_pages: bool = False) -> None:
+    """fsync every file and directory below ``directory`` (and itself); ``skip_pages`` leaves
+    CRIU's memory page images (``pages-*.img``, the bulk of a dump) to normal writeback."""
     for dirpath, _dirs, files in os.walk(directory):
         for name in files:
+            if skip_pages and name.startswith("pages-") and name.endswith(".img"):
+                continue
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
             try:
                 os.fsync(fd)

@@ -394,7 +394,9 @@ class SandboxManager:
         manifest.criu_bytes = sum(manifest.criu_files.values())
         core.write_manifest(tmp, manifest)
         if self.config.fsync:
-            await asyncio.to_thread(ops.fsync_tree, tmp)
+            await asyncio.to_thread(
+                ops.fsync_tree, tmp, skip_pages=not self.config.fsync_page_images
+            )
         return manifest
 
     def _method(self, container_id: str) -> str:

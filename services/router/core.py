@@ -13,13 +13,10 @@ Invariants it maintains:
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from common.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, ResourceLimit
-from schemas.base import Message
 from schemas.serving import (
     EngineInfo,
     EngineRequest,
@@ -32,102 +29,30 @@ from schemas.serving import (
     TokenLogChunk,
 )
 from services.router.config import RouterConfig
+from services.router.state import (
+    AbortOnEngine,
+    Action,
+    EmitEvent,
+    EngineState,
+    EngineStatus,
+    PersistChunk,
+    RequestState,
+    SendToCaller,
+    SubmitToEngine,
+)
 
-
-# --- actions the service executes -----------------------------------------------------------
-@dataclass
-class SendToCaller:
-    inbox: str
-    message: Message
-
-
-@dataclass
-class SubmitToEngine:
-    engine_id: str
-    epoch: int
-    requests: list[EngineRequest]
-
-
-@dataclass
-class AbortOnEngine:
-    engine_id: str
-    epoch: int
-    request_ids: list[str]
-
-
-@dataclass
-class PersistChunk:
-    chunk: TokenLogChunk
-
-
-@dataclass
-class EmitEvent:
-    kind: str
-    engine_id: str | None = None
-    request_id: str | None = None
-    data: dict[str, object] = field(default_factory=dict)
-
-
-Action = SendToCaller | SubmitToEngine | AbortOnEngine | PersistChunk | EmitEvent
-
-
-class EngineStatus(enum.Enum):
-    UP = "up"
-    """A worker of the current epoch is registered and serving."""
-    DOWN = "down"
-    """The worker failed; its requests wait for the next worker (shadow or restart)."""
-    UNHEALTHY = "unhealthy"
-    """Repeated failure: excluded; its requests were spread over healthy engines."""
-
-
-@dataclass
-class EngineState:
-    id: str
-    epoch: int
-    worker_pid: int
-    device: str = "cpu"
-    max_num_seqs: int = 16
-    weight_version: int = 0
-    status: EngineStatus = EngineStatus.UP
-    assigned: set[str] = field(default_factory=set)
-    failures: list[float] = field(default_factory=list)
-
-    @property
-    def load(self) -> float:
-        return len(self.assigned) / max(1, self.max_num_seqs)
-
-    def info(self) -> EngineInfo:
-        return EngineInfo(
-            id=self.id,
-            epoch=self.epoch,
-            worker_pid=self.worker_pid,
-            healthy=self.status is not EngineStatus.UNHEALTHY,
-            device=self.device,
-            running=len(self.assigned),
-            weight_version=self.weight_version,
-            failures=len(self.failures),
-        )
-
-
-@dataclass
-class RequestState:
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    pinned_engine: str | None = None
-    subscribers: dict[str, bool] = field(default_factory=dict)
-    """reply inbox → wants deltas."""
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    engine_id: str | None = None
-    engine_history: list[str] = field(default_factory=list)
-    resumes: int = 0
-    logged: int = 0
-    chunk_index: int = 0
-    version_changed: bool = False
-    regenerated: int = 0
-    """Tokens a worker produced again that the router already held (dropped by index)."""
+__all__ = [
+    "AbortOnEngine",
+    "Action",
+    "EmitEvent",
+    "EngineState",
+    "EngineStatus",
+    "PersistChunk",
+    "RequestState",
+    "RouterCore",
+    "SendToCaller",
+    "SubmitToEngine",
+]
 
 
 class RouterCore:

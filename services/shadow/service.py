@@ -227,6 +227,7 @@ async def run(
     shadow = Shadow(config, worker)
     try:
         await worker.prepare()
+        await worker.watch_weights()  # stay on the newest version while waiting
         await shadow.event("shadow_ready", pid=worker.pid, **worker.timings)
         if ready is not None:
             ready.set()

@@ -16,6 +16,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch import Tensor
+
 from common.logging import get_logger
 from schemas.serving import EngineRequest, HeldRequest, SeqDelta
 from services.worker.engine.llm_engine import LLMEngine, StepOutput
@@ -42,7 +44,17 @@ class Snapshot:
     future: Future[list[HeldRequest]]
 
 
-Command = Submit | Abort | Snapshot
+@dataclass
+class SwapWeights:
+    """Switch the engine to another weight version at the next loop turn; ``on_swapped`` runs
+    in the engine thread right after, so step batches carry the new version from then on."""
+
+    params: dict[str, Tensor]
+    on_swapped: Callable[[], None]
+    future: Future[None]
+
+
+Command = Submit | Abort | Snapshot | SwapWeights
 
 
 @dataclass
@@ -130,6 +142,14 @@ class EngineLoop:
                 self.heartbeat_file.touch()
 
     def _apply(self, cmd: Command, errors: list[SeqDelta]) -> None:
+        if isinstance(cmd, SwapWeights):
+            try:
+                self.engine.load_weights(cmd.params)
+                cmd.on_swapped()
+                cmd.future.set_result(None)
+            except Exception as exc:  # a bad version must not kill the loop
+                cmd.future.set_exception(exc)
+            return
         if isinstance(cmd, Snapshot):
             held = [
                 t.held(rid)

@@ -26,7 +26,7 @@ from common.errors import BelayerError, Conflict, Timeout
 from common.fastpub import FastPublisher
 from common.logging import get_logger
 from common.service import Status
-from schemas.base import Ok, encode
+from schemas.base import Ok, decode, encode
 from schemas.events import Event
 from schemas.serving import (
     EngineAbort,
@@ -50,7 +50,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.llm_engine import LLMEngine
 from services.worker.epoch import claim_epoch
 from services.worker.heartbeat import Identity, write_identity
-from services.worker.runtime import Abort, EngineLoop, Snapshot, Submit
+from services.worker.runtime import Abort, EngineLoop, Snapshot, Submit, SwapWeights
 
 
 class Worker:
@@ -150,6 +150,60 @@ class Worker:
         await self.register()
         self.status = Status.READY
         return self.epoch
+
+    # --- weight refresh ---------------------------------------------------------------------
+    async def watch_weights(self) -> None:
+        """Follow ``weights_updated`` events: map each new version and switch to it between
+        steps (a shadow's idle engine switches at once), so the trainer's pushes reach every
+        worker without a restart."""
+
+        async def on_event(msg: Msg) -> None:
+            try:
+                version = int(decode(msg.data, Event).data.get("version", 0))
+            except (BelayerError, TypeError, ValueError):
+                return
+            if version > self.weight_version:
+                await self.refresh_weights(version)
+
+        await self.nc.subscribe(subjects.event("weights_updated"), cb=on_event)
+        # A push may have landed while this worker prepared.
+        latest = await fetch_manifest(self.nc, timeout=5.0)
+        if latest.version > self.weight_version:
+            await self.refresh_weights(latest.version)
+
+    async def refresh_weights(self, version: int) -> None:
+        assert self.engine is not None
+        try:
+            manifest = await fetch_manifest(self.nc, version=version, timeout=5.0)
+            params = map_weights(manifest)
+        except BelayerError as exc:  # e.g. already garbage-collected: a newer one follows
+            self.log.warning("weights_refresh_failed", version=version, error=str(exc))
+            return
+        t0 = time.perf_counter()
+
+        def swapped() -> None:
+            self.weight_version = manifest.version
+
+        if self.loop is None:  # shadow: the engine is idle, switch now
+            self.engine.load_weights(params)
+            swapped()
+        else:
+            fut: Future[None] = Future()
+            self.loop.submit(SwapWeights(params, swapped, fut))
+            await asyncio.wait_for(asyncio.wrap_future(fut), 30.0)
+        self.log.info(
+            "weights_swapped", version=manifest.version, seconds=round(time.perf_counter() - t0, 4)
+        )
+        await publish_event(
+            self.js,
+            Event(
+                kind="worker_weights_swapped",
+                ts=time.time(),
+                source=f"{self.config.role}:{self.engine_id}",
+                engine_id=self.engine_id,
+                data={"version": manifest.version, "pid": self.pid, "role": self.config.role},
+            ),
+        )
 
     def health_check(self) -> float:
         """A tiny forward pass on the engine's scratch cache; returns its duration."""
@@ -252,6 +306,7 @@ async def run(
     try:
         await worker.prepare()
         epoch = await worker.activate()
+        await worker.watch_weights()
         await publish_event(
             js,
             Event(

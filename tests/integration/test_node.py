@@ -18,6 +18,7 @@ from common import subjects
 from common.bus import connect, request
 from common.errors import BusUnavailable, Conflict, NotFound, ResourceLimit, Timeout
 from schemas.base import ErrorReply, Ok, decode
+from schemas.events import Event
 from schemas.serving import (
     EngineFailed,
     GenerateRequest,
@@ -221,3 +222,46 @@ def test_cli_without_node_fails_clearly(tmp_path: Path) -> None:
         check=False,
     )
     assert r.returncode != 0 and "cannot reach NATS" in r.stderr
+
+
+async def test_pushed_weights_reach_every_worker(node: Node) -> None:
+    """The trainer's path: push a new version to the weight store; every worker and shadow
+    switches to it between steps, and new tokens carry the new version."""
+    import torch
+
+    from services.weights.client import fetch_manifest, map_weights, push_weights
+
+    nc = await connect(node.nats_url, name="t")
+    try:
+        before = await generate(nc, greedy("w-before", "weights change this", n=16, engine_id="e0"))
+        swapped: list[Event] = []
+        all_swapped = asyncio.Event()
+
+        async def on_swap(msg) -> None:  # type: ignore[no-untyped-def]
+            swapped.append(decode(msg.data, Event))
+            if len(swapped) >= 4:  # two engines: main + shadow each
+                all_swapped.set()
+
+        await nc.subscribe(subjects.event("worker_weights_swapped"), cb=on_swap)
+        current = await fetch_manifest(nc)
+        gen = torch.Generator().manual_seed(0)
+        new = {
+            k: v + 0.05 * torch.randn(v.shape, generator=gen)
+            for k, v in map_weights(current).items()
+        }
+        pushed = await push_weights(nc, new, base_version=current.version, run_id=node.run_id)
+        assert pushed.version == current.version + 1
+        await asyncio.wait_for(all_swapped.wait(), 60)
+        assert {(e.engine_id, e.data["role"]) for e in swapped} == {
+            ("e0", "main"),
+            ("e0", "shadow"),
+            ("e1", "main"),
+            ("e1", "shadow"),
+        }
+        assert all(e.data["version"] == pushed.version for e in swapped)
+        after = await generate(nc, greedy("w-after", "weights change this", n=16, engine_id="e0"))
+        assert after.weight_version == pushed.version
+        assert set(after.token_weight_versions) == {pushed.version}
+        assert after.token_ids != before.token_ids
+    finally:
+        await nc.drain()

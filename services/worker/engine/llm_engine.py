@@ -81,6 +81,13 @@ class LLMEngine:
         self._pending: list[StepOutput] = []
         self._ids = itertools.count()
 
+    def load_weights(self, params: dict[str, Tensor]) -> None:
+        """Switch to another weight version (zero copy: ``params`` are mapped views). Call it
+        between steps; running requests continue on the new weights from their next token."""
+        model = build_model(self.model_config, params)
+        self.model = model
+        self.runner.model = model
+
     def add_request(
         self,
         request_id: str,
