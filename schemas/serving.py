@@ -239,6 +239,9 @@ class RouterStatus(Message, tag="RouterStatus.v1"):
     inflight: int
     finished: int
     token_log_chunk: int
+    metrics: dict[str, int] = {}
+    """Counters since the router started: ``tokens``, ``requests``, ``resumes``,
+    ``regenerated_tokens``, ``adopted``, ``stale_batches``, ``engine_failures``."""
 
 
 class Ping(Message, tag="Ping.v1"):

@@ -250,6 +250,7 @@ def status(
         "inflight": rs.inflight,
         "finished": rs.finished,
         "token_log_chunk": rs.token_log_chunk,
+        "metrics": rs.metrics,
         "procs": [msgspec.to_builtins(p) for p in ss.procs] if ss else [],
     }
     if json_out:

@@ -67,6 +67,9 @@ class RouterCore:
         """Requests waiting for any healthy engine."""
         self.finished: OrderedDict[str, GenerateResult] = OrderedDict()
         self.regenerated_tokens = 0
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("tokens", "requests", "resumes", "adopted", "stale_batches", "engine_failures"), 0
+        )
         self.hold_pending = False
         """While True (a restarted router adopting live requests), pending requests wait."""
 
@@ -123,6 +126,7 @@ class RouterCore:
                     actions.append(SendToCaller(inbox, self._delta(req, 0, len(req.tokens))))
             return actions
         self.validate(prompt_ids, sampling, engine_id)
+        self.counters["requests"] += 1
         req = RequestState(request_id, list(prompt_ids), sampling, pinned_engine=engine_id)
         if inbox:
             req.subscribers[inbox] = stream
@@ -251,6 +255,7 @@ class RouterCore:
         eng.assigned.clear()
         for req in interrupted:
             req.resumes += 1
+            self.counters["resumes"] += 1
             req.engine_id = None
         if interrupted:
             actions.append(
@@ -277,6 +282,7 @@ class RouterCore:
             raise NotFound("unknown engine", engine_id=engine_id)
         if eng.status is not EngineStatus.UP or (epoch is not None and epoch != eng.epoch):
             return []  # already handled, or about a worker that was already replaced
+        self.counters["engine_failures"] += 1
         window = self.config.failure_window_s
         eng.failures = [t for t in eng.failures if now - t <= window] + [now]
         actions: list[Action] = [
@@ -299,6 +305,7 @@ class RouterCore:
         eng.assigned.clear()
         for req in moved:
             req.resumes += 1
+            self.counters["resumes"] += 1
             req.engine_id = None
             if req.pinned_engine == engine_id:
                 req.pinned_engine = None
@@ -365,6 +372,7 @@ class RouterCore:
                 actions += self._finish(req, h.finish_reason or "stop")
         if held:
             actions.append(EmitEvent("requests_adopted", engine_id, data={"count": len(held)}))
+            self.counters["adopted"] += len(held)
         return actions
 
     # --- tokens -----------------------------------------------------------------------------
@@ -373,6 +381,7 @@ class RouterCore:
         engine never reaches a caller."""
         eng = self.engines.get(batch.engine_id)
         if eng is None or batch.epoch != eng.epoch or eng.status is not EngineStatus.UP:
+            self.counters["stale_batches"] += 1
             return [
                 EmitEvent(
                     "stale_output_rejected",
@@ -424,6 +433,7 @@ class RouterCore:
         if toks:
             if req.versions and req.versions[-1] != version:
                 req.version_changed = True
+            self.counters["tokens"] += len(toks)
             req.tokens += toks
             req.logprobs += lps
             req.versions += [version] * len(toks)
@@ -542,5 +552,8 @@ class RouterCore:
         self.pending.append(request_id)
 
     # --- status -----------------------------------------------------------------------------
+    def metrics(self) -> dict[str, int]:
+        return {**self.counters, "regenerated_tokens": self.regenerated_tokens}
+
     def engine_infos(self) -> list[EngineInfo]:
         return [e.info() for e in sorted(self.engines.values(), key=lambda e: e.id)]

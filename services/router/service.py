@@ -316,6 +316,7 @@ class Router:
             inflight=len(self.core.active),
             finished=len(self.core.finished),
             token_log_chunk=self.config.token_log_chunk,
+            metrics=self.core.metrics(),
         )
 
     # --- discovery after a restart ----------------------------------------------------------

@@ -34,10 +34,26 @@ def read_identity(path: Path) -> tuple[Identity, float] | None:
     """(owner, mtime) of a heartbeat file, or None if absent or unreadable."""
     try:
         st = path.stat()
-        data = json.loads(path.read_text())
-        return Identity(int(data["pid"]), int(data["epoch"]), str(data["engine_id"])), st.st_mtime
+        return _parse(path, st.st_ino, st.st_size), st.st_mtime
     except (OSError, ValueError, KeyError):
         return None
+
+
+_cache: dict[tuple[Path, int, int], Identity] = {}
+
+
+def _parse(path: Path, inode: int, size: int) -> Identity:
+    """The identity in a heartbeat file, parsed once per file version: ``write_identity``
+    replaces the file (a new inode) while the loop only touches its mtime, so a watcher's
+    steady state is one ``stat`` per check."""
+    key = (path, inode, size)
+    ident = _cache.get(key)
+    if ident is None:
+        data = json.loads(path.read_text())
+        ident = Identity(int(data["pid"]), int(data["epoch"]), str(data["engine_id"]))
+        _cache.clear()
+        _cache[key] = ident
+    return ident
 
 
 class Verdict(enum.Enum):

@@ -79,6 +79,8 @@ async def test_generate_streams_logs_and_replays(node: Node) -> None:
             nc, subjects.router_status(), StatusRequest(), RouterStatus
         )
         assert again.token_ids == res.token_ids and st1.finished == st0.finished
+        assert st1.metrics["tokens"] >= 40 and st1.metrics["requests"] >= 1
+        assert st1.metrics["requests"] == st0.metrics["requests"]  # the replay is not a request
     finally:
         await nc.drain()
 
