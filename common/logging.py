@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -43,7 +44,7 @@ def configure(
     json_renderer = structlog.processors.JSONRenderer()
     console_renderer = structlog.dev.ConsoleRenderer(colors=False)
 
-    def fan_out(_logger: Any, _name: str, event: dict[str, Any]) -> str:
+    def fan_out(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> str:
         for stream, human in sinks:
             line = (
                 console_renderer(None, "", dict(event))

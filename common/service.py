@@ -48,7 +48,11 @@ def run_main(coro_factory: Callable[[asyncio.Event], object]) -> int:
         stop = asyncio.Event()
         task = asyncio.current_task()
         assert task is not None
-        install_signal_handlers(stop, task.cancel)
+
+        def cancel() -> None:
+            task.cancel()
+
+        install_signal_handlers(stop, cancel)
         await coro_factory(stop)  # type: ignore[misc]
         return 0
 

@@ -8,7 +8,7 @@ payload raises ``common.errors.InvalidRequest`` whose message names the field (`
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import msgspec
 
@@ -33,7 +33,11 @@ def encode(msg: Any) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes, typ: type[M] | Any) -> M:
+@overload
+def decode(data: bytes, typ: type[M]) -> M: ...
+@overload
+def decode(data: bytes, typ: Any) -> Any: ...
+def decode(data: bytes, typ: Any) -> Any:
     """Decode and validate ``data`` as ``typ`` (a Message class or a Union of them).
 
     Raises ``InvalidRequest`` naming the offending field on any malformed or wrongly typed input.
@@ -44,7 +48,7 @@ def decode(data: bytes, typ: type[M] | Any) -> M:
     if dec is None:
         dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
     try:
-        return dec.decode(data)  # type: ignore[no-any-return]
+        return dec.decode(data)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid message: {exc}", field=_field_of(str(exc))) from None
     except msgspec.DecodeError as exc:

@@ -242,6 +242,7 @@ def status(
         return rs, ss
 
     rs, ss = run(with_bus(url, query))
+    procs: list[dict[str, Any]] = [msgspec.to_builtins(p) for p in ss.procs] if ss else []
     out = {
         "nats_url": url,
         "run_id": node.run_id if node else None,
@@ -251,7 +252,7 @@ def status(
         "finished": rs.finished,
         "token_log_chunk": rs.token_log_chunk,
         "metrics": rs.metrics,
-        "procs": [msgspec.to_builtins(p) for p in ss.procs] if ss else [],
+        "procs": procs,
     }
     if json_out:
         print_json(out)
@@ -264,7 +265,7 @@ def status(
         typer.echo(
             f"{e.id:8} {e.epoch:>5} {e.worker_pid:>8} {e.healthy!s:>7} {e.running:>7} {e.weight_version:>7}"
         )
-    for p in out["procs"]:
+    for p in procs:
         typer.echo(f"  {p['name']:14} pid {p['pid']}  alive {p['alive']}  restarts {p['restarts']}")
 
 

@@ -181,7 +181,7 @@ class SandboxManager:
         self.locks.pop(rec.id, None)
         log.info("sandbox_destroyed", sandbox_id=sandbox_id)
 
-    def list(self) -> list[SandboxInfo]:
+    def sandboxes(self) -> list[SandboxInfo]:
         out = []
         for rec in self.records.values():
             n = len(self._manifests(rec.id))
@@ -419,7 +419,7 @@ class SandboxManager:
                 ops.remove_tree(self.sandbox_dir(rec.id) / m.checkpoint_id)
 
     def _manifests(self, sandbox_id: str) -> list[Manifest]:
-        out = []
+        out: list[Manifest] = []
         base = self.sandbox_dir(sandbox_id)
         if not base.is_dir():
             return out

@@ -5,17 +5,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from typing import Any
 
 import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from common import subjects
-from common.bus import Server, connect, ensure_jetstream, publish_event
-from common.errors import BusUnavailable, Conflict
+from common.bus import Handler, Server, connect, ensure_jetstream, publish_event
+from common.errors import BusUnavailable, Conflict, SandboxError
 from common.logging import get_logger
 from common.service import Status
 from schemas.base import Ok
@@ -48,9 +51,9 @@ class KvReadyStore:
     def __init__(self, js: JetStreamContext, source: str) -> None:
         self.js = js
         self.source = source
-        self._kv = None
+        self._kv: KeyValue | None = None
 
-    async def kv(self):  # type: ignore[no-untyped-def]
+    async def kv(self) -> KeyValue:
         if self._kv is None:
             self._kv = await self.js.key_value(subjects.BUCKET_SANDBOX_PREFIX)
         return self._kv
@@ -163,11 +166,24 @@ class EnvironmentService:
         return Ok(detail=f"destroyed {req.sandbox_id}")
 
     async def on_list(self, _req: EnvList, _msg: Msg) -> EnvListing:
-        return EnvListing(sandboxes=self.manager.list())
+        return EnvListing(sandboxes=self.manager.sandboxes())
 
     async def on_gc(self, req: EnvGc, _msg: Msg) -> Ok:
         n = await self.manager.gc_trajectory(req.trajectory_id)
         return Ok(detail=f"removed {n} checkpoints")
+
+
+async def adopt_when_reachable(manager: SandboxManager, stop: asyncio.Event) -> None:
+    """Retry (every 2 s, until ``stop``) to reach dockerd, then adopt the previous sandboxes."""
+    while not stop.is_set():
+        try:
+            await asyncio.to_thread(manager.docker.ping)
+            await manager.adopt()
+            log.info("dockerd_reachable_again")
+            return
+        except SandboxError:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 2.0)
 
 
 async def run(
@@ -181,11 +197,18 @@ async def run(
         js = nc.jetstream()
         await ensure_jetstream(js)
         manager = SandboxManager(config, KvReadyStore(js, source=f"environment:{config.node}"))
-        await asyncio.to_thread(manager.docker.ping)
-        await manager.adopt()
+        adopting: asyncio.Task[None] | None = None
+        try:
+            await asyncio.to_thread(manager.docker.ping)
+            await manager.adopt()
+        except SandboxError as exc:
+            # Serve anyway: every request gets a clear "dockerd is not reachable" error until
+            # dockerd answers, then the sandboxes of a previous run are adopted.
+            log.warning("dockerd_unreachable", error=str(exc))
+            adopting = asyncio.create_task(adopt_when_reachable(manager, stop))
         svc = EnvironmentService(config, manager)
         server = Server(nc, service="environment")
-        routes = [
+        routes: list[tuple[str, Any, Handler]] = [
             ("create", EnvCreate, svc.on_create),
             ("exec", EnvExec, svc.on_exec),
             ("checkpoint", EnvCheckpoint, svc.on_checkpoint),
@@ -203,6 +226,8 @@ async def run(
         if ready is not None:
             ready.set()
         await stop.wait()
+        if adopting is not None:
+            adopting.cancel()
         status = Status.DRAINING
         log.info("service_draining", status=status.value)
         await server.drain(timeout=config.lock_wait_s)

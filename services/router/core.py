@@ -225,10 +225,10 @@ class RouterCore:
         if eng is None:
             eng = EngineState(engine_id, epoch, pid, device, max_num_seqs, weight_version)
             self.engines[engine_id] = eng
-            actions: list[Action] = [
+            first: list[Action] = [
                 EmitEvent("engine_registered", engine_id, data={"epoch": epoch, "pid": pid})
             ]
-            return actions + self._place(self._take_pending())
+            return first + self._place(self._take_pending())
         if epoch < eng.epoch or (epoch == eng.epoch and pid != eng.worker_pid):
             raise Conflict("stale epoch", engine_id=engine_id, epoch=epoch, current_epoch=eng.epoch)
         if epoch == eng.epoch:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 import nats.errors
@@ -60,6 +62,8 @@ from services.router.core import (
 )
 from services.worker.epoch import current_epoch
 
+M = TypeVar("M")
+
 
 class Router:
     def __init__(self, config: RouterConfig, nc: NATS, js: JetStreamContext) -> None:
@@ -98,8 +102,8 @@ class Router:
             else:
                 self.persist_q.put_nowait(a)
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -368,7 +372,7 @@ class Router:
                     )
 
     # --- restart recovery -------------------------------------------------------------------
-    async def _read_all(self, stream: str, subject: str, typ: type) -> list:
+    async def _read_all(self, stream: str, subject: str, typ: type[M]) -> list[M]:
         """Every message of ``stream`` on ``subject`` (bounded by ``restore_timeout_s``)."""
         try:
             info = await self.js.stream_info(stream)
@@ -377,7 +381,7 @@ class Router:
         if info.state.messages == 0:
             return []
         sub = await self.js.subscribe(subject, ordered_consumer=True)
-        out = []
+        out: list[M] = []
         deadline = time.monotonic() + self.config.restore_timeout_s
         try:
             while time.monotonic() < deadline:

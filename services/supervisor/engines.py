@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
 
@@ -56,8 +57,8 @@ class Engines:
         return self.cfg.recovery == "belayer"
 
     # --- processes --------------------------------------------------------------------------
-    def _spawn_task(self, coro: object, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
+    def _spawn_task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 

@@ -151,12 +151,12 @@ class EngineLoop:
                 cmd.future.set_exception(exc)
             return
         if isinstance(cmd, Snapshot):
-            held = [
+            copies = [
                 t.held(rid)
                 for rid in cmd.request_ids
                 if (t := self.tracks.get(rid) or self.recent.get(rid)) is not None
             ]
-            cmd.future.set_result(held)
+            cmd.future.set_result(copies)
             return
         if isinstance(cmd, Abort):
             for rid in cmd.request_ids:
