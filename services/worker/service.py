@@ -70,6 +70,8 @@ class Worker:
         self.server = Server(nc, service=f"worker:{config.engine_id}")
         self.timings: dict[str, float] = {}
         self.publisher: FastPublisher | None = None
+        self.role: str = config.role
+        """``shadow`` until this process takes over its engine, then ``main``."""
         self.log = get_logger(engine=config.engine_id, pid=self.pid, role=config.role)
 
     # --- phase 1: prepare (slow; a shadow does it ahead of time) -----------------------------
@@ -108,7 +110,8 @@ class Worker:
         called once the loop runs and the engine's subjects are served (before registering)."""
         assert self.engine is not None, "prepare() first"
         self.epoch = await claim_epoch(self.js, self.engine_id, expected=expected_epoch)
-        self.log = self.log.bind(epoch=self.epoch)
+        self.role = "main"
+        self.log = self.log.bind(epoch=self.epoch, role="main")
         hb = Path(self.config.heartbeat_file) if self.config.heartbeat_file else None
         if hb is not None:
             write_identity(hb, Identity(self.pid, self.epoch, self.engine_id))
@@ -199,9 +202,9 @@ class Worker:
             Event(
                 kind="worker_weights_swapped",
                 ts=time.time(),
-                source=f"{self.config.role}:{self.engine_id}",
+                source=f"{self.role}:{self.engine_id}",
                 engine_id=self.engine_id,
-                data={"version": manifest.version, "pid": self.pid, "role": self.config.role},
+                data={"version": manifest.version, "pid": self.pid, "role": self.role},
             ),
         )
 
