@@ -8,9 +8,7 @@ import asyncio
 import signal
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
@@ -26,54 +24,16 @@ from services.kv.config import KvArenaConfig
 from services.kv.service import run
 from services.model.config import load_model_config
 from services.model.qwen3 import kv_cache_shape
-from services.model.tiny import init_tiny_model
-from services.weights import shm
+from tests.integration.shm_helpers import WAIT, running_service
 
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[2]
-WAIT = 20.0
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    return init_tiny_model(
-        tmp_path / "tiny",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-        intermediate_size=128,
-        vocab_size=512,
-    )
-
-
-@pytest.fixture
-def run_id() -> str:
-    rid = f"t{uuid.uuid4().hex[:8]}"
-    yield rid
-    for path in shm.list_files(rid):  # never leak /dev/shm, even when a test fails
-        shm.unlink(path)
-
-
-@asynccontextmanager
-async def running_arena(config: KvArenaConfig) -> AsyncIterator[None]:
+def running_arena(config: KvArenaConfig) -> AbstractAsyncContextManager[None]:
     """Run the service as a task; on exit stop it and check it removed its files."""
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run(config, stop=stop, ready=ready))
-    ready_task = asyncio.create_task(ready.wait())
-    done, _ = await asyncio.wait({task, ready_task}, timeout=WAIT, return_when="FIRST_COMPLETED")
-    if task in done:
-        ready_task.cancel()
-        task.result()  # raises the startup error
-    assert ready_task in done, "KV arena did not become ready"
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, WAIT)
-        assert shm.list_files(config.run_id) == []
+    return running_service(run, config, what="KV arena")
 
 
 # Maps the arena, writes a pattern into one block, reports, then waits to be killed.

@@ -10,8 +10,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
@@ -24,58 +23,21 @@ from common.errors import Conflict, InvalidRequest, NotFound
 from schemas.base import decode, encode
 from schemas.events import Event
 from schemas.weights import WeightManifest, WeightsPush
-from services.model.tiny import init_tiny_model
 from services.weights import core, shm
 from services.weights.client import fetch_manifest, map_weights, push_weights
 from services.weights.config import WeightStoreConfig
 from services.weights.service import CURRENT_KEY, run
 from services.weights.store import WeightStore
+from tests.integration.shm_helpers import WAIT, running_service
 
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[2]
-WAIT = 20.0
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    return init_tiny_model(
-        tmp_path / "tiny",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-        intermediate_size=128,
-        vocab_size=512,
-    )
-
-
-@pytest.fixture
-def run_id() -> str:
-    rid = f"t{uuid.uuid4().hex[:8]}"
-    yield rid
-    for path in shm.list_files(rid):  # never leak /dev/shm, even when a test fails
-        shm.unlink(path)
-
-
-@asynccontextmanager
-async def running_store(config: WeightStoreConfig) -> AsyncIterator[None]:
+def running_store(config: WeightStoreConfig) -> AbstractAsyncContextManager[None]:
     """Run the service as a task; on exit stop it and check it removed its files."""
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run(config, stop=stop, ready=ready))
-    ready_task = asyncio.create_task(ready.wait())
-    done, _ = await asyncio.wait({task, ready_task}, timeout=WAIT, return_when="FIRST_COMPLETED")
-    if task in done:
-        ready_task.cancel()
-        task.result()  # raises the startup error
-    assert ready_task in done, "weight store did not become ready"
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, WAIT)
-        assert shm.list_files(config.run_id) == []
+    return running_service(run, config, what="weight store")
 
 
 def _filled(like: dict[str, torch.Tensor], value: float) -> dict[str, torch.Tensor]:
