@@ -14,7 +14,13 @@ from common.bus import connect, request
 from common.node import resolve_nats_url
 from schemas.base import decode
 from schemas.events import Event
-from schemas.serving import GenerateRequest, RouterStatus, SamplingParams, StatusRequest
+from schemas.serving import (
+    GenerateRequest,
+    RouterStatus,
+    SamplingParams,
+    StatusRequest,
+    TokenDelta,
+)
 from services.router.client import generate
 
 PROMPTS = [
@@ -34,9 +40,12 @@ async def main(n: int, max_tokens: int, kill: bool) -> int:
     js = nc.jetstream()
     t0 = time.time()
     seen = asyncio.Event()
+    kill_at: list[float] = []
+    delta_times: dict[str, list[float]] = {}
 
-    def on_delta(_d: object) -> None:
+    def on_delta(d: TokenDelta) -> None:
         seen.set()
+        delta_times.setdefault(d.request_id, []).append(time.time())
 
     tasks = [
         asyncio.create_task(
@@ -65,6 +74,7 @@ async def main(n: int, max_tokens: int, kill: bool) -> int:
         print(
             f"demo: injecting failure: SIGKILL worker of {victim.id} (pid {victim.worker_pid}, {victim.running} requests running)"
         )
+        kill_at.append(time.time())
         os.kill(victim.worker_pid, signal.SIGKILL)
     results = await asyncio.gather(*tasks)
     wall = time.time() - t0
@@ -74,22 +84,55 @@ async def main(n: int, max_tokens: int, kill: bool) -> int:
         print(
             f"  {r.request_id}: {len(r.token_ids)} tokens, engines {','.join(r.engine_ids)}, resumes {r.resumes}: {r.text[:60]!r}"
         )
+    # Checked, not claimed: one result per request, every token once (the client rejects gaps
+    # and drops nothing silently), the full length, one weight version.
+    complete = len({r.request_id for r in results}) == n and all(
+        len(r.token_ids) == max_tokens == len(r.logprobs) and len(set(r.token_weight_versions)) == 1
+        for r in results
+    )
+    verdict = "all completed exactly once" if complete else "SOME REQUESTS ARE INCOMPLETE"
     print(
-        f"demo: {n} requests, {total} tokens in {wall:.1f}s ({total / wall:.0f} tok/s), all completed exactly once"
+        f"demo: {n} requests, {total} tokens in {wall:.1f}s ({total / wall:.0f} tok/s), {verdict}"
     )
     sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
-    print("demo: recovery events:")
+    events: list[Event] = []
     while True:
         try:
             msg = await sub.next_msg(timeout=0.5)
         except TimeoutError:
             break
         ev = decode(msg.data, Event)
-        if ev.ts >= t0 and ev.kind not in ("weights_updated",):
-            extra = " ".join(f"{k}={v}" for k, v in ev.data.items() if k != "alert")
-            print(f"  +{ev.ts - t0:6.2f}s {ev.kind:22} {ev.engine_id or '':3} {extra}")
+        if ev.ts >= t0:
+            events.append(ev)
+    print("demo: recovery events:")
+    for ev in events:
+        shown = {k: v for k, v in ev.data.items() if not k.startswith("t_") and k != "alert"}
+        extra = " ".join(f"{k}={v}" for k, v in shown.items())
+        print(f"  +{ev.ts - t0:6.2f}s {ev.kind:22} {ev.engine_id or '':3} {extra}")
+    done = [e for e in events if e.kind == "handover_complete"]
+    if kill_at and done:
+        d, k = done[0].data, kill_at[0]
+        regenerated = sum(r.regenerated for r in results)
+        # The first token a resumed request received from its new worker.
+        resumed = [
+            t
+            for r in results
+            if r.resumes
+            for t in delta_times.get(r.request_id, [])
+            if t >= d["t_registered"]
+        ]
+        print(
+            "demo: recovery: SIGKILL → detected {:.0f} ms → shadow ready {:.0f} ms → registered "
+            "{:.0f} ms → first resumed token {:.0f} ms; {} tokens regenerated".format(
+                (d["t_detect"] - k) * 1000,
+                (d["t_ready"] - k) * 1000,
+                (d["t_registered"] - k) * 1000,
+                ((min(resumed) if resumed else float("nan")) - k) * 1000,
+                regenerated,
+            )
+        )
     await nc.drain()
-    return 0
+    return 0 if complete else 1
 
 
 if __name__ == "__main__":
