@@ -5,7 +5,7 @@ with a JetStream KV bucket and stream). Invariants it keeps:
 
 * exec and checkpoint of one sandbox exclude each other (one asyncio lock per sandbox);
 * a checkpoint is captured while the container's cgroup is frozen (files, then processes),
-  written under ``.tmp-<id>``, fsynced, renamed whole, and only then published by a
+  written under ``.tmp-<id>`` (``snapshot.capture``), fsynced, renamed whole, and only then published by a
   compare-and-set of the ready pointer; any failure deletes the directory;
 * restore always uses a fresh container; a rejected checkpoint falls back to the previous one.
 """
@@ -32,9 +32,8 @@ from common.errors import (
 )
 from common.logging import get_logger
 from schemas.env import CheckpointInfo, ReadyPointer, SandboxInfo
-from services.environment import core
+from services.environment import core, snapshot
 from services.environment import criu_ops as ops
-from services.environment.archive import validate_archive
 from services.environment.config import EnvConfig
 from services.environment.core import Manifest, SandboxRecord, SandboxState
 from services.environment.docker_ops import DockerOps, ExecOutput
@@ -292,7 +291,10 @@ class SandboxManager:
                 start = time.monotonic()
                 try:
                     manifest = await asyncio.wait_for(
-                        self._capture(rec, tmp, ck_id, prefix, trajectory_id), timeout
+                        snapshot.capture(
+                            self.docker, self.config, rec, tmp, ck_id, prefix, trajectory_id
+                        ),
+                        timeout,
                     )
                 except TimeoutError:
                     rec.cooldown_until = time.time() + self.config.cooldown_s
@@ -306,7 +308,7 @@ class SandboxManager:
                 if self.config.fsync:
                     ops.fsync_dir(final.parent)
                 manifest.durations["total_s"] = time.monotonic() - start
-                info = _info(manifest)
+                info = snapshot.checkpoint_info(manifest)
                 pointer = ReadyPointer(
                     sandbox_id=rec.id,
                     prefix=prefix,
@@ -339,78 +341,6 @@ class SandboxManager:
         )
         return info
 
-    async def _capture(
-        self, rec: SandboxRecord, tmp: Path, ck_id: str, prefix: int, trajectory_id: str
-    ) -> Manifest:
-        """Freeze → archive the upper dir → dump processes → thaw → hash → manifest → fsync."""
-        info = await asyncio.to_thread(self.docker.inspect, rec.container_id)
-        if not info["State"]["Running"]:
-            rec.move(SandboxState.FAILED)
-            raise SandboxError("sandbox's container is not running", sandbox_id=rec.id)
-        pid = int(info["State"]["Pid"])
-        upper = str(info["GraphDriver"]["Data"]["UpperDir"])
-        method = self._method(rec.container_id)
-        control = ops.freezer_path(pid)
-        if control is None:
-            raise SandboxError("cannot find the container's freezer cgroup", sandbox_id=rec.id)
-        t0 = time.monotonic()
-        await ops.freeze(control)
-        try:
-            t1 = time.monotonic()
-            fs_bytes = await ops.archive_layer(upper, tmp / core.FS_ARCHIVE, timeout=60.0)
-            t2 = time.monotonic()
-            if method == "runc":
-                await ops.runc_checkpoint(
-                    self.config.runc_bin,
-                    self.config.runc_root,
-                    rec.container_id,
-                    tmp / core.CRIU_DIR,
-                    tmp / "work",
-                    timeout=max(1.0, self.config.checkpoint_timeout_s),
-                )
-            else:
-                await asyncio.to_thread(
-                    self.docker.checkpoint_create, rec.container_id, core.CRIU_DIR, str(tmp)
-                )
-            t3 = time.monotonic()
-        finally:
-            ops.thaw(control)
-        t4 = time.monotonic()
-        ops.remove_tree(tmp / "work")
-        manifest = Manifest(
-            sandbox_id=rec.id,
-            trajectory_id=trajectory_id,
-            prefix=prefix,
-            checkpoint_id=ck_id,
-            image=rec.image,
-            created_at=time.time(),
-            fs_bytes=fs_bytes,
-            fs_sha256=await asyncio.to_thread(ops.sha256_file, tmp / core.FS_ARCHIVE),
-            criu_bytes=0,
-            criu_files=ops.dir_files(tmp / core.CRIU_DIR),
-            method=method,
-            durations={"freeze_s": t4 - t0, "fs_s": t2 - t1, "dump_s": t3 - t2},
-        )
-        manifest.criu_bytes = sum(manifest.criu_files.values())
-        core.write_manifest(tmp, manifest)
-        if self.config.fsync:
-            await asyncio.to_thread(
-                ops.fsync_tree, tmp, skip_pages=not self.config.fsync_page_images
-            )
-        return manifest
-
-    def _method(self, container_id: str) -> str:
-        m = self.config.checkpoint_method
-        if m == "docker":
-            return "docker"
-        if ops.runc_knows(self.config.runc_root, container_id):
-            return "runc"
-        if m == "runc":
-            raise SandboxError(
-                "runc does not know the container", runc_root=str(self.config.runc_root)
-            )
-        return "docker"
-
     def _prune(self, rec: SandboxRecord) -> None:
         keep = max(1, self.config.keep_checkpoints)
         manifests = sorted(self._manifests(rec.id), key=lambda m: m.prefix, reverse=True)
@@ -429,7 +359,7 @@ class SandboxManager:
             try:
                 out.append(core.read_manifest(d))
             except CheckpointInvalid:
-                out.append(_unreadable(sandbox_id, d.name))
+                out.append(snapshot.unreadable_manifest(sandbox_id, d.name))
         return out
 
     # --- full_restore ---------------------------------------------------------------------
@@ -462,7 +392,14 @@ class SandboxManager:
             for m in candidates:
                 try:
                     cid = await asyncio.wait_for(
-                        self._restore_one(rec, m), self.config.restore_timeout_s
+                        snapshot.restore_one(
+                            self.docker,
+                            self.config,
+                            rec,
+                            self.sandbox_dir(rec.id) / m.checkpoint_id,
+                            m,
+                        ),
+                        self.config.restore_timeout_s,
                     )
                 except (BelayerError, TimeoutError) as exc:
                     err = (
@@ -524,33 +461,6 @@ class SandboxManager:
                 )
             raise NotFound("unknown checkpoint", checkpoint_id=checkpoint_id, sandbox_id=sandbox_id)
 
-    async def _restore_one(self, rec: SandboxRecord, m: Manifest) -> str:
-        """Validate one checkpoint, then fresh container ← layer ← processes."""
-        d = self.sandbox_dir(rec.id) / m.checkpoint_id
-        if m.method == "unreadable":
-            raise CheckpointInvalid("checkpoint manifest is corrupt", checkpoint_id=m.checkpoint_id)
-        core.check_manifest(m, sandbox_id=rec.id, checkpoint_id=d.name)
-        core.check_criu_files(d, m)
-        archive = d / core.FS_ARCHIVE
-        validate_archive(archive, self.config.archive_limits)
-        digest = await asyncio.to_thread(ops.sha256_file, archive)
-        if digest != m.fs_sha256:
-            raise CheckpointInvalid(
-                "file-system archive checksum mismatch", checkpoint_id=m.checkpoint_id
-            )
-        cid = await asyncio.to_thread(self.docker.create, rec.id, m.image or rec.image, rec.limits)
-        try:
-            upper = await asyncio.to_thread(self.docker.upper_dir, cid)
-            await ops.install_layer(archive, upper, timeout=120.0)
-            cdir = Path(await asyncio.to_thread(self.docker.container_dir, cid))
-            name = "belayer-" + m.checkpoint_id[-16:]
-            ops.link_or_copy_tree(d / core.CRIU_DIR, cdir / "checkpoints" / name)
-            await asyncio.to_thread(self.docker.start, cid, name)
-        except BaseException:
-            await asyncio.to_thread(self.docker.remove, cid)
-            raise
-        return cid
-
     async def kill(self, sandbox_id: str) -> None:
         """Chaos helper: ``docker kill`` the sandbox's container."""
         rec = self.get(sandbox_id)
@@ -563,42 +473,3 @@ class SandboxManager:
                 await asyncio.wait_for(lock.acquire(), self.config.lock_wait_s)
                 lock.release()
             _ = sid
-
-
-def _info(m: Manifest) -> CheckpointInfo:
-    d = m.durations
-    return CheckpointInfo(
-        sandbox_id=m.sandbox_id,
-        trajectory_id=m.trajectory_id,
-        prefix=m.prefix,
-        checkpoint_id=m.checkpoint_id,
-        fs_bytes=m.fs_bytes,
-        criu_bytes=m.criu_bytes,
-        freeze_s=d.get("freeze_s", 0.0),
-        fs_s=d.get("fs_s", 0.0),
-        dump_s=d.get("dump_s", 0.0),
-        total_s=d.get("total_s", 0.0),
-        method=m.method,
-    )
-
-
-def _unreadable(sandbox_id: str, name: str) -> Manifest:
-    """Placeholder for a checkpoint whose manifest cannot be read (rejected at restore).
-    Its prefix comes from the id (``…-k000042-…``) so fallback order still works."""
-    try:
-        prefix = int(name.rsplit("-k", 1)[1].split("-")[0])
-    except (IndexError, ValueError):
-        prefix = -1
-    return Manifest(
-        sandbox_id=sandbox_id,
-        trajectory_id="",
-        prefix=prefix,
-        checkpoint_id=name,
-        image="",
-        created_at=0.0,
-        fs_bytes=0,
-        fs_sha256="",
-        criu_bytes=0,
-        criu_files={},
-        method="unreadable",
-    )
