@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import sys
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import typer
 
+from common.config import RunPaths
+from common.node import read_node
 from schemas.serving import GenerateRequest, SamplingParams, TokenDelta
 from services.cli.common import fail, print_json, run, with_bus
 from services.router.client import generate as generate_request
@@ -52,11 +55,21 @@ def generate(
         engine_id=engine,
     )
 
-    state: dict[str, Any] = {"tokens": []}
+    decode = _local_decoder()
+    state: dict[str, Any] = {"tokens": [], "shown": ""}
 
     def on_delta(d: TokenDelta) -> None:
+        # Stream text as it is produced: decode everything so far and print what is new
+        # (byte-level tokens may only form a character once the next token arrives).
         state["tokens"] += d.token_ids
-        sys.stdout.write(".")
+        if decode is None:
+            sys.stdout.write(".")
+        else:
+            # Hold back a trailing partial character (U+FFFD) until its bytes are complete.
+            text = decode(state["tokens"]).rstrip("\ufffd")
+            if text.startswith(state["shown"]):
+                sys.stdout.write(text[len(state["shown"]) :])
+                state["shown"] = text
         sys.stdout.flush()
 
     async def go(nc: Any) -> Any:
@@ -68,9 +81,23 @@ def generate(
     if json_out:
         print_json(msgspec.to_builtins(result))
         return
+    if decode is None or result.text != state["shown"]:
+        sys.stdout.write("\n" + result.text)
     sys.stdout.write("\n")
-    typer.echo(result.text)
     typer.echo(
         f"[{result.request_id}: {len(result.token_ids)} tokens, finish={result.finish_reason}, "
         f"weights v{result.weight_version}, engines {','.join(result.engine_ids)}, resumes {result.resumes}]"
     )
+
+
+def _local_decoder() -> Callable[[list[int]], str] | None:
+    """The running node's tokenizer (from its node file), to stream text; None if unavailable."""
+    node = read_node(RunPaths.default())
+    if node is None or not node.model_dir:
+        return None
+    try:
+        from services.model.tokenizer import load_tokenizer
+
+        return load_tokenizer(node.model_dir).decode
+    except (OSError, ValueError):
+        return None
