@@ -135,7 +135,15 @@ def up(
         argv.append("--environment")
     if not detach:
         typer.echo(f"starting Belayer node in the foreground ({paths.root}); Ctrl-C stops it")
-        raise typer.Exit(subprocess.call(argv))
+        # Own session: a terminal's Ctrl-C reaches only this CLI, which forwards exactly one
+        # SIGTERM (a second signal would make the supervisor cancel instead of drain).
+        proc = subprocess.Popen(argv, start_new_session=True)
+        try:
+            raise typer.Exit(proc.wait())
+        except KeyboardInterrupt:
+            typer.echo("stopping the node (draining services)…")
+            proc.terminate()
+            raise typer.Exit(proc.wait()) from None
     paths.logs.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         paths.node_file.unlink()
