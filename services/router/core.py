@@ -298,6 +298,26 @@ class RouterCore:
             eng.status = EngineStatus.DOWN
         return actions
 
+    def engine_recovered(self, engine_id: str, epoch: int, pid: int) -> list[Action]:
+        """A down engine's current worker answers after all: bring it back up and give it
+        its requests again (it replaces any copy it still runs)."""
+        eng = self.engines.get(engine_id)
+        if eng is None or eng.status is not EngineStatus.DOWN:
+            return []
+        if epoch != eng.epoch or pid != eng.worker_pid:
+            return []  # a new worker will register under its own epoch
+        eng.status = EngineStatus.UP
+        held = [self.active[r] for r in sorted(eng.assigned) if r in self.active]
+        eng.assigned.clear()
+        actions: list[Action] = [
+            EmitEvent(
+                "engine_recovered",
+                engine_id,
+                data={"epoch": epoch, "pid": pid, "requests": len(held)},
+            )
+        ]
+        return actions + self._place(held + self._take_pending())
+
     def mark_unhealthy(self, engine_id: str, *, reason: str) -> list[Action]:
         eng = self.engines[engine_id]
         eng.status = EngineStatus.UNHEALTHY

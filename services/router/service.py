@@ -349,14 +349,18 @@ class Router:
 
     # --- remote heartbeat -------------------------------------------------------------------
     async def heartbeat_loop(self) -> None:
-        """Ping every up engine each interval; a missed ping is a failure (baseline detector)."""
+        """Ping every engine each interval. An up engine that misses a ping has failed (the
+        baseline's detector); a down engine whose current worker answers was a false alarm
+        (say, a submit acknowledged too late on a loaded machine) and comes back up."""
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.heartbeat_interval_s)
-            for eng in [e for e in self.core.engines.values() if e.status is EngineStatus.UP]:
+            for eng in list(self.core.engines.values()):
+                if eng.status is EngineStatus.UNHEALTHY:
+                    continue
                 epoch = eng.epoch
                 try:
-                    await request(
+                    pong: PingReply = await request(
                         self.nc,
                         subjects.engine_ping(eng.id),
                         Ping(),
@@ -364,12 +368,18 @@ class Router:
                         timeout=cfg.heartbeat_timeout_s,
                     )
                 except BelayerError as exc:
-                    self.log.warning("heartbeat_missed", engine=eng.id, epoch=epoch, error=str(exc))
-                    await self.execute(
-                        self.core.engine_failed(
-                            eng.id, time.monotonic(), reason="heartbeat", epoch=epoch
+                    if eng.status is EngineStatus.UP:
+                        self.log.warning(
+                            "heartbeat_missed", engine=eng.id, epoch=epoch, error=str(exc)
                         )
-                    )
+                        await self.execute(
+                            self.core.engine_failed(
+                                eng.id, time.monotonic(), reason="heartbeat", epoch=epoch
+                            )
+                        )
+                    continue
+                if eng.status is EngineStatus.DOWN:
+                    await self.execute(self.core.engine_recovered(eng.id, pong.epoch, pong.pid))
 
     # --- restart recovery -------------------------------------------------------------------
     async def _read_all(self, stream: str, subject: str, typ: type[M]) -> list[M]:

@@ -266,3 +266,17 @@ def test_restore_from_log() -> None:
     ]
     c.restore("q", [9], SamplingParams(), final[1:], inbox=None)
     assert c.finished["q"].token_ids == [5]
+
+
+def test_false_alarm_engine_comes_back_with_its_requests() -> None:
+    c = core()
+    c.register("e0", 1, 100)
+    c.submit("r", [1], SamplingParams(max_tokens=8), inbox="in")
+    c.on_step(batch("e0", 1, "r", [4, 5], start=0))
+    c.engine_failed("e0", now=0.0, reason="submit failed")
+    assert c.engine_recovered("e0", 1, 999) == []  # not the worker it knew
+    acts = c.engine_recovered("e0", 1, 100)
+    assert [a.kind for a in of(acts, EmitEvent)] == ["engine_recovered"]
+    (sub,) = of(acts, SubmitToEngine)
+    assert sub.requests[0].token_ids == [1, 4, 5] and sub.requests[0].generated_offset == 2
+    assert c.engines["e0"].info().healthy
