@@ -20,8 +20,9 @@ class WorkerConfig:
     """``main`` claims the engine at start; ``shadow`` prepares, then waits to take over."""
     heartbeat_file: str = ""
     """File whose mtime the worker refreshes every scheduling-loop turn (empty: none)."""
-    idle_turn_s: float = 0.01
-    """Longest wait of an idle scheduling loop; bounds heartbeat staleness while idle."""
+    idle_turn_s: float = 0.05
+    """Longest wait of an idle scheduling loop; bounds heartbeat staleness while idle (far
+    below the hang threshold). New work wakes the loop at once."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Scheduler limits; ``num_blocks``/``block_size`` are taken from the KV arena."""
     device: str = "cpu"
@@ -35,9 +36,9 @@ class WorkerConfig:
     cold_load_dir: str = ""
     """Baseline mode: load weights from this model directory on disk instead of mapping the
     weight store's shared memory (what a cold engine restart does)."""
-    watch_interval_s: float = 0.05
-    """Shadow: how often it reads the main worker's heartbeat (hangs); death is seen at once
-    through a pidfd."""
+    watch_interval_s: float = 0.2
+    """Shadow: how often it reads the main worker's heartbeat, which only matters for hangs
+    (threshold ``hang_threshold_s``); death is seen at once through a pidfd."""
     hang_threshold_s: float = 2.0
     """Shadow: a heartbeat older than this (with the process alive) means the main worker hung.
     Longer than any single engine step, so a long prefill is never mistaken for a hang."""
