@@ -1,0 +1,69 @@
+"""Baseline mode (`belayer up --recovery baseline`), the comparison the benchmarks use: no
+shadow; the router's remote heartbeat finds the dead worker; the supervisor restarts it cold
+(weights read from disk); interrupted requests are regenerated from the prompt — and the
+caller still sees each token once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from common.bus import connect
+from tests.integration.node_helpers import (
+    EventLog,
+    Node,
+    StreamRecord,
+    greedy,
+    main_pids,
+    start_node,
+    stop_node,
+    stream_generate,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    n = start_node(
+        tmp_path_factory.mktemp("baseline"), "--recovery", "baseline", "--heartbeat-interval", "1"
+    )
+    try:
+        yield n
+    finally:
+        stop_node(n)
+
+
+async def test_baseline_detects_by_heartbeat_restarts_cold_and_regenerates(node: Node) -> None:
+    nc = await connect(node.nats_url, name="baseline")
+    events = await EventLog(nc).start()
+    try:
+        st = node.status()
+        assert not [p for p in st["procs"] if p["name"].startswith("shadow-")], (
+            "baseline has no shadow"
+        )
+        req = greedy("bl-victim", "the baseline restarts cold", 200)
+        reference = (
+            await stream_generate(nc, greedy("bl-ref", "the baseline restarts cold", 200))
+        ).tokens
+        pid = (await main_pids(nc))["e0"]
+        rec = StreamRecord(req.request_id)
+        task = asyncio.create_task(stream_generate(nc, req, record=rec, timeout=120))
+        await rec.wait_tokens(40)
+        os.kill(pid, signal.SIGKILL)
+        failed = await events.wait_for("engine_failed", "e0", pid=pid, timeout=30)
+        assert failed.data["reason"] == "heartbeat"
+        restarted = await events.wait_for("engine_registered", "e0", old_pid=pid, timeout=60)
+        await task
+        assert rec.result is not None
+        assert rec.tokens == reference  # greedy: the regenerated prefix is identical
+        assert rec.overlaps == []  # the caller never saw a token twice
+        assert rec.result.regenerated > 0  # the baseline's cost, reported
+        assert rec.result.resumes >= 1 and restarted.data["pid"] != pid
+    finally:
+        await events.stop()
+        await nc.drain()
