@@ -41,6 +41,11 @@ from services.router.state import (
     SubmitToEngine,
 )
 
+RECOVERABLE_REASONS = frozenset({"submit failed"})
+"""Failures only the router suspected (a late acknowledgement): withdrawn if the worker still
+answers pings. Reports from the shadow (hung), the supervisor (exited) and the remote heartbeat
+(the baseline's detector, which triggers a cold restart) are final."""
+
 __all__ = [
     "AbortOnEngine",
     "Action",
@@ -280,8 +285,16 @@ class RouterCore:
         eng = self.engines.get(engine_id)
         if eng is None:
             raise NotFound("unknown engine", engine_id=engine_id)
-        if eng.status is not EngineStatus.UP or (epoch is not None and epoch != eng.epoch):
-            return []  # already handled, or about a worker that was already replaced
+        if epoch is not None and epoch != eng.epoch:
+            return []  # about a worker that was already replaced
+        if eng.status is EngineStatus.DOWN:
+            # Already down: a report from the shadow or the supervisor (it exited, it hung)
+            # confirms the failure, so it can no longer be taken back as a false alarm.
+            if reason not in RECOVERABLE_REASONS:
+                eng.down_reason = reason
+            return []
+        if eng.status is not EngineStatus.UP:
+            return []
         self.counters["engine_failures"] += 1
         window = self.config.failure_window_s
         eng.failures = [t for t in eng.failures if now - t <= window] + [now]
@@ -296,6 +309,7 @@ class RouterCore:
             actions += self.mark_unhealthy(engine_id, reason="repeated failure")
         else:
             eng.status = EngineStatus.DOWN
+            eng.down_reason = reason
         return actions
 
     def engine_recovered(self, engine_id: str, epoch: int, pid: int) -> list[Action]:
@@ -304,6 +318,8 @@ class RouterCore:
         eng = self.engines.get(engine_id)
         if eng is None or eng.status is not EngineStatus.DOWN:
             return []
+        if eng.down_reason not in RECOVERABLE_REASONS:
+            return []  # a confirmed failure (exited, hung, missed heartbeats): a new worker comes
         if epoch != eng.epoch or pid != eng.worker_pid:
             return []  # a new worker will register under its own epoch
         eng.status = EngineStatus.UP

@@ -67,6 +67,9 @@ class EngineState:
     status: EngineStatus = EngineStatus.UP
     assigned: set[str] = field(default_factory=set)
     failures: list[float] = field(default_factory=list)
+    down_reason: str = ""
+    """Why the engine is down; only the router's own suspicion (``submit failed``) may be
+    withdrawn when the worker answers after all."""
 
     @property
     def load(self) -> float:

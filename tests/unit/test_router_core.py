@@ -280,3 +280,20 @@ def test_false_alarm_engine_comes_back_with_its_requests() -> None:
     (sub,) = of(acts, SubmitToEngine)
     assert sub.requests[0].token_ids == [1, 4, 5] and sub.requests[0].generated_offset == 2
     assert c.engines["e0"].info().healthy
+
+
+def test_a_confirmed_failure_is_never_taken_back() -> None:
+    """SIGSTOP + SIGCONT: the shadow reported a hang; the woken old worker answering pings must
+    not bring the engine back (its requests wait for the shadow's registration)."""
+    c = core()
+    c.register("e0", 1, 100)
+    c.submit("r", [1], SamplingParams(max_tokens=8), inbox="in")
+    c.engine_failed("e0", now=0.0, reason="hung", epoch=1)
+    assert c.engine_recovered("e0", 1, 100) == []
+    # a router suspicion confirmed by the supervisor's report is final too
+    c2 = core()
+    c2.register("e0", 1, 100)
+    c2.engine_failed("e0", now=0.0, reason="submit failed", epoch=1)
+    c2.engine_failed("e0", now=1.0, reason="exited", epoch=1)
+    assert c2.engine_recovered("e0", 1, 100) == []
+    assert len(c2.engines["e0"].failures) == 1  # one failure, reported twice
