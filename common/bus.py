@@ -20,7 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 
 from common import subjects
-from common.errors import BelayerError, BusUnavailable, InvalidRequest, Timeout
+from common.errors import BelayerError, BusUnavailable, Timeout
 from common.logging import get_logger
 from schemas.base import ErrorReply, Message, decode, encode, error_reply, raise_error
 from schemas.events import Event
@@ -145,12 +145,6 @@ class Server:
             await asyncio.wait(self.tasks, timeout=timeout)
 
 
-async def reply(nc: NATS, msg: Msg, message: Message) -> None:
-    """Publish ``message`` to ``msg``'s reply inbox, if it has one."""
-    if msg.reply:
-        await nc.publish(msg.reply, encode(message))
-
-
 # --- JetStream ----------------------------------------------------------------------------
 DAY = 24 * 3600.0
 
@@ -214,21 +208,3 @@ async def publish_event(js: JetStreamContext, event: Event, *, msg_id: str | Non
         await js.publish(subjects.event(event.kind), encode(event), headers=headers, timeout=2.0)
     except (TimeoutError, nats.errors.Error) as exc:
         log.warning("event_publish_failed", kind=event.kind, error=repr(exc))
-
-
-def require(condition: bool, message: str, **data: Any) -> None:
-    """Raise ``InvalidRequest`` unless ``condition``."""
-    if not condition:
-        raise InvalidRequest(message, **data)
-
-
-__all__ = [
-    "Server",
-    "connect",
-    "ensure_jetstream",
-    "publish_event",
-    "reply",
-    "request",
-    "require",
-]
-_ = ErrorReply

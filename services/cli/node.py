@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -199,7 +200,7 @@ def down(
 
     if pid_alive(pid):
         try:
-            run_quiet(with_bus(node.nats_url, ask_stop))
+            asyncio.run(with_bus(node.nats_url, ask_stop))
         except Exception:  # fall back to a signal if the bus is gone
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -213,12 +214,6 @@ def down(
     with contextlib.suppress(FileNotFoundError):
         paths.node_file.unlink()
     typer.echo(f"belayer node stopped (run {node.run_id}; {removed} leftover shm files removed)")
-
-
-def run_quiet(coro: Any) -> Any:
-    import asyncio
-
-    return asyncio.run(coro)
 
 
 def status(

@@ -248,7 +248,6 @@ class Router:
                 epoch=req.epoch,
                 claimed_epoch=claimed,
             )
-        before = {r for r, s in self.core.active.items() if s.engine_id is None}
         actions = self.core.register(
             req.engine_id,
             req.epoch,
@@ -266,7 +265,6 @@ class Router:
             epoch=req.epoch,
             pid=req.pid,
             resumed=resumed,
-            waiting_before=len(before),
         )
         return RegisterReply(engine_id=req.engine_id, epoch=req.epoch, resumed_requests=resumed)
 
