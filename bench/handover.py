@@ -98,7 +98,7 @@ class Events:
 
     async def start(self) -> Events:
         from common import subjects
-        from schemas.base import decode
+        from common.codec import decode
         from schemas.events import Event
 
         async def cb(msg: Any) -> None:
@@ -374,7 +374,7 @@ def print_table(rows: list[tuple[str, str, str, str]]) -> None:
 
 def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> dict[str, Any]:
     """Run both modes (a few minutes), print the table, write ``json_path``."""
-    from services.model.tiny import init_tiny_model
+    from model.tiny import init_tiny_model
 
     machine = machine_info()
     progress(f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")

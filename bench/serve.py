@@ -68,7 +68,7 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
 # --- 1. engine alone ---------------------------------------------------------------------------
 def measure_engine(model_dir: Path, new_tokens: int) -> dict[str, Any]:
     """Median tokens/s of the in-process engine at each batch size over ``REPEATS`` runs."""
-    from services.worker.engine.bench import bench_engine
+    from bench.engine import bench_engine
 
     runs: dict[int, list[float]] = {b: [] for b in BATCHES}
     for rep in range(REPEATS):
@@ -91,9 +91,9 @@ def measure_cold_load(model_dir: Path) -> dict[str, Any]:
     a cold worker restart does. Median over ``REPEATS`` runs."""
     import torch
 
-    from services.model.config import load_model_config
-    from services.model.loader import load_safetensors
-    from services.model.qwen3 import kv_cache_shape
+    from model.config import load_model_config
+    from model.loader import load_safetensors
+    from model.qwen3 import kv_cache_shape
     from services.worker.engine.config import EngineConfig
     from services.worker.engine.llm_engine import LLMEngine
 
@@ -291,7 +291,7 @@ async def measure_bus(nc: Any, new_tokens: int, vocab: int, pids: dict[str, int]
 async def worker_reported_timings(nc: Any) -> dict[str, float]:
     """``attach_s`` / ``build_warm_s`` from the worker's last ``worker_ready`` event."""
     from common import subjects
-    from schemas.base import decode
+    from common.codec import decode
     from schemas.events import Event
 
     js = nc.jetstream()
@@ -476,7 +476,7 @@ def summarize(
 
 def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
     """Run the whole benchmark (about a minute), print the table, write ``json_path``."""
-    from services.model.tiny import init_tiny_model
+    from model.tiny import init_tiny_model
 
     machine = machine_info()
     progress(

@@ -20,9 +20,10 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 
 from common import subjects
+from common.codec import decode, encode, error_reply, raise_error
 from common.errors import BelayerError, BusUnavailable, Timeout
 from common.logging import get_logger
-from schemas.base import ErrorReply, Message, decode, encode, error_reply, raise_error
+from schemas.base import ErrorReply, Message
 from schemas.events import Event
 
 R = TypeVar("R")

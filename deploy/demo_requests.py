@@ -11,8 +11,8 @@ import time
 
 from common import subjects
 from common.bus import connect, request
+from common.codec import decode
 from common.node import resolve_nats_url
-from schemas.base import decode
 from schemas.events import Event
 from schemas.serving import (
     GenerateRequest,

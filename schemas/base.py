@@ -3,7 +3,8 @@
 Every message is a ``msgspec.Struct`` whose wire form is a MessagePack map carrying a
 ``type`` tag such as ``"GenerateRequest.v1"``. Types evolve only by adding defaulted fields at
 the end; a breaking change is a new ``.v2`` class. Decoding validates every field; a bad
-payload raises ``common.errors.InvalidRequest`` whose message names the field (``$.max_tokens``).
+payload raises :class:`DecodeFailure` naming the field (``$.max_tokens``); ``common.codec``
+turns that into the bus error ``invalid_request``. This package imports nothing else of ours.
 """
 
 from __future__ import annotations
@@ -12,14 +13,24 @@ from typing import Any, TypeVar, overload
 
 import msgspec
 
-from common.errors import BelayerError, InvalidRequest, error_class
-
 
 class Message(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=False):
     """Base of every wire message. Subclasses set ``tag="Name.vN"``."""
 
 
 M = TypeVar("M")
+
+
+class DecodeFailure(ValueError):
+    """A payload that is not a valid message: ``field`` is the JSON-path of the offending
+    field (``$`` for the whole message)."""
+
+    def __init__(self, message: str, *, field: str = "$", **data: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.data = data
+
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
@@ -40,28 +51,48 @@ def decode(data: bytes, typ: Any) -> Any: ...
 def decode(data: bytes, typ: Any) -> Any:
     """Decode and validate ``data`` as ``typ`` (a Message class or a Union of them).
 
-    Raises ``InvalidRequest`` naming the offending field on any malformed or wrongly typed input.
+    A message must carry its ``type`` tag. Raises :class:`DecodeFailure` naming the offending
+    field on any malformed or wrongly typed input.
     """
     if len(data) > MAX_MESSAGE_BYTES:
-        raise InvalidRequest("message too large", size=len(data), limit=MAX_MESSAGE_BYTES)
+        raise DecodeFailure("message too large", size=len(data), limit=MAX_MESSAGE_BYTES)
     dec = _decoders.get(typ)
     if dec is None:
-        dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
+        dec = _decoders[typ] = msgspec.msgpack.Decoder(_require_tag(typ))
     try:
         return dec.decode(data)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"invalid message: {exc}", field=_field_of(str(exc))) from None
+        raise DecodeFailure(f"invalid message: {exc}", field=_field_of(str(exc))) from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"malformed MessagePack: {exc}", field="$") from None
+        raise DecodeFailure(f"malformed MessagePack: {exc}", field="$") from None
+    except RecursionError:
+        raise DecodeFailure("message nested too deeply", field="$") from None
+
+
+class _NoMessage(Message, tag="\x00none"):
+    """Never sent: in a Union with a single message type it makes msgspec require the ``type``
+    tag (a lone tagged struct would otherwise decode an untagged map)."""
+
+
+def _require_tag(typ: Any) -> Any:
+    if isinstance(typ, type) and issubclass(typ, Message):
+        return typ | _NoMessage
+    return typ
 
 
 def _field_of(text: str) -> str:
-    """Pull ``$.path`` out of a msgspec validation message ("... - at `$.max_tokens`")."""
+    """The JSON-path of the field a msgspec validation message is about: ``... - at
+    `$.sampling` `` → ``$.sampling``; a missing field ``x`` at ``$.sampling`` →
+    ``$.sampling.x``."""
     marker = "at `"
     i = text.rfind(marker)
-    if i < 0:
-        return "$"
-    return text[i + len(marker) :].rstrip("`")
+    path = "$" if i < 0 else text[i + len(marker) :].rstrip("`")
+    missing = "missing required field `"
+    j = text.find(missing)
+    if j >= 0:
+        name = text[j + len(missing) :].split("`", 1)[0]
+        path = f"{path}.{name}"
+    return path
 
 
 class ErrorReply(Message, tag="ErrorReply.v1"):
@@ -75,20 +106,6 @@ class ErrorReply(Message, tag="ErrorReply.v1"):
     """Whether the same call may succeed later."""
     data: dict[str, Any] = {}
     """Details: the offending field, the id that was unknown, limits…"""
-
-
-def error_reply(exc: BelayerError) -> ErrorReply:
-    """Wire form of a Belayer error."""
-    data = {
-        k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
-        for k, v in exc.data.items()
-    }
-    return ErrorReply(code=exc.code, message=exc.message, retryable=exc.retryable, data=data)
-
-
-def raise_error(reply: ErrorReply) -> None:
-    """Raise the typed error an ``ErrorReply`` stands for."""
-    raise error_class(reply.code)(reply.message, **reply.data)
 
 
 class Ok(Message, tag="Ok.v1"):

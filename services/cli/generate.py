@@ -96,7 +96,7 @@ def _local_decoder() -> Callable[[list[int]], str] | None:
     if node is None or not node.model_dir:
         return None
     try:
-        from services.model.tokenizer import load_tokenizer
+        from model.tokenizer import load_tokenizer
 
         return load_tokenizer(node.model_dir).decode
     except (OSError, ValueError):

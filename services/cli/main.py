@@ -53,7 +53,7 @@ def model_init(
             err=True,
         )
         raise typer.Exit(2)
-    from services.model.tiny import init_tiny_model
+    from model.tiny import init_tiny_model
 
     path = init_tiny_model(
         out_dir, hidden_size=hidden_size, num_layers=num_layers, vocab_size=vocab_size, seed=seed
@@ -113,12 +113,12 @@ def bench_handover(
 def _mount_environment() -> None:
     """The environment CLI needs the docker SDK; mount it when importable."""
     try:
-        from services.environment.cli import env_app
+        from services.cli.env import env_app
     except ImportError:
         return
     app.add_typer(env_app, name="env")
     try:
-        from services.environment.cli import bench_env
+        from services.cli.env import bench_env
     except ImportError:
         return
     bench_app.command("env")(bench_env)

@@ -17,10 +17,11 @@ import typer
 
 from common import subjects
 from common.bus import request
+from common.codec import decode
 from common.config import RunPaths
 from common.errors import BelayerError
 from common.node import read_node
-from schemas.base import Ok, decode
+from schemas.base import Ok
 from schemas.events import Event
 from schemas.node import StopNode, SupervisorStatus, SupervisorStatusRequest
 from schemas.serving import RouterStatus, StatusRequest

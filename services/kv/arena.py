@@ -1,5 +1,5 @@
 """The arenas themselves: one zero-filled shm file per engine, shaped
-``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (``services.model.kv_cache_shape``).
+``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (``model.kv_cache_shape``).
 
 Synchronous and bus-free. The memory belongs to this service, not to any worker: a worker
 that crashes leaves the arena intact, and the shadow that takes over maps the same file.
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
+from common import shm
 from common.config import shm_path
 from common.errors import Conflict, NotFound
 from common.logging import get_logger
+from common.tensors import dtype_name
 from schemas.weights import ArenaDesc
-from services.weights import shm
-from services.weights.core import dtype_name
 
 FILE_PREFIX = "kv-"
 """Name of an arena's shm file after the run prefix: ``kv-<engine_id>``."""

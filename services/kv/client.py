@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 from nats.aio.client import Client as NATS
 
-from common import subjects
+from common import shm, subjects
 from common.bus import request
 from common.errors import InvalidRequest
+from common.tensors import parse_dtype
 from schemas.weights import ArenaDesc, KvFlush, KvGet
-from services.weights import shm
-from services.weights.core import parse_dtype
 
 
 async def fetch_arena(nc: NATS, engine_id: str, timeout: float = 5.0) -> ArenaDesc:

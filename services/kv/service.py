@@ -13,13 +13,13 @@ from common import subjects
 from common.bus import Server, connect, ensure_jetstream, publish_event
 from common.logging import get_logger
 from common.service import Status
+from common.tensors import parse_dtype
+from model.config import load_model_config
+from model.qwen3 import kv_cache_shape
 from schemas.events import Event
 from schemas.weights import ArenaDesc, KvFlush, KvGet
 from services.kv.arena import ArenaPool
 from services.kv.config import KvArenaConfig
-from services.model.config import load_model_config
-from services.model.qwen3 import kv_cache_shape
-from services.weights.core import parse_dtype
 
 SERVICE = "kv"
 

@@ -10,8 +10,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from common import subjects
+from common.codec import decode, encode, raise_error
 from common.errors import BusUnavailable, InvalidRequest, Timeout
-from schemas.base import ErrorReply, decode, encode, raise_error
+from schemas.base import ErrorReply
 from schemas.serving import GenerateReply, GenerateRequest, GenerateResult, TokenDelta
 
 

@@ -23,10 +23,13 @@ from nats.js import JetStreamContext
 
 from common import subjects
 from common.bus import Server, connect, ensure_jetstream, publish_event, request
+from common.codec import decode, encode
+from common.epoch import current_epoch
 from common.errors import BelayerError, Conflict, InvalidRequest, NotFound
 from common.logging import get_logger
 from common.service import Status
-from schemas.base import Ok, decode, encode
+from model.tokenizer import load_tokenizer
+from schemas.base import Ok
 from schemas.events import Event
 from schemas.serving import (
     AcceptedRequest,
@@ -48,7 +51,6 @@ from schemas.serving import (
     StepBatch,
     TokenLogChunk,
 )
-from services.model.tokenizer import load_tokenizer
 from services.router.config import RouterConfig
 from services.router.core import (
     AbortOnEngine,
@@ -60,7 +62,6 @@ from services.router.core import (
     SendToCaller,
     SubmitToEngine,
 )
-from services.worker.epoch import current_epoch
 
 M = TypeVar("M")
 

@@ -33,17 +33,16 @@ import torch
 
 from common import subjects
 from common.bus import connect, ensure_jetstream, publish_event, request
+from common.epoch import current_epoch
 from common.errors import BelayerError, Conflict
+from common.heartbeat import Identity, PidWatch, Verdict, assess, read_identity
 from common.logging import get_logger
 from schemas.base import Ok
 from schemas.events import Event
 from schemas.serving import EngineFailed
 from services.kv.client import fetch_arena, flush_arena
 from services.weights.client import fetch_manifest
-from services.worker.config import WorkerConfig
-from services.worker.epoch import current_epoch
-from services.worker.heartbeat import Identity, PidWatch, Verdict, assess, read_identity
-from services.worker.service import Worker
+from services.worker.client import Worker, WorkerConfig
 
 
 @dataclass

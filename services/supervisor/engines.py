@@ -22,13 +22,14 @@ from nats.aio.msg import Msg
 
 from common import subjects
 from common.bus import request
+from common.codec import decode
 from common.errors import BelayerError
+from common.heartbeat import read_identity
 from common.logging import get_logger
-from schemas.base import Ok, decode
+from schemas.base import Ok
 from schemas.events import Event
 from schemas.serving import EngineFailed
 from services.supervisor.procs import Child
-from services.worker.heartbeat import read_identity
 
 if TYPE_CHECKING:
     from services.supervisor.service import Supervisor

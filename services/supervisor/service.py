@@ -44,7 +44,7 @@ def ensure_model(config: SupervisorConfig, paths: RunPaths) -> Path:
         return Path(config.model_dir).resolve()
     tiny = paths.models / "tiny"
     if not (tiny / "config.json").exists():
-        from services.model.tiny import init_tiny_model
+        from model.tiny import init_tiny_model
 
         init_tiny_model(tiny)
     return tiny.resolve()
@@ -88,9 +88,8 @@ class Supervisor:
     def worker_argv(self, engine_id: str, role: str = "main") -> list[str]:
         c = self.config
         return self._py(
-            "services.worker",
+            "services.worker" if role == "main" else "services.shadow",
             "--engine-id", engine_id,
-            "--role", role,
             "--heartbeat-file", str(self.paths.heartbeat_file(engine_id)),
             "--max-num-seqs", str(c.max_num_seqs),
             "--hang-threshold", str(c.hang_threshold_s),

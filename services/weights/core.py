@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import InvalidRequest
+from common.tensors import dtype_name, parse_dtype, view_tensor
 from schemas.weights import TensorDesc
 
 ALIGN = 64
@@ -40,19 +41,6 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` → ``"float32"`` (the wire form of a dtype)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` → ``torch.bfloat16``; anything that is not a torch dtype is refused."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise InvalidRequest("unknown dtype", dtype=name)
-    return dtype
-
-
 def plan_layout(state_dict: Mapping[str, torch.Tensor]) -> Layout:
     """Assign every tensor an aligned offset; names are sorted so that the same set of
     tensors always gets the same layout, whatever order the caller's dict has."""
@@ -72,17 +60,6 @@ def plan_layout(state_dict: Mapping[str, torch.Tensor]) -> Layout:
         )
         offset = align_up(offset + nbytes)
     return Layout(tensors=descs, size=max(offset, ALIGN))
-
-
-def view_tensor(buf: torch.Tensor, desc: TensorDesc) -> torch.Tensor:
-    """A zero-copy view of one tensor inside ``buf`` (a flat ``uint8`` tensor)."""
-    raw = buf[desc.offset : desc.offset + desc.nbytes]
-    return raw.view(parse_dtype(desc.dtype)).view(desc.shape)
-
-
-def view_tensors(buf: torch.Tensor, tensors: Sequence[TensorDesc]) -> dict[str, torch.Tensor]:
-    """Zero-copy views of every tensor of a layout, by name."""
-    return {d.name: view_tensor(buf, d) for d in tensors}
 
 
 def pack(state_dict: Mapping[str, torch.Tensor], layout: Layout, buf: torch.Tensor) -> None:

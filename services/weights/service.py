@@ -18,10 +18,10 @@ from nats.js.kv import KeyValue
 
 from common import subjects
 from common.bus import Server, connect, ensure_jetstream, publish_event
+from common.codec import decode, encode
 from common.errors import Conflict, InvalidRequest
 from common.logging import get_logger
 from common.service import Status
-from schemas.base import decode, encode
 from schemas.events import Event
 from schemas.weights import WeightManifest, WeightsGet, WeightsPush
 from services.weights.config import WeightStoreConfig

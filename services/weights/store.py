@@ -16,9 +16,9 @@ import torch
 from common.config import shm_path, shm_prefix
 from common.errors import Conflict, InvalidRequest, NotFound
 from common.logging import get_logger
+from model.config import load_model_config
+from model.loader import load_safetensors
 from schemas.weights import WeightManifest, WeightsPush
-from services.model.config import load_model_config
-from services.model.loader import load_safetensors
 from services.weights import core, shm
 
 FILE_PREFIX = "weights-v"

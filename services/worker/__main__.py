@@ -66,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         f"worker:{config.engine_id}", log_file=Path(config.log_file) if config.log_file else None
     )
     if config.role == "shadow":
-        from services.shadow.service import run as run_shadow
-
-        return run_main(lambda stop: run_shadow(config, stop=stop))
+        raise SystemExit("a shadow runs as `python -m services.shadow`")
     from services.worker.service import run
 
     return run_main(lambda stop: run(config, stop=stop))

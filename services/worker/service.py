@@ -22,11 +22,16 @@ from nats.js import JetStreamContext
 
 from common import subjects
 from common.bus import Server, connect, ensure_jetstream, publish_event, request
+from common.codec import decode, encode
+from common.epoch import claim_epoch
 from common.errors import BelayerError, Conflict, Timeout
 from common.fastpub import FastPublisher
+from common.heartbeat import Identity, write_identity
 from common.logging import get_logger
 from common.service import Status
-from schemas.base import Ok, decode, encode
+from model.config import load_model_config
+from model.loader import load_safetensors
+from schemas.base import Ok
 from schemas.events import Event
 from schemas.serving import (
     EngineAbort,
@@ -42,14 +47,10 @@ from schemas.serving import (
     StepBatch,
 )
 from services.kv.client import fetch_arena, map_arena
-from services.model.config import load_model_config
-from services.model.loader import load_safetensors
 from services.weights.client import fetch_manifest, map_weights
 from services.worker.config import WorkerConfig
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.llm_engine import LLMEngine
-from services.worker.epoch import claim_epoch
-from services.worker.heartbeat import Identity, write_identity
 from services.worker.runtime import Abort, EngineLoop, Snapshot, Submit, SwapWeights
 
 

@@ -24,7 +24,7 @@ from msgspec.structs import replace
 
 from common import subjects
 from common.bus import connect
-from schemas.base import encode
+from common.codec import encode
 from schemas.serving import GenerateRequest, SeqDelta, StepBatch
 from tests.integration.node_helpers import (
     EventLog,

@@ -15,9 +15,10 @@ from typing import Any
 
 from common import subjects
 from common.bus import request
+from common.codec import decode, encode, raise_error
 from common.config import SHM_DIR, shm_prefix
 from common.errors import BelayerError, BusUnavailable
-from schemas.base import ErrorReply, decode, encode, raise_error
+from schemas.base import ErrorReply
 from schemas.events import Event
 from schemas.node import SupervisorStatus, SupervisorStatusRequest
 from schemas.serving import (

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from services.model.tiny import init_tiny_model
-from services.weights import shm
+from common import shm
+from model.tiny import init_tiny_model
 
 WAIT = 20.0
 

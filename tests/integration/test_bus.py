@@ -8,8 +8,9 @@ import pytest
 
 from common import subjects
 from common.bus import Server, ensure_jetstream, request
+from common.codec import decode, encode
 from common.errors import BusUnavailable, InvalidRequest, NotFound
-from schemas.base import ErrorReply, Ok, decode, encode
+from schemas.base import ErrorReply, Ok
 from schemas.serving import CancelRequest
 
 

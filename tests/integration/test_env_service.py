@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from common import subjects
+from common.codec import decode
 from common.errors import (
     CheckpointInvalid,
     Conflict,
@@ -20,7 +21,6 @@ from common.errors import (
     SandboxError,
     Timeout,
 )
-from schemas.base import decode
 from schemas.env import ReadyPointer, SandboxLimits
 from schemas.events import Event
 from services.environment.client import EnvClient

@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from common import subjects
+from common.codec import decode, encode
 from common.errors import Conflict, NotFound
-from schemas.base import decode, encode
+from model.config import load_model_config
+from model.qwen3 import kv_cache_shape
 from schemas.events import Event
 from services.kv.__main__ import parse_args
 from services.kv.client import fetch_arena, flush_arena, map_arena
 from services.kv.config import KvArenaConfig
 from services.kv.service import run
-from services.model.config import load_model_config
-from services.model.qwen3 import kv_cache_shape
 from tests.integration.shm_helpers import WAIT, running_service
 
 torch.set_num_threads(1)
@@ -39,7 +39,7 @@ def running_arena(config: KvArenaConfig) -> AbstractAsyncContextManager[None]:
 # Maps the arena, writes a pattern into one block, reports, then waits to be killed.
 WRITER = r"""
 import sys
-from schemas.base import decode
+from common.codec import decode
 from schemas.weights import ArenaDesc
 from services.kv.client import map_arena
 arena = map_arena(decode(bytes.fromhex(sys.stdin.readline()), ArenaDesc))

@@ -16,8 +16,9 @@ import pytest
 
 from common import subjects
 from common.bus import connect, request
+from common.codec import decode
 from common.errors import BusUnavailable, Conflict, NotFound, ResourceLimit, Timeout
-from schemas.base import ErrorReply, Ok, decode
+from schemas.base import ErrorReply, Ok
 from schemas.events import Event
 from schemas.serving import (
     EngineFailed,

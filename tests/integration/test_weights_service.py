@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from common import subjects
 from common.bus import request
+from common.codec import decode, encode
 from common.errors import Conflict, InvalidRequest, NotFound
-from schemas.base import decode, encode
 from schemas.events import Event
 from schemas.weights import WeightManifest, WeightsPush
 from services.weights import core, shm
@@ -71,7 +71,7 @@ async def test_manifest_maps_bit_exactly(nats_server, nc, js, model_dir, run_id)
 CHILD = r"""
 import json, sys, time
 import torch
-from schemas.base import decode
+from common.codec import decode
 from schemas.weights import WeightManifest
 from services.weights import core, shm
 from services.weights.client import map_weights

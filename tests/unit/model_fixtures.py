@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from services.model.config import ModelConfig, load_model_config
-from services.model.loader import load_safetensors
-from services.model.qwen3 import kv_cache_shape
-from services.model.tiny import init_tiny_model
+from model.config import ModelConfig, load_model_config
+from model.loader import load_safetensors
+from model.qwen3 import kv_cache_shape
+from model.tiny import init_tiny_model
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.llm_engine import LLMEngine
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.model.config import load_model_config
-from services.model.loader import load_safetensors
-from services.model.qwen3 import kv_cache_shape
+from model.config import load_model_config
+from model.loader import load_safetensors
+from model.qwen3 import kv_cache_shape
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.llm_engine import LLMEngine
 from services.worker.engine.sequence import SamplingParams

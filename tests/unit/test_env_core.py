@@ -7,8 +7,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from common.codec import decode, encode
 from common.errors import CheckpointInvalid, Conflict, InvalidRequest
-from schemas.base import decode, encode
 from schemas.env import EnvCheckpoint, EnvExec, EnvListing, SandboxInfo
 from services.environment import core
 from services.environment.core import Manifest, SandboxState

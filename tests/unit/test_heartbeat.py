@@ -6,8 +6,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.supervisor.backoff import Backoff
-from services.worker.heartbeat import (
+from common.heartbeat import (
     Identity,
     PidWatch,
     Verdict,
@@ -15,6 +14,7 @@ from services.worker.heartbeat import (
     read_identity,
     write_identity,
 )
+from services.supervisor.backoff import Backoff
 
 
 def test_assess() -> None:

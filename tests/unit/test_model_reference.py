@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.model.config import load_model_config
-from services.model.loader import load_safetensors
-from services.model.qwen3 import AttentionMetadata, build_model, kv_cache_shape
-from services.model.tiny import init_tiny_model
-from services.model.tokenizer import load_tokenizer
+from model.config import load_model_config
+from model.loader import load_safetensors
+from model.qwen3 import AttentionMetadata, build_model, kv_cache_shape
+from model.tiny import init_tiny_model
+from model.tokenizer import load_tokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.sequence import SamplingParams
 from tests.unit.model_fixtures import make_engine

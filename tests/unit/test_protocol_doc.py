@@ -22,7 +22,9 @@ def tagged_messages() -> dict[str, str]:
     for info in pkgutil.iter_modules(schemas.__path__):
         module = importlib.import_module(f"schemas.{info.name}")
         for name, cls in inspect.getmembers(module, inspect.isclass):
-            if not issubclass(cls, msgspec.Struct) or cls.__module__ != module.__name__:
+            if name.startswith("_") or not issubclass(cls, msgspec.Struct):
+                continue
+            if cls.__module__ != module.__name__:
                 continue
             tag = cls.__struct_config__.tag
             if isinstance(tag, str):

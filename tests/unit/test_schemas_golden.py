@@ -16,7 +16,8 @@ import msgpack
 import msgspec
 import pytest
 
-from schemas.base import ErrorReply, Ok, decode, encode
+from common.codec import decode, encode
+from schemas.base import ErrorReply, Ok
 from schemas.events import Event
 from schemas.serving import (
     EngineFailed,

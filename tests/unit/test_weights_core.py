@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common import tensors
 from common.errors import InvalidRequest
 from schemas.weights import TensorDesc
 from services.weights import core
@@ -42,13 +43,13 @@ def test_pack_then_view_round_trips_bit_exactly() -> None:
     layout = core.plan_layout(state)
     buf = torch.zeros(layout.size, dtype=torch.uint8)
     core.pack(state, layout, buf)
-    views = core.view_tensors(buf, layout.tensors)
+    views = tensors.view_tensors(buf, layout.tensors)
     for name, t in state.items():
         assert views[name].dtype == t.dtype and views[name].shape == t.shape
         assert torch.equal(views[name], t)
     # views are zero copy: they alias the buffer
     views["d.index"][0] = 99
-    assert core.view_tensors(buf, layout.tensors)["d.index"][0] == 99
+    assert tensors.view_tensors(buf, layout.tensors)["d.index"][0] == 99
 
 
 def test_checksum_covers_every_byte() -> None:
@@ -70,7 +71,7 @@ def test_repack_between_layouts() -> None:
         for d in layout.tensors
     ]
     for d in shifted:
-        core.view_tensor(src, d).copy_(state[d.name])
+        tensors.view_tensor(src, d).copy_(state[d.name])
     assert not core.same_placement(layout.tensors, shifted)
     dst = torch.zeros(layout.size, dtype=torch.uint8)
     core.repack(src, shifted, dst, layout.tensors)
@@ -121,4 +122,4 @@ def test_validate_push_checks_names_dtypes_shapes() -> None:
 
 def test_dtype_names_round_trip() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
-        assert core.parse_dtype(core.dtype_name(dtype)) is dtype
+        assert tensors.parse_dtype(tensors.dtype_name(dtype)) is dtype

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from services.model.config import ModelConfig
-from services.model.qwen3 import build_model, kv_cache_shape
+from model.config import ModelConfig
+from model.qwen3 import build_model, kv_cache_shape
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sampler import Sampler
@@ -60,7 +60,7 @@ class LLMEngine:
         sampler_seed: int | None = None,
     ) -> None:
         """``params`` are HF-named weights; ``kv_cache`` has
-        :func:`~services.model.qwen3.kv_cache_shape` for ``config``'s geometry and starts
+        :func:`~model.qwen3.kv_cache_shape` for ``config``'s geometry and starts
         finite (zeros). ``eos_token_ids`` defaults to the model config's; ``sampler_seed``
         seeds the random stream of requests that carry no seed.
         """

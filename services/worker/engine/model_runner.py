@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from services.model.qwen3 import AttentionMetadata, Qwen3ForCausalLM
+from model.qwen3 import AttentionMetadata, Qwen3ForCausalLM
 from services.worker.engine.sequence import Sequence
 
 

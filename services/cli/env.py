@@ -154,7 +154,7 @@ def bench_env(
     quick: bool = typer.Option(False, help="Small configurations only."),
 ) -> None:
     """Benchmark full_checkpoint/full_restore against raw criu+tar and a fresh container."""
-    from services.environment.bench import main as bench_main
+    from bench.env import main as bench_main
 
     raise typer.Exit(
         bench_main(as_json=as_json, out=out, repeats=repeats, cycles=cycles, quick=quick)

@@ -1,7 +1,7 @@
 """The model hyper-parameters Belayer needs, read from a Hugging Face ``config.json``.
 
 Only dense Qwen3 causal LMs are supported (``model_type == "qwen3"``). Anything the
-compact implementation in :mod:`services.model.qwen3` cannot reproduce exactly (RoPE
+compact implementation in :mod:`model.qwen3` cannot reproduce exactly (RoPE
 scaling, sliding windows, attention biases, another activation) is refused here with a
 ``ValueError`` instead of silently producing different logits.
 """

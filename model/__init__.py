@@ -1,9 +1,9 @@
 """The Qwen3 model Belayer serves and trains: config, weights, tokenizer, paged-KV forward."""
 
-from services.model.config import ModelConfig, load_model_config
-from services.model.loader import load_safetensors
-from services.model.qwen3 import AttentionMetadata, Qwen3ForCausalLM, build_model, kv_cache_shape
-from services.model.tokenizer import Tokenizer, load_tokenizer
+from model.config import ModelConfig, load_model_config
+from model.loader import load_safetensors
+from model.qwen3 import AttentionMetadata, Qwen3ForCausalLM, build_model, kv_cache_shape
+from model.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "AttentionMetadata",

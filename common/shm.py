@@ -19,8 +19,8 @@ import torch
 
 from common.config import SHM_DIR, shm_prefix
 from common.errors import InvalidRequest, NotFound
+from common.tensors import view_tensors
 from schemas.weights import MemoryHandle, TensorDesc
-from services.weights.core import view_tensors
 
 
 def create(path: Path, size: int) -> torch.Tensor:

@@ -1,0 +1,153 @@
+"""The layer rules of docs/architecture.md, checked on every import of every module (including
+imports inside functions):
+
+    schemas/  →  common/  →  model/  →  workloads/  →  services/<name>/  →  services/cli, bench/
+
+Imports point down only. A service reaches another service only through that service's
+``client.py``. Pure modules (service cores, the model, the inference engine, the checkpoint
+policy) do no bus or event-loop I/O. Nothing imports ``deploy/``, the CLI or the benchmarks.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = ("schemas", "common", "model", "workloads", "services", "bench", "deploy")
+TOPS = ("services.cli", "bench")
+
+#: What each layer may import of ours (besides itself).
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "schemas": (),
+    "common": ("schemas",),
+    "model": ("schemas", "common"),
+    "workloads": ("schemas", "common", "model"),
+}
+
+#: Modules that must stay free of bus and event-loop I/O.
+PURE_GLOBS = (
+    "services/*/core.py",
+    "services/*/policy.py",
+    "model/**/*.py",
+    "services/worker/engine/**/*.py",
+)
+IO_MODULES = ("nats", "asyncio")
+
+
+def python_files() -> Iterator[Path]:
+    for top in OURS:
+        base = ROOT / top
+        if base.is_dir():
+            yield from (p for p in sorted(base.rglob("*.py")) if ".venv" not in p.parts)
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, absolute module) of every import in the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            yield node.lineno, mod
+            for alias in node.names:  # `from services.x import client` names a module
+                yield node.lineno, f"{mod}.{alias.name}"
+
+
+def within(mod: str, prefix: str) -> bool:
+    return mod == prefix or mod.startswith(prefix + ".")
+
+
+def layer_violation(src: str, dst: str) -> str | None:
+    """Why ``src`` may not import ``dst`` (None when it may)."""
+    dst_top = dst.split(".")[0]
+    if dst_top not in OURS or (within(dst, src.split(".")[0]) and dst_top != "services"):
+        return None
+    if dst_top == "deploy":
+        return "nothing imports deploy/ (it only runs things)"
+    if any(within(dst, t) for t in TOPS):
+        if any(within(src, t) for t in TOPS):
+            return None
+        return "nothing imports the CLI or the benchmarks"
+    src_top = src.split(".")[0]
+    if src_top in ALLOWED:
+        if dst_top in ALLOWED[src_top]:
+            return None
+        return f"{src_top}/ may import only {ALLOWED[src_top] or 'nothing of ours'}"
+    if src_top == "deploy" or any(within(src, t) for t in TOPS):
+        return None
+    # src is a service: lower layers freely, itself freely, other services via client.py only.
+    if dst_top != "services":
+        return None
+    src_service = ".".join(src.split(".")[:2])
+    parts = dst.split(".")
+    if len(parts) < 2 or within(dst, src_service):
+        return None
+    dst_service = ".".join(parts[:2])
+    if within(dst, f"{dst_service}.client") or dst == dst_service:
+        return None
+    return f"another service is reached only through its client.py ({dst_service}.client)"
+
+
+def test_every_import_points_down() -> None:
+    problems = []
+    for path in python_files():
+        src = module_name(path)
+        for line, dst in imports_of(path):
+            why = layer_violation(src, dst)
+            if why:
+                problems.append(f"{path.relative_to(ROOT)}:{line}: imports {dst}: {why}")
+    assert not problems, "\n".join(sorted(set(problems)))
+
+
+def test_pure_modules_do_no_bus_or_loop_io() -> None:
+    pure = sorted({p for g in PURE_GLOBS for p in ROOT.glob(g)})
+    assert pure, "the pure-module globs match no file"
+    problems = [
+        f"{p.relative_to(ROOT)}:{line}: imports {mod}"
+        for p in pure
+        for line, mod in imports_of(p)
+        if any(within(mod, io) for io in IO_MODULES)
+    ]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "ok"),
+    [
+        ("schemas.base", "common.errors", False),
+        ("common.bus", "schemas.base", True),
+        ("common.shm", "model.qwen3", False),
+        ("common.bus", "services.router.client", False),
+        ("model.qwen3", "services.worker.engine.sequence", False),
+        ("services.shadow.service", "services.worker.service", False),
+        ("services.shadow.service", "services.worker.client", True),
+        ("services.router.service", "services.router.core", True),
+        ("services.router.service", "services.cli.main", False),
+        ("services.cli.main", "services.environment.core", True),
+        ("bench.env", "services.environment.manager", True),
+        ("services.kv.service", "deploy.demo_requests", False),
+    ],
+)
+def test_rules_catch_what_they_should(src: str, dst: str, ok: bool) -> None:
+    assert (layer_violation(src, dst) is None) is ok
