@@ -1,12 +1,35 @@
-"""Decode throughput of the engine alone (no bus), for the ``belayer bench`` CLI."""
+"""``belayer bench engine``: decode throughput of the engine alone, in-process (no bus).
+
+Tokens/s at batch 1 and 8 (16-token prompts, greedy, ``ignore_eos``, prefill included), median
+of ``repeats`` runs, on the tiny model (hidden 256, 4 layers, vocab 4096) unless a model
+directory is given; the targets are the tiny model's. ``bench_engine`` is also the first
+measurement of ``belayer bench serve``.
+"""
 
 from __future__ import annotations
 
+import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from bench.report import (
+    Row,
+    Target,
+    loadavg,
+    machine_info,
+    print_table,
+    progress,
+    target_text,
+    targets_json,
+    timestamp,
+    verdicts,
+    write_json,
+)
 from model.config import load_model_config
 from model.loader import load_safetensors
 from model.qwen3 import kv_cache_shape
@@ -15,11 +38,25 @@ from services.worker.engine.llm_engine import LLMEngine
 from services.worker.engine.sequence import SamplingParams
 
 PROMPT_LEN = 16
+BATCHES = (1, 8)
+TINY_MODEL = {"hidden_size": 256, "num_layers": 4, "vocab_size": 4096}
+"""The model the targets are for (``model.tiny.init_tiny_model``'s defaults)."""
+
+TARGETS: dict[str, Target] = {
+    "engine_tok_s_b1": (">=", 150.0),
+    "engine_tok_s_b8": (">=", 600.0),
+}
+"""Metric → (comparison, bound), tokens/s of the tiny model with one torch thread."""
+
+
+def prompts(batch: int, vocab: int) -> list[list[int]]:
+    """``batch`` deterministic prompts of ``PROMPT_LEN`` tokens (the bus benchmark sends the same)."""
+    return [[(7 * i + 13 * j + 1) % vocab for j in range(PROMPT_LEN)] for i in range(batch)]
 
 
 def bench_engine(
     model_dir: str | Path,
-    batch_sizes: tuple[int, ...] = (1, 8),
+    batch_sizes: tuple[int, ...] = BATCHES,
     new_tokens: int = 128,
     *,
     num_threads: int | None = 1,
@@ -53,12 +90,9 @@ def bench_engine(
         sampling = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         results: dict[int, float] = {}
         for batch in batch_sizes:
-            vocab = model_config.vocab_size
-            prompts = [
-                [(7 * i + 13 * j + 1) % vocab for j in range(PROMPT_LEN)] for i in range(batch)
-            ]
+            batch_prompts = prompts(batch, model_config.vocab_size)
             start = time.perf_counter()
-            outputs = engine.generate(prompts, sampling)
+            outputs = engine.generate(batch_prompts, sampling)
             elapsed = time.perf_counter() - start
             results[batch] = sum(len(o.token_ids) for o in outputs) / elapsed
         return results
@@ -66,7 +100,95 @@ def bench_engine(
         torch.set_num_threads(previous)
 
 
-if __name__ == "__main__":
-    import sys
+def measure(
+    model_dir: Path,
+    new_tokens: int,
+    repeats: int,
+    *,
+    bench_name: str = "engine",
+    num_threads: int | None = 1,
+) -> dict[str, Any]:
+    """Median tokens/s of the in-process engine at each of ``BATCHES`` over ``repeats`` runs."""
+    runs: dict[int, list[float]] = {b: [] for b in BATCHES}
+    for rep in range(repeats):
+        result = bench_engine(model_dir, BATCHES, new_tokens, num_threads=num_threads)
+        for b in BATCHES:
+            runs[b].append(result[b])
+        progress(
+            bench_name,
+            f"engine alone run {rep + 1}/{repeats}: "
+            + ", ".join(f"batch {b} {result[b]:.0f} tok/s" for b in BATCHES),
+        )
+    return {"tok_s": {b: statistics.median(v) for b, v in runs.items()}, "runs": runs}
 
-    print(bench_engine(sys.argv[1]))
+
+def rows(result: dict[str, Any]) -> list[Row]:
+    """One row per batch size, judged when the result has targets (the tiny model)."""
+    out = []
+    for b, value in result["tok_s"].items():
+        key = f"engine_tok_s_b{b}"
+        target = TARGETS.get(key) if key in result["targets"] else None
+        out.append(
+            Row(
+                f"engine alone, batch {b}",
+                f"{value:.0f} tok/s",
+                target_text(target, "tok/s") if target else "",
+                result["verdicts"].get(key, ""),
+            )
+        )
+    return out
+
+
+def main(
+    json_path: Path,
+    model_dir: Path | None = None,
+    *,
+    new_tokens: int = 128,
+    repeats: int = 3,
+    num_threads: int | None = 1,
+) -> dict[str, Any]:
+    """Measure (seconds on the tiny model), print the table, write ``json_path``.
+
+    Without ``model_dir`` a tiny model is written to a temporary directory; the targets are
+    only judged then.
+    """
+    machine = machine_info()
+    progress("engine", f"{machine['cpu_count']} CPUs, torch {machine['torch']}")
+    with tempfile.TemporaryDirectory(prefix="belayer-bench-engine-") as tmp:
+        tiny = model_dir is None
+        if model_dir is None:
+            from model.tiny import init_tiny_model
+
+            model_dir = init_tiny_model(Path(tmp) / "model")
+        progress(
+            "engine",
+            f"{repeats} runs of batch {' and '.join(map(str, BATCHES))}, {new_tokens} new tokens",
+        )
+        measured = measure(model_dir, new_tokens, repeats, num_threads=num_threads)
+    tok_s = {str(b): v for b, v in measured["tok_s"].items()}
+    targets = TARGETS if tiny else {}
+    result: dict[str, Any] = {
+        "bench": "engine",
+        "timestamp": timestamp(),
+        "unix_time": time.time(),
+        "model": TINY_MODEL if tiny else str(model_dir),
+        "new_tokens": new_tokens,
+        "prompt_tokens": PROMPT_LEN,
+        "repeats": repeats,
+        "num_threads": num_threads,
+        "tok_s": tok_s,
+        "runs": {str(b): v for b, v in measured["runs"].items()},
+        "targets": targets_json(targets),
+        "verdicts": verdicts(targets, {f"engine_tok_s_b{b}": v for b, v in tok_s.items()}),
+        "machine": {**machine, "loadavg_after": loadavg()},
+    }
+    print_table("belayer bench engine (medians)", rows(result))
+    progress("engine", f"wrote {write_json(json_path, result)}")
+    return result
+
+
+if __name__ == "__main__":
+    main(
+        Path("bench-results/engine.json"),
+        Path(sys.argv[1]) if len(sys.argv) > 1 else None,
+    )

@@ -34,7 +34,22 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.serve import belayer, machine_info, stop_node
+from bench.report import (
+    Row,
+    Target,
+    loadavg,
+    machine_info,
+    percentile,
+    print_table,
+    target_text,
+    targets_json,
+    timestamp,
+    verdict,
+    verdicts,
+    write_json,
+)
+from bench.report import progress as report_progress
+from bench.serve import belayer, stop_node
 
 ENGINE = "e0"
 STREAM_TOKENS = 400
@@ -51,7 +66,7 @@ AB_PAIRS = 7
 IDLE_WINDOW_S = 5.0
 _TICK = os.sysconf("SC_CLK_TCK")
 
-TARGETS: dict[str, tuple[str, float]] = {
+TARGETS: dict[str, Target] = {
     "detect_p50_s": ("<=", 0.1),
     "detect_p99_s": ("<=", 0.2),
     "first_token_p50_s": ("<=", 1.0),
@@ -59,20 +74,12 @@ TARGETS: dict[str, tuple[str, float]] = {
     "regenerated_tokens": ("<=", 0.0),
     "throughput_overhead": ("<=", 0.02),
 }
+"""Metric → (comparison, bound); fractions for the overhead (0.02 = 2 %)."""
 
 
 def progress(message: str) -> None:
-    sys.stderr.write(f"[bench handover] {message}\n")
-    sys.stderr.flush()
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
+    """One progress line on stderr, ``[bench handover] …``."""
+    report_progress("handover", message)
 
 
 # --- node ---------------------------------------------------------------------------------------
@@ -99,11 +106,13 @@ class Events:
     async def start(self) -> Events:
         from common import subjects
         from common.codec import decode
-        from schemas.events import Event
+        from common.errors import BelayerError
+        from schemas.events import AnyEvent
 
         async def cb(msg: Any) -> None:
-            self.events.append(decode(msg.data, Event))
-            self.changed.set()
+            with contextlib.suppress(BelayerError):  # an event type this bench does not know
+                self.events.append(decode(msg.data, AnyEvent))
+                self.changed.set()
 
         await self.nc.jetstream().subscribe(subjects.EVENTS_ALL, ordered_consumer=True, cb=cb)
         return self
@@ -113,7 +122,7 @@ class Events:
         while True:
             for ev in self.events:
                 if ev.kind == kind and ev.ts > after:
-                    if all(ev.data.get(k) == v for k, v in data.items()):
+                    if all(getattr(ev, k, None) == v for k, v in data.items()):
                         return ev
             left = deadline - time.monotonic()
             if left <= 0:
@@ -250,11 +259,11 @@ async def one_failure(
     else:
         done = await events.wait("handover_complete", after=t_kill, timeout=60, old_pid=pid)
         events.last_handover = done.ts
-        t_detect, t_ready = done.data["t_detect"], done.data["t_ready"]
+        t_detect, t_ready = done.t_detect, done.t_ready
     result = await task
     resumed = await events.wait("requests_resumed", after=t_kill, timeout=30)
     after_kill = [t for t in times if t > t_kill]
-    held_tokens = int(resumed.data.get("held_tokens", 0))
+    held_tokens = resumed.held_tokens
     row = {
         "detect_s": t_detect - t_kill,
         "ready_s": t_ready - t_kill,
@@ -316,16 +325,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def verdict(key: str, value: float | None) -> str:
-    if value is None:
-        return "MISS"
-    op, bound = TARGETS[key]
-    return "PASS" if (value >= bound if op == ">=" else value <= bound) else "MISS"
+def target_row(metric: str, value: float | None, shown: str, key: str, unit: str) -> Row:
+    """A row judged against ``TARGETS[key]``."""
+    return Row(metric, shown, target_text(TARGETS[key], unit), verdict(value, TARGETS[key]))
 
 
-def report(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+def report(result: dict[str, Any]) -> list[Row]:
     b, base = result["belayer"], result["baseline"]
-    rows: list[tuple[str, str, str, str]] = []
+    rows: list[Row] = []
 
     def s(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.3f} s"
@@ -335,41 +342,33 @@ def report(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         for name, summary in (("belayer", b["summary"]), ("baseline", base["summary"])):
             for q in ("p50", "p99"):
                 v = summary[key][q]
+                metric = f"SIGKILL → {label}, {name} {q}"
                 tkey = {"detect_s": "detect", "first_token_s": "first_token"}.get(key)
-                target = ""
-                if name == "belayer" and tkey and f"{tkey}_{q}_s" in TARGETS:
-                    target = f"{tkey}_{q}_s"
-                rows.append((
-                    f"SIGKILL → {label}, {name} {q}", s(v),
-                    f"≤ {TARGETS[target][1]} s" if target else "", verdict(target, v) if target else "",
-                ))  # fmt: skip
+                target = f"{tkey}_{q}_s" if tkey else ""
+                if name == "belayer" and target in TARGETS:
+                    rows.append(target_row(metric, v, s(v), target, "s"))
+                else:
+                    rows.append(Row(metric, s(v)))
     sp = result["speedup_first_token"]
-    rows.append(("first resumed token: baseline / belayer (p50)",
-                 "n/a" if sp is None else f"{sp:.1f}x", "≥ 10x", verdict("speedup_first_token", sp)))  # fmt: skip
+    rows.append(target_row("first resumed token: baseline / belayer (p50)", sp,
+                           "n/a" if sp is None else f"{sp:.1f}x", "speedup_first_token", "x"))  # fmt: skip
     for name, summary in (("belayer", b["summary"]), ("baseline", base["summary"])):
         rg = summary["regenerated_tokens"]["max"]
-        rows.append((f"tokens regenerated per failure, {name} (max)", str(rg),
-                     "0" if name == "belayer" else "",
-                     verdict("regenerated_tokens", rg) if name == "belayer" else ""))  # fmt: skip
-        rows.append((f"every resumed request correct, {name}", str(summary["all_correct"]), "", ""))
-    rows.append(
-        ("throughput batch 8, with shadows", f"{b['throughput']['tok_s']:.0f} tok/s", "", "")
-    )
-    rows.append(("throughput batch 8, without (baseline)", f"{base['throughput']['tok_s']:.0f} tok/s", "", ""))  # fmt: skip
-    rows.append(("vs baseline node (separate run)", f"{result['throughput_vs_baseline_node'] * 100:.1f} %", "", ""))  # fmt: skip
+        metric = f"tokens regenerated per failure, {name} (max)"
+        if name == "belayer":
+            rows.append(target_row(metric, rg, str(rg), "regenerated_tokens", ""))
+        else:
+            rows.append(Row(metric, str(rg)))
+        rows.append(Row(f"every resumed request correct, {name}", str(summary["all_correct"])))
+    rows.append(Row("throughput batch 8, with shadows", f"{b['throughput']['tok_s']:.0f} tok/s"))
+    rows.append(Row("throughput batch 8, without (baseline)", f"{base['throughput']['tok_s']:.0f} tok/s"))  # fmt: skip
+    rows.append(Row("vs baseline node (separate run)", f"{result['throughput_vs_baseline_node'] * 100:.1f} %"))  # fmt: skip
     ov = result["throughput_overhead"]
-    rows.append(("shadow overhead (same node, interleaved)", f"{ov * 100:.1f} %", "≤ 2 %",
-                 verdict("throughput_overhead", ov)))  # fmt: skip
+    rows.append(target_row("shadow overhead (same node, interleaved)", ov, f"{ov * 100:.1f} %",
+                           "throughput_overhead", "%"))  # fmt: skip
     idle = b["idle_shadow"]
-    rows.append(("idle shadow CPU share", f"{idle['share'] * 100:.2f} %", "", ""))
+    rows.append(Row("idle shadow CPU share", f"{idle['share'] * 100:.2f} %"))
     return rows
-
-
-def print_table(rows: list[tuple[str, str, str, str]]) -> None:
-    width = max(len(r[0]) for r in rows)
-    print(f"{'metric':{width}}  {'value':>12}  {'target':>8}  ")
-    for metric, value, target, v in rows:
-        print(f"{metric:{width}}  {value:>12}  {target:>8}  {v}")
 
 
 def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> dict[str, Any]:
@@ -380,12 +379,13 @@ def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> di
     progress(f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
     baseline_failures = max(1, min(3, failures))
     result: dict[str, Any] = {
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "bench": "handover",
+        "timestamp": timestamp(),
         "stream_tokens": STREAM_TOKENS,
         "kill_after_tokens": KILL_AFTER,
         "heartbeat_s": heartbeat_s,
         "machine": machine,
-        "targets": {k: {"op": op, "bound": bd} for k, (op, bd) in TARGETS.items()},
+        "targets": targets_json(TARGETS),
     }
     with tempfile.TemporaryDirectory(prefix="belayer-bench-handover-") as tmp:
         model_dir = init_tiny_model(Path(tmp) / "model")
@@ -421,13 +421,10 @@ def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> di
         "regenerated_tokens": b["regenerated_tokens"]["max"],
         "throughput_overhead": result["throughput_overhead"],
     }
-    result["verdicts"] = {k: verdict(k, v) for k, v in values.items()}
-    result["machine"]["loadavg_after"] = list(os.getloadavg())
-    print_table(report(result))
-    json_path = Path(json_path)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    progress(f"wrote {json_path}")
+    result["verdicts"] = verdicts(TARGETS, values)
+    result["machine"]["loadavg_after"] = loadavg()
+    print_table("belayer bench handover", report(result))
+    progress(f"wrote {write_json(json_path, result)}")
     return result
 
 

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -34,20 +33,33 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import engine as engine_bench
+from bench.engine import BATCHES, PROMPT_LEN, prompts
+from bench.report import (
+    Row,
+    Target,
+    loadavg,
+    machine_info,
+    print_table,
+    ratio,
+    target_text,
+    targets_json,
+    timestamp,
+    verdict,
+    verdicts,
+    write_json,
+)
+from bench.report import progress as report_progress
+
 REPEATS = 3
 """Runs per measurement; the median is reported."""
-BATCHES = (1, 8)
-PROMPT_LEN = 16
-"""Prompt tokens per request (the same prompts as ``bench_engine``)."""
 ENGINE_ID = "e0"
 
-TARGETS: dict[str, tuple[str, float]] = {
-    "engine_tok_s_b1": (">=", 150.0),
-    "engine_tok_s_b8": (">=", 600.0),
+TARGETS: dict[str, Target] = {
+    **engine_bench.TARGETS,
     "bus_loss_b8": ("<=", 0.10),
     "attach_s": ("<=", 0.2),
     "up_s": ("<=", 15.0),
@@ -56,33 +68,14 @@ TARGETS: dict[str, tuple[str, float]] = {
 
 
 def progress(message: str) -> None:
-    """One progress line on stderr (stdout carries the table)."""
-    sys.stderr.write(f"[bench serve] {message}\n")
-    sys.stderr.flush()
-
-
-def prompts(batch: int, vocab: int) -> list[list[int]]:
-    return [[(7 * i + 13 * j + 1) % vocab for j in range(PROMPT_LEN)] for i in range(batch)]
+    """One progress line on stderr, ``[bench serve] …``."""
+    report_progress("serve", message)
 
 
 # --- 1. engine alone ---------------------------------------------------------------------------
 def measure_engine(model_dir: Path, new_tokens: int) -> dict[str, Any]:
     """Median tokens/s of the in-process engine at each batch size over ``REPEATS`` runs."""
-    from bench.engine import bench_engine
-
-    runs: dict[int, list[float]] = {b: [] for b in BATCHES}
-    for rep in range(REPEATS):
-        result = bench_engine(model_dir, BATCHES, new_tokens)
-        for b in BATCHES:
-            runs[b].append(result[b])
-        progress(
-            f"engine alone run {rep + 1}/{REPEATS}: "
-            + ", ".join(f"batch {b} {result[b]:.0f} tok/s" for b in BATCHES)
-        )
-    return {
-        "tok_s": {b: statistics.median(v) for b, v in runs.items()},
-        "runs": runs,
-    }
+    return engine_bench.measure(model_dir, new_tokens, REPEATS, bench_name="serve")
 
 
 # --- 3b. cold load -----------------------------------------------------------------------------
@@ -292,12 +285,12 @@ async def worker_reported_timings(nc: Any) -> dict[str, float]:
     """``attach_s`` / ``build_warm_s`` from the worker's last ``worker_ready`` event."""
     from common import subjects
     from common.codec import decode
-    from schemas.events import Event
+    from schemas.events import WorkerReady
 
     js = nc.jetstream()
-    msg = await js.get_last_msg(subjects.STREAM_EVENTS, subjects.event("worker_ready"))
-    ev = decode(msg.data, Event)
-    return {k: float(v) for k, v in ev.data.items() if k.endswith("_s")}
+    msg = await js.get_last_msg(subjects.STREAM_EVENTS, subjects.event(WorkerReady.kind))
+    ev = decode(msg.data, WorkerReady)
+    return {"attach_s": ev.attach_s, "build_warm_s": ev.build_warm_s}
 
 
 async def measure_attach(nc: Any) -> dict[str, Any]:
@@ -335,100 +328,44 @@ async def measure_node(
 
 
 # --- report ------------------------------------------------------------------------------------
-@dataclass
-class Row:
-    metric: str
-    value: float | None
-    unit: str
-    key: str | None = None
-    """Key of ``TARGETS`` (None: informational)."""
+def shown(value: float | None, unit: str) -> str:
+    """A value with its unit as the table shows it."""
+    if value is None:
+        return "n/a"
+    if unit == "%":
+        return f"{value * 100:.1f} %"
+    if unit == "tok/s":
+        return f"{value:.0f} tok/s"
+    if unit == "x":
+        return f"{value:.1f}x"
+    return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
 
-    @property
-    def target(self) -> str:
-        if self.key is None:
-            return "—"
-        op, bound = TARGETS[self.key]
-        shown = f"{bound * 100:.0f} %" if self.unit == "%" else f"{bound:g} {self.unit}"
-        return f"{'≥' if op == '>=' else '≤'} {shown}"
 
-    @property
-    def verdict(self) -> str:
-        if self.key is None:
-            return ""
-        if self.value is None:
-            return "MISS"
-        op, bound = TARGETS[self.key]
-        ok = self.value >= bound if op == ">=" else self.value <= bound
-        return "PASS" if ok else "MISS"
-
-    @property
-    def shown(self) -> str:
-        if self.value is None:
-            return "n/a"
-        if self.unit == "%":
-            return f"{self.value * 100:.1f} %"
-        if self.unit == "tok/s":
-            return f"{self.value:.0f} tok/s"
-        if self.unit == "x":
-            return f"{self.value:.1f}x"
-        return f"{self.value:.3f} s" if self.value < 10 else f"{self.value:.1f} s"
+def row(metric: str, value: float | None, unit: str, key: str | None = None) -> Row:
+    """A table row; ``key`` names its target in ``TARGETS`` (None: informational)."""
+    if key is None:
+        return Row(metric, shown(value, unit))
+    return Row(
+        metric, shown(value, unit), target_text(TARGETS[key], unit), verdict(value, TARGETS[key])
+    )
 
 
 def build_rows(r: dict[str, Any]) -> list[Row]:
     eng, bus = r["engine_tok_s"], r["bus_tok_s"]
     return [
-        Row("engine alone, batch 1", eng["1"], "tok/s", "engine_tok_s_b1"),
-        Row("engine alone, batch 8", eng["8"], "tok/s", "engine_tok_s_b8"),
-        Row("bus path, batch 1", bus["1"], "tok/s"),
-        Row("bus path, batch 8", bus["8"], "tok/s"),
-        Row("bus loss, batch 1", r["bus_loss"]["1"], "%"),
-        Row("bus loss, batch 8", r["bus_loss"]["8"], "%", "bus_loss_b8"),
-        Row("attach from shm (worker_ready)", r["attach_s"], "s", "attach_s"),
-        Row("attach from shm (timed here)", r["attach_inprocess_s"], "s"),
-        Row("cold load (safetensors + build)", r["cold_load_s"], "s"),
-        Row("cold load / attach", r["cold_over_attach"], "x"),
-        Row("belayer up → ready (outside)", r["up_s"], "s", "up_s"),
-        Row("belayer up → ready (reported)", r["up_reported_s"], "s"),
+        row("engine alone, batch 1", eng["1"], "tok/s", "engine_tok_s_b1"),
+        row("engine alone, batch 8", eng["8"], "tok/s", "engine_tok_s_b8"),
+        row("bus path, batch 1", bus["1"], "tok/s"),
+        row("bus path, batch 8", bus["8"], "tok/s"),
+        row("bus loss, batch 1", r["bus_loss"]["1"], "%"),
+        row("bus loss, batch 8", r["bus_loss"]["8"], "%", "bus_loss_b8"),
+        row("attach from shm (worker_ready)", r["attach_s"], "s", "attach_s"),
+        row("attach from shm (timed here)", r["attach_inprocess_s"], "s"),
+        row("cold load (safetensors + build)", r["cold_load_s"], "s"),
+        row("cold load / attach", r["cold_over_attach"], "x"),
+        row("belayer up → ready (outside)", r["up_s"], "s", "up_s"),
+        row("belayer up → ready (reported)", r["up_reported_s"], "s"),
     ]
-
-
-def print_table(rows: list[Row]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # plain aligned text
-        for row in rows:
-            print(f"{row.metric:34} {row.shown:>14} {row.target:>10} {row.verdict:>5}")
-        return
-    table = Table(title="belayer bench serve")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_column("target", justify="right")
-    table.add_column("", justify="center")
-    for row in rows:
-        style = {"PASS": "green", "MISS": "bold red"}.get(row.verdict, "")
-        table.add_row(
-            row.metric, row.shown, row.target, f"[{style}]{row.verdict}[/]" if style else ""
-        )
-    Console().print(table)
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "sched_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "torch": torch.__version__,
-        "torch_threads_engine_bench": 1,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def summarize(
@@ -443,12 +380,13 @@ def summarize(
     bus = {str(b): v for b, v in node["bus"]["tok_s"].items()}
     attach = node["worker_reported"].get("attach_s", node["attach"]["attach_inprocess_s"])
     result: dict[str, Any] = {
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "bench": "serve",
+        "timestamp": timestamp(),
         "unix_time": time.time(),
         "new_tokens": new_tokens,
         "prompt_tokens": PROMPT_LEN,
         "repeats": REPEATS,
-        "model": {"hidden_size": 256, "num_layers": 4, "vocab_size": 4096},
+        "model": engine_bench.TINY_MODEL,
         "engine_tok_s": eng,
         "bus_tok_s": bus,
         "bus_over_engine": {b: ratio(bus[b], eng[b]) for b in eng},
@@ -461,16 +399,23 @@ def summarize(
         "cold_over_attach": ratio(cold["cold_load_s"], attach),
         "up_s": up["up_s"],
         "up_reported_s": up["up_reported_s"],
-        "targets": {k: {"op": op, "bound": bound} for k, (op, bound) in TARGETS.items()},
+        "targets": targets_json(TARGETS),
         "runs": {
             "engine_tok_s": {str(b): v for b, v in engine["runs"].items()},
             "bus": {str(b): v for b, v in node["bus"]["runs"].items()},
             "attach_inprocess_s": node["attach"]["runs"],
             "cold_load_s": cold["runs"],
         },
-        "machine": {**machine_before, "loadavg_after": list(os.getloadavg())},
+        "machine": {**machine_before, "loadavg_after": loadavg()},
     }
-    result["verdicts"] = {row.key: row.verdict for row in build_rows(result) if row.key is not None}
+    values = {
+        "engine_tok_s_b1": eng["1"],
+        "engine_tok_s_b8": eng["8"],
+        "bus_loss_b8": result["bus_loss"]["8"],
+        "attach_s": attach,
+        "up_s": up["up_s"],
+    }
+    result["verdicts"] = verdicts(TARGETS, values)
     return result
 
 
@@ -478,7 +423,7 @@ def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
     """Run the whole benchmark (about a minute), print the table, write ``json_path``."""
     from model.tiny import init_tiny_model
 
-    machine = machine_info()
+    machine = {**machine_info(), "torch_threads_engine_bench": 1}
     progress(
         f"{machine['cpu_count']} CPUs, torch {machine['torch']}, "
         f"load average {machine['loadavg'][0] if machine['loadavg'] else '?'}"
@@ -501,11 +446,8 @@ def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
             with contextlib.suppress(Exception):
                 stop_node(run_dir)
     result = summarize(new_tokens, engine, cold, up, node, machine)
-    print_table(build_rows(result))
-    json_path = Path(json_path)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    progress(f"wrote {json_path}")
+    print_table("belayer bench serve", build_rows(result))
+    progress(f"wrote {write_json(json_path, result)}")
     return result
 
 

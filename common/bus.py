@@ -24,7 +24,6 @@ from common.codec import decode, encode, error_reply, raise_error
 from common.errors import BelayerError, BusUnavailable, Timeout
 from common.logging import get_logger
 from schemas.base import ErrorReply, Message
-from schemas.events import Event
 
 R = TypeVar("R")
 
@@ -136,14 +135,32 @@ class Server:
         return sub
 
     async def drain(self, timeout: float = 10.0) -> None:
-        """Stop taking requests and wait (bounded) for in-flight handlers."""
-        for sub in self.subs:
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error:
-                pass
+        """Stop taking requests and let the in-flight ones finish and reply, all within
+        ``timeout``. ``sub.drain()`` unsubscribes but still hands over every message the server
+        already sent and waits until its handler returned (``unsubscribe()`` would cancel the
+        handler and drop pending messages); concurrent handlers are tracked tasks, waited for
+        after. The connection stays open (its owner drains it last). Idempotent."""
+        subs, self.subs = self.subs, []
+        deadline = asyncio.get_running_loop().time() + timeout
+        drains = [asyncio.ensure_future(_drain_sub(sub)) for sub in subs]
+        if drains:
+            _, late = await asyncio.wait(drains, timeout=timeout)
+            for task in late:
+                task.cancel()
+            if late:
+                self.log.warning("drain_timeout", subscriptions=len(late), timeout=timeout)
+        left = deadline - asyncio.get_running_loop().time()
         if self.tasks:
-            await asyncio.wait(self.tasks, timeout=timeout)
+            _, late_handlers = await asyncio.wait(set(self.tasks), timeout=max(0.0, left))
+            if late_handlers:
+                self.log.warning("drain_timeout", handlers=len(late_handlers), timeout=timeout)
+
+
+async def _drain_sub(sub: Subscription) -> None:
+    try:
+        await sub.drain()
+    except nats.errors.Error:  # connection closed or draining, or already unsubscribed
+        pass
 
 
 # --- JetStream ----------------------------------------------------------------------------
@@ -200,12 +217,3 @@ async def ensure_jetstream(js: JetStreamContext) -> None:
             await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
             await js.create_key_value(KeyValueConfig(bucket=bucket, **params))
-
-
-async def publish_event(js: JetStreamContext, event: Event, *, msg_id: str | None = None) -> None:
-    """Persist an event on ``belayer.events.<kind>``; never raises (events are best effort)."""
-    headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-    try:
-        await js.publish(subjects.event(event.kind), encode(event), headers=headers, timeout=2.0)
-    except (TimeoutError, nats.errors.Error) as exc:
-        log.warning("event_publish_failed", kind=event.kind, error=repr(exc))

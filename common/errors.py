@@ -4,15 +4,16 @@
     ├── RetryableError                the same call may succeed later
     │   ├── BusUnavailable            NATS unreachable / no responders / timed out
     │   ├── EngineUnavailable         no healthy engine can take the request now
-    │   └── CheckpointBusy            a checkpoint/exec holds the sandbox
+    │   ├── CheckpointBusy            a checkpoint/exec holds the sandbox
+    │   └── Timeout                   an operation ran past its deadline (the same call, later
+    │                                 or with more time, may succeed)
     └── FatalError                    the call will fail the same way again
         ├── InvalidRequest            malformed or wrongly typed message (names the field)
         ├── NotFound                  unknown engine, request, sandbox, checkpoint, version
         ├── Conflict                  stale epoch, duplicate id, compare-and-set lost
         ├── ResourceLimit             oversized prompt, output cap, memory
         ├── CheckpointInvalid         corrupt or hostile checkpoint archive
-        ├── SandboxError              container/CRIU/Docker failure
-        └── Timeout                   an operation ran past its deadline
+        └── SandboxError              container/CRIU/Docker failure
 
 On the bus an error travels as ``schemas.common.ErrorReply`` (code, message, data, retryable);
 ``from_reply`` turns it back into the matching class, so callers catch typed errors.
@@ -87,7 +88,7 @@ class SandboxError(FatalError):
     code = "sandbox_error"
 
 
-class Timeout(FatalError):
+class Timeout(RetryableError):
     code = "timeout"
 
 

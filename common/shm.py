@@ -1,7 +1,7 @@
 """Shared memory that other processes map without copying.
 
 CPU: a file under ``/dev/shm`` (tmpfs), created here and mapped with ``torch.from_file(...,
-shared=True)``; attaching costs ~0.3 ms per GB (NOTES-machine.md) and the memory outlives any
+shared=True)``; attaching costs ~0.3 ms per GB (measured on the project's machines) and the memory outlives any
 process that merely maps it. GPU: a CUDA IPC handle of a flat ``uint8`` device buffer, behind
 the same :class:`~schemas.weights.MemoryHandle`; :func:`attach` hides which one it is.
 

@@ -7,6 +7,10 @@ token for token. What differs is where K/V live: one tensor of shape
 the new tokens' K/V into the flat slots ``attn.slot_mapping`` and reads a sequence's past
 K/V through its block table.
 
+Every module also has a ``forward_dense`` path over a padded ``[batch, tokens]`` batch with no
+KV cache, for training; it reuses the same parameters and projection code, so one state dict
+serves both (the public training helpers are in :mod:`model.train_forward`).
+
 The module never owns its weights: :func:`build_model` creates it on the ``meta`` device and
 installs the caller's tensors (zero-copy views of the weight store's shared memory) as
 parameters.
@@ -15,6 +19,7 @@ parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +98,7 @@ def _rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
-    """HF's ``x * cos + rotate_half(x) * sin`` for ``x`` of shape ``[T, heads, head_dim]``."""
+    """HF's ``x * cos + rotate_half(x) * sin`` for ``x`` of shape ``[..., heads, head_dim]``."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_rot
 
 
@@ -111,7 +116,8 @@ class RMSNorm(nn.Module):
 
 
 class Qwen3Attention(nn.Module):
-    """Grouped-query self-attention with per-head q/k norms over a paged KV cache."""
+    """Grouped-query self-attention with per-head q/k norms over a paged KV cache (or, for
+    training, over a dense padded batch)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -124,6 +130,33 @@ class Qwen3Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def project_qkv(self, x: Tensor, cos: Tensor, sin_rot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q and k (normed, rotated) and v, ``[..., heads, head_dim]``, for ``x`` ``[..., hidden]``.
+
+        ``cos``/``sin_rot`` broadcast against the result (``[..., 1, head_dim]``). Shared by the
+        paged and the dense forward, so both compute the same projections.
+        """
+        lead = x.shape[:-1]
+        q = F.linear(x, self.q_proj.weight).view(*lead, self.num_heads, self.head_dim)
+        k = F.linear(x, self.k_proj.weight).view(*lead, self.num_kv_heads, self.head_dim)
+        v = F.linear(x, self.v_proj.weight).view(*lead, self.num_kv_heads, self.head_dim)
+        q = _apply_rope(self.q_norm(q), cos, sin_rot)
+        k = _apply_rope(self.k_norm(k), cos, sin_rot)
+        return q, k, v
+
+    def forward_dense(self, x: Tensor, cos: Tensor, sin_rot: Tensor, mask: Tensor | None) -> Tensor:
+        """Causal attention over a padded batch ``x`` ``[B, T, hidden]``, no KV cache.
+
+        ``mask`` is ``[B, 1, T, T]`` (true where a query may see a key) or None for plain
+        causal attention over unpadded rows.
+        """
+        b, t = x.shape[:2]
+        q, k, v = (y.transpose(1, 2) for y in self.project_qkv(x, cos, sin_rot))
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        )
+        return F.linear(o.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight)
 
     def forward(
         self,
@@ -138,11 +171,7 @@ class Qwen3Attention(nn.Module):
         view and ``block_cache`` the same memory as ``[2, blocks, block_size, kv_heads, hd]``.
         """
         t = x.shape[0]
-        q = F.linear(x, self.q_proj.weight).view(t, self.num_heads, self.head_dim)
-        k = F.linear(x, self.k_proj.weight).view(t, self.num_kv_heads, self.head_dim)
-        v = F.linear(x, self.v_proj.weight).view(t, self.num_kv_heads, self.head_dim)
-        q = _apply_rope(self.q_norm(q), cos, sin_rot)
-        k = _apply_rope(self.k_norm(k), cos, sin_rot)
+        q, k, v = self.project_qkv(x, cos, sin_rot)
         flat_cache[0].index_copy_(0, attn.slot_mapping, k)
         flat_cache[1].index_copy_(0, attn.slot_mapping, v)
         if attn.is_prefill:
@@ -221,6 +250,12 @@ class Qwen3DecoderLayer(nn.Module):
         x = x + self.self_attn(h, cos, sin_rot, attn, flat_cache, block_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_dense(self, x: Tensor, cos: Tensor, sin_rot: Tensor, mask: Tensor | None) -> Tensor:
+        """The same block over a padded batch ``[B, T, hidden]`` (see ``forward_dense`` of
+        :class:`Qwen3Attention`)."""
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin_rot, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class Qwen3Model(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.*`` parameters)."""
@@ -233,7 +268,8 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 causal LM over a paged KV cache. Build it with :func:`build_model`."""
+    """Qwen3 causal LM over a paged KV cache (:meth:`forward`), with a dense training path
+    (:meth:`forward_dense`) on the same parameters. Build it with :func:`build_model`."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -259,8 +295,22 @@ class Qwen3ForCausalLM(nn.Module):
             x = layer(x, cos, sin_rot, attn, flat[i], kv_cache[i])
         return self.model.norm(x)
 
+    def forward_dense(self, input_ids: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
+        """Run a padded batch without a KV cache, autograd-friendly (the training path).
+
+        ``input_ids`` and ``positions`` are ``[B, T]`` int64; ``mask`` is ``[B, 1, T, T]`` bool
+        or None (see :mod:`model.train_forward`, which builds both). Returns the final-norm
+        hidden states ``[B, T, hidden]``.
+        """
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        cos = self.rope_cos[positions].unsqueeze(2)
+        sin_rot = self.rope_sin[positions].unsqueeze(2)
+        for layer in self.model.layers:
+            x = cast(Qwen3DecoderLayer, layer).forward_dense(x, cos, sin_rot, mask)
+        return self.model.norm(x)
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Output-layer logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""
+        """Output-layer logits ``[..., vocab]`` for hidden states ``[..., hidden]``."""
         return F.linear(hidden, self.lm_head.weight)
 
 

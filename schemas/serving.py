@@ -60,6 +60,9 @@ class TokenDelta(Message, tag="TokenDelta.v1"):
     logprobs: list[float]
     weight_version: int
     """Weight version that produced these tokens."""
+    router_id: str = ""
+    """Incarnation of the router process that sent this (new after every router restart), so
+    a caller can tell it rode through a restart."""
 
 
 class GenerateResult(Message, tag="GenerateResult.v1"):
@@ -86,6 +89,12 @@ class GenerateResult(Message, tag="GenerateResult.v1"):
     """True if the weight version changed between the prefix and a resumed continuation."""
     regenerated: int = 0
     """Tokens that were generated again after a failure (0 under token-level recovery)."""
+    router_id: str = ""
+    """Incarnation of the router process that sent this result (see ``TokenDelta``)."""
+    router_restarts: int = 0
+    """Router restarts the request rode through: the router sends 1 when a restarted router
+    rebuilt the unfinished request from its durable log; the Python client raises it to the
+    number of router incarnations and outages it saw itself."""
 
 
 GenerateReply = TokenDelta | GenerateResult | ErrorReply
@@ -216,6 +225,9 @@ class AcceptedRequest(Message, tag="AcceptedRequest.v1"):
     reply_to: str | None = None
     engine_id: str | None = None
     accepted_at: float = 0.0
+    seed_filled: bool = False
+    """True when the caller sent no seed and ``sampling.seed`` was filled in by the router (a
+    resubmission without a seed is then the same request)."""
 
 
 # --- status --------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
-"""``belayer env create|exec|checkpoint|restore|destroy|ls`` and ``belayer bench env``.
-
-The lead mounts ``env_app`` as ``belayer env`` and ``bench_env`` as ``belayer bench env``."""
+"""``belayer env create|exec|checkpoint|restore|destroy|ls``, mounted as ``belayer env`` by
+``services/cli/main.py`` (which also mounts ``belayer bench env`` when this module imports)."""
 
 from __future__ import annotations
 
@@ -144,22 +143,3 @@ def ls(
         typer.echo(
             f"{s.id:<20} {s.container_id[:12]:<13} {s.state:<14} {ready:>5}  {s.checkpoint_id or '-'}"
         )
-
-
-def bench_env(
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
-    out: Path = typer.Option(Path(".belayer/bench/env.json"), help="Where to write the JSON."),
-    repeats: int = typer.Option(5, help="Repetitions per configuration."),
-    cycles: int = typer.Option(100, help="Kill/restore consistency cycles (0: skip)."),
-    quick: bool = typer.Option(False, help="Small configurations only."),
-) -> None:
-    """Benchmark full_checkpoint/full_restore against raw criu+tar and a fresh container."""
-    from bench.env import main as bench_main
-
-    raise typer.Exit(
-        bench_main(as_json=as_json, out=out, repeats=repeats, cycles=cycles, quick=quick)
-    )
-
-
-bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
-bench_app.command("env")(bench_env)

@@ -35,7 +35,12 @@ def generate(
     engine: str | None = typer.Option(None, "--engine", help="Pin to an engine id."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    timeout: float = typer.Option(300.0, help="Seconds to wait for the result."),
+    timeout: float = typer.Option(
+        300.0,
+        "--timeout",
+        help="Overall deadline in seconds. Until then a router restart or a dropped stream is "
+        "ridden through: the same request id is resubmitted and the stream re-attached.",
+    ),
     nats_url: str = typer.Option("", "--nats-url", help="NATS URL (default: the running node's)."),
 ) -> None:
     """Generate text from a prompt on the running node."""
@@ -86,7 +91,8 @@ def generate(
     sys.stdout.write("\n")
     typer.echo(
         f"[{result.request_id}: {len(result.token_ids)} tokens, finish={result.finish_reason}, "
-        f"weights v{result.weight_version}, engines {','.join(result.engine_ids)}, resumes {result.resumes}]"
+        f"weights v{result.weight_version}, engines {','.join(result.engine_ids)}, resumes {result.resumes}, "
+        f"router restarts {result.router_restarts}]"
     )
 
 

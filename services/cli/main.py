@@ -61,66 +61,137 @@ def model_init(
     typer.echo(f"wrote tiny Qwen3 model to {path}")
 
 
-bench_app = typer.Typer(help="Benchmarks: print a table and write JSON.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks: each prints a table (PASS/MISS against its targets) and writes JSON to "
+    "bench-results/<name>.json (--out); with --json the JSON goes to stdout, the table to stderr.",
+    no_args_is_help=True,
+)
 app.add_typer(bench_app, name="bench")
 
 
-def _run_bench(fn: Callable[[], dict[str, Any]], as_json: bool) -> None:
-    """Run a benchmark; with ``--json`` its table goes to stderr and the JSON to stdout."""
+def _run_bench(fn: Callable[[Path], dict[str, Any]], out: Path, as_json: bool) -> None:
+    """Run a benchmark's ``main(out, …)``; with ``--json`` its table goes to stderr and the
+    JSON to stdout."""
     if not as_json:
-        fn()
+        fn(out)
         return
     with contextlib.redirect_stdout(sys.stderr):
-        result = fn()
+        result = fn(out)
     sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
+
+
+_BENCH_JSON = typer.Option(
+    False, "--json", help="Print the results as JSON on stdout (the table goes to stderr)."
+)
+
+
+def _bench_out(name: str) -> Any:
+    return typer.Option(
+        Path(f"bench-results/{name}.json"), "--out", help="Where to write the JSON."
+    )
 
 
 @bench_app.command("serve")
 def bench_serve(
-    as_json: bool = typer.Option(
-        False, "--json", help="Print the results as JSON on stdout (the table goes to stderr)."
-    ),
-    out: Path = typer.Option(
-        Path("bench-results/serve.json"), "--out", help="Where to write the JSON."
-    ),
+    as_json: bool = _BENCH_JSON,
+    out: Path = _bench_out("serve"),
     new_tokens: int = typer.Option(128, help="New tokens per request."),
 ) -> None:
-    """Tokens/s at batch 1 and 8: engine alone vs the full bus path; attach vs cold load; up time."""
+    """Tokens/s at batch 1 and 8: engine alone vs the full bus path; attach vs cold load; up time.
+
+    On the tiny model: the engine in-process (before a node starts), then a real node
+    (`belayer up` in a temporary run directory) serving batch 1 and 8 through client → router →
+    worker, the bus loss against the engine alone, a worker's attach to the shared-memory
+    weights and KV arena against a cold load from safetensors, and `belayer up` to ready.
+    Medians of 3 runs, with CPU seconds per process in the JSON. About a minute; the node is
+    always stopped.
+    """
     from bench.serve import main as bench_main
 
-    _run_bench(lambda: bench_main(out, new_tokens=new_tokens), as_json)
+    _run_bench(lambda path: bench_main(path, new_tokens=new_tokens), out, as_json)
 
 
 @bench_app.command("handover")
 def bench_handover(
-    as_json: bool = typer.Option(
-        False, "--json", help="Print the results as JSON on stdout (the table goes to stderr)."
-    ),
-    out: Path = typer.Option(
-        Path("bench-results/handover.json"), "--out", help="Where to write the JSON."
-    ),
+    as_json: bool = _BENCH_JSON,
+    out: Path = _bench_out("handover"),
     failures: int = typer.Option(10, min=1, help="Worker failures to inject in belayer mode."),
     heartbeat_s: float = typer.Option(
         5.0, "--heartbeat", help="Baseline: the router's remote heartbeat interval (seconds)."
     ),
 ) -> None:
-    """SIGKILL → detection / new worker ready / first resumed token, belayer vs baseline."""
+    """SIGKILL → detection / new worker ready / first resumed token, belayer vs baseline.
+
+    On a real 1-engine node (tiny model), a streaming request runs and the main worker is
+    killed, `--failures` times with shadows (belayer) and up to 3 times in baseline mode
+    (remote heartbeat, cold restart): time to detect, to a new worker ready and to the first
+    resumed token; tokens regenerated; every resumed request checked against an uninterrupted
+    run. Also the shadow's throughput cost (running vs paused, interleaved) and its idle CPU.
+    A few minutes.
+    """
     from bench.handover import main as bench_main
 
-    _run_bench(lambda: bench_main(out, failures=failures, heartbeat_s=heartbeat_s), as_json)
+    _run_bench(
+        lambda path: bench_main(path, failures=failures, heartbeat_s=heartbeat_s), out, as_json
+    )
+
+
+@bench_app.command("engine")
+def bench_engine(
+    as_json: bool = _BENCH_JSON,
+    out: Path = _bench_out("engine"),
+    model: Path | None = typer.Option(
+        None, "--model", help="Model directory (default: a tiny model made for the run)."
+    ),
+    new_tokens: int = typer.Option(128, help="New tokens per request."),
+    repeats: int = typer.Option(3, min=1, help="Runs per batch size (the median is reported)."),
+    threads: int = typer.Option(1, min=1, help="torch threads for the run."),
+) -> None:
+    """Decode tokens/s of the engine alone, in-process (no bus), at batch 1 and 8.
+
+    16-token prompts, greedy, past EOS, prefill included; median of `--repeats` runs. The
+    targets are judged on the tiny model only (without `--model`). Seconds on the tiny model.
+    """
+    from bench.engine import main as bench_main
+
+    _run_bench(
+        lambda path: bench_main(
+            path, model, new_tokens=new_tokens, repeats=repeats, num_threads=threads
+        ),
+        out,
+        as_json,
+    )
+
+
+def bench_env(
+    as_json: bool = _BENCH_JSON,
+    out: Path = _bench_out("env"),
+    repeats: int = typer.Option(5, min=1, help="Repetitions per configuration."),
+    cycles: int = typer.Option(100, min=0, help="Kill/restore consistency cycles (0: skip)."),
+    quick: bool = typer.Option(False, help="Small configurations only (no 256 MB, 100 MB layer)."),
+) -> None:
+    """full_checkpoint / full_restore latency against raw criu+tar and a fresh container.
+
+    With a real nats-server and the real sandbox manager (needs dockerd and CRIU): for sandboxes
+    of 0/64/256 MB process memory and a 2 or 100 MB writable layer, the checkpoint and restore
+    medians next to `criu dump` + tar straight on the same container; a fresh container from
+    the base image (the restart-from-scratch baseline); `--cycles` kill/restore rounds checked
+    for consistency (files and process state equal the checkpoint's). Minutes.
+    """
+    from bench.env import main as bench_main
+
+    _run_bench(
+        lambda path: bench_main(path, repeats=repeats, cycles=cycles, quick=quick), out, as_json
+    )
 
 
 def _mount_environment() -> None:
-    """The environment CLI needs the docker SDK; mount it when importable."""
+    """The environment CLI and its benchmark need the docker SDK; mount them when importable."""
     try:
         from services.cli.env import env_app
     except ImportError:
         return
     app.add_typer(env_app, name="env")
-    try:
-        from services.cli.env import bench_env
-    except ImportError:
-        return
     bench_app.command("env")(bench_env)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -15,18 +16,24 @@ from typing import Any
 import msgspec
 import typer
 
+from common import events as event_types
 from common import subjects
 from common.bus import request
 from common.codec import decode
-from common.config import RunPaths
-from common.errors import BelayerError
+from common.config import RunPaths, config_argv
+from common.errors import BelayerError, BusUnavailable, Timeout
 from common.node import read_node
 from schemas.base import Ok
-from schemas.events import Event
+from schemas.events import AnyEvent
 from schemas.node import StopNode, SupervisorStatus, SupervisorStatusRequest
 from schemas.serving import RouterStatus, StatusRequest
 from services.cli.common import fail, print_json, run, with_bus
+from services.environment.client import node_label, remove_node_sandboxes
+from services.supervisor.config import SupervisorConfig
 from services.supervisor.service import remove_shm_files
+
+NODE_DEFAULTS = SupervisorConfig()
+"""``belayer up``'s defaults are the supervisor's (and its services') config defaults."""
 
 
 def run_paths(run_dir: Path | None) -> RunPaths:
@@ -52,7 +59,9 @@ def pid_alive(pid: int | None) -> bool:
 
 
 def up(
-    engines: int = typer.Option(1, "--engines", "-n", min=1, help="Rollout engines to start."),
+    engines: int = typer.Option(
+        NODE_DEFAULTS.engines, "--engines", "-n", min=1, help="Rollout engines to start."
+    ),
     detach: bool = typer.Option(
         False,
         "--detach",
@@ -60,16 +69,18 @@ def up(
         help="Return once the node is ready; it keeps running in the background.",
     ),
     recovery: str = typer.Option(
-        "belayer",
+        NODE_DEFAULTS.recovery,
         help="belayer (shadow + token-level resume) or baseline (cold restart, regenerate).",
     ),
     model: str = typer.Option(
-        "",
+        NODE_DEFAULTS.model_dir,
         "--model",
         help="Hugging Face style model dir (default: a tiny random Qwen3 under the run dir).",
     ),
     nats_url: str = typer.Option(
-        "", "--nats-url", help="Use an existing NATS server instead of starting one."
+        NODE_DEFAULTS.nats_url,
+        "--nats-url",
+        help="Use an existing NATS server instead of starting one.",
     ),
     run_dir: Path | None = typer.Option(
         None,
@@ -77,41 +88,49 @@ def up(
         help="Run directory (node file, logs, NATS store). Default: $BELAYER_HOME or ./.belayer.",
     ),
     environment: bool = typer.Option(
-        False,
+        NODE_DEFAULTS.environment,
         "--environment/--no-environment",
         help="Also run the sandbox service (needs dockerd + CRIU from deploy/setup.sh).",
     ),
     token_log_chunk: int = typer.Option(
-        256, "--token-log-chunk", min=1, help="k: tokens per durable token-log chunk."
+        NODE_DEFAULTS.router.token_log_chunk,
+        "--token-log-chunk",
+        min=1,
+        help="k: tokens per durable token-log chunk.",
     ),
     max_num_seqs: int = typer.Option(
-        16, "--max-num-seqs", min=1, help="Decode batch limit per engine."
+        NODE_DEFAULTS.worker.engine.max_num_seqs,
+        "--max-num-seqs",
+        min=1,
+        help="Decode batch limit per engine.",
     ),
     failure_window: float = typer.Option(
-        60.0,
+        NODE_DEFAULTS.router.failure_window_s,
         "--failure-window",
         min=0.0,
         help="Seconds: a second failure of an engine inside this window marks it unhealthy.",
     ),
     heartbeat_interval: float = typer.Option(
-        5.0,
+        NODE_DEFAULTS.router.heartbeat_interval_s,
         "--heartbeat-interval",
         min=0.01,
         help="Seconds between the router's remote heartbeat pings (the baseline's detector).",
     ),
     hang_threshold: float = typer.Option(
-        2.0,
+        NODE_DEFAULTS.worker.hang_threshold_s,
         "--hang-threshold",
         min=0.01,
         help="Seconds: a main worker whose heartbeat is older than this counts as hung.",
     ),
     handover_timeout: float = typer.Option(
-        15.0,
+        NODE_DEFAULTS.handover_timeout_s,
         "--handover-timeout",
         min=0.0,
         help="Seconds a dead main worker waits for its shadow's handover before a cold restart.",
     ),
-    timeout: float = typer.Option(120.0, help="Seconds to wait for the node to become ready."),
+    timeout: float = typer.Option(
+        NODE_DEFAULTS.ready_timeout_s, help="Seconds to wait for the node to become ready."
+    ),
 ) -> None:
     """Start a Belayer node: NATS (JetStream), weight store, KV arena, router, workers."""
     if recovery not in ("belayer", "baseline"):
@@ -122,19 +141,30 @@ def up(
         fail(
             f"a node is already running from {paths.root} (supervisor pid {node.supervisor_pid}); run `belayer down` first"
         )
-    argv = [
-        sys.executable, "-m", "services.supervisor", "--run-dir", str(paths.root),
-        "--engines", str(engines), "--recovery", recovery, "--token-log-chunk", str(token_log_chunk),
-        "--max-num-seqs", str(max_num_seqs), "--failure-window", str(failure_window),
-        "--heartbeat-interval", str(heartbeat_interval), "--hang-threshold", str(hang_threshold),
-        "--handover-timeout", str(handover_timeout),
-    ]  # fmt: skip
-    if model:
-        argv += ["--model-dir", str(Path(model).resolve())]
-    if nats_url:
-        argv += ["--nats-url", nats_url]
-    if environment:
-        argv.append("--environment")
+    d = NODE_DEFAULTS
+    config = dataclasses.replace(
+        d,
+        run_dir=str(paths.root),
+        nats_url=nats_url,
+        model_dir=str(Path(model).resolve()) if model else "",
+        engines=engines,
+        environment=environment,
+        handover_timeout_s=handover_timeout,
+        ready_timeout_s=timeout,
+        router=dataclasses.replace(
+            d.router,
+            recovery="baseline" if recovery == "baseline" else "belayer",
+            token_log_chunk=token_log_chunk,
+            failure_window_s=failure_window,
+            heartbeat_interval_s=heartbeat_interval,
+        ),
+        worker=dataclasses.replace(
+            d.worker,
+            hang_threshold_s=hang_threshold,
+            engine=dataclasses.replace(d.worker.engine, max_num_seqs=max_num_seqs),
+        ),
+    )
+    argv = [sys.executable, "-m", "services.supervisor", *config_argv(config)]
     if not detach:
         typer.echo(f"starting Belayer node in the foreground ({paths.root}); Ctrl-C stops it")
         # Own session: a terminal's Ctrl-C reaches only this CLI, which forwards exactly one
@@ -182,7 +212,8 @@ def down(
     ),
     timeout: float = typer.Option(30.0, help="Seconds to wait for a graceful stop before killing."),
 ) -> None:
-    """Stop the node: every service, NATS, shared-memory files. Idempotent."""
+    """Stop the node: every service, NATS, shared-memory files, sandbox containers and their
+    checkpoints. Idempotent."""
     paths = run_paths(run_dir)
     node = read_node(paths)
     if node is None:
@@ -211,10 +242,52 @@ def down(
         if pid_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+    # A supervisor that died without its shutdown leaves the NATS server it started (its own
+    # session's other processes die with it: PR_SET_PDEATHSIG).
+    if node.nats_pid is not None and is_nats_server(node.nats_pid):
+        stop_process(node.nats_pid, timeout=5.0)
     removed = remove_shm_files(node.run_id)
+    # Sandboxes do not outlive their node; a killed environment service left them behind.
+    cleanup = remove_node_sandboxes(node_label(node.run_id), paths.root)
+    if cleanup.error:
+        fail(
+            f"could not remove the node's sandbox containers ({cleanup.error}); "
+            "run `belayer down` again once dockerd answers"
+        )
     with contextlib.suppress(FileNotFoundError):
         paths.node_file.unlink()
-    typer.echo(f"belayer node stopped (run {node.run_id}; {removed} leftover shm files removed)")
+    sandboxes = (
+        f", {cleanup.containers} sandbox containers and {cleanup.checkpoint_dirs} sandbox "
+        "checkpoint dirs"
+        if cleanup.containers or cleanup.checkpoint_dirs
+        else ""
+    )
+    typer.echo(
+        f"belayer node stopped (run {node.run_id}; {removed} leftover shm files{sandboxes} removed)"
+    )
+
+
+def stop_process(pid: int, timeout: float) -> None:
+    """SIGTERM ``pid``, then SIGKILL if it still runs after ``timeout`` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # waiting for the process to exit
+    if pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def is_nats_server(pid: int) -> bool:
+    """``pid`` is alive and runs nats-server (not some process that reused the pid)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"nats-server" in f.read()
+    except OSError:
+        return False
 
 
 def status(
@@ -224,15 +297,21 @@ def status(
         None, "--run-dir", help="Run directory of the node. Default: $BELAYER_HOME or ./.belayer."
     ),
 ) -> None:
-    """Show engines (id, epoch, worker pid, health), requests and services."""
+    """Show engines (id, epoch, worker pid, health), requests and services. While the router
+    is restarting the node shows as degraded: engines as last known, never an error."""
     paths = run_paths(run_dir)
     node = read_node(paths)
     url = nats_url or (node.nats_url if node else "")
     if not url:
         fail("no Belayer node is running here: start one with `belayer up` or pass --nats-url")
 
-    async def query(nc: Any) -> tuple[RouterStatus, SupervisorStatus | None]:
-        rs = await request(nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=3)
+    async def query(nc: Any) -> tuple[RouterStatus | None, SupervisorStatus | None, dict[str, int]]:
+        try:
+            rs: RouterStatus | None = await request(
+                nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=3
+            )
+        except (BusUnavailable, Timeout):
+            rs = None
         try:
             ss = await request(
                 nc,
@@ -243,34 +322,73 @@ def status(
             )
         except BelayerError:
             ss = None
-        return rs, ss
+        epochs = {} if rs is not None else await engine_epochs(nc)
+        return rs, ss, epochs
 
-    rs, ss = run(with_bus(url, query))
+    rs, ss, epochs = run(with_bus(url, query))
     procs: list[dict[str, Any]] = [msgspec.to_builtins(p) for p in ss.procs] if ss else []
+    router_proc = next((p for p in procs if p["name"] == "router"), None)
+    router = {
+        "alive": rs is not None,
+        "restarts": router_proc["restarts"] if router_proc else 0,
+    }
+    if rs is not None:
+        engines = [msgspec.to_builtins(e) for e in rs.engines]
+    else:
+        # Last known: epochs from the engine_epochs bucket, pids from the supervisor.
+        pids = {p["name"]: p["pid"] for p in procs}
+        engines = [
+            {"id": eid, "epoch": ep, "worker_pid": pids.get(f"worker-{eid}"), "healthy": None}
+            for eid, ep in sorted(epochs.items())
+        ]
     out = {
         "nats_url": url,
         "run_id": node.run_id if node else None,
         "recovery": node.recovery if node else None,
-        "engines": [msgspec.to_builtins(e) for e in rs.engines],
-        "inflight": rs.inflight,
-        "finished": rs.finished,
-        "token_log_chunk": rs.token_log_chunk,
-        "metrics": rs.metrics,
+        "state": "ready" if rs is not None else "degraded",
+        "router": router,
+        "engines": engines,
+        "inflight": rs.inflight if rs else None,
+        "finished": rs.finished if rs else None,
+        "token_log_chunk": rs.token_log_chunk if rs else None,
+        "metrics": rs.metrics if rs else {},
         "procs": procs,
     }
     if json_out:
         print_json(out)
         return
     typer.echo(
-        f"nats {url}  run {out['run_id']}  recovery {out['recovery']}  inflight {rs.inflight}  finished {rs.finished}"
+        f"nats {url}  run {out['run_id']}  recovery {out['recovery']}  state {out['state']}  "
+        f"inflight {out['inflight']}  finished {out['finished']}"
     )
-    typer.echo(f"{'engine':8} {'epoch':>5} {'pid':>8} {'healthy':>7} {'running':>7} {'weights':>7}")
-    for e in rs.engines:
+    if rs is None:
         typer.echo(
-            f"{e.id:8} {e.epoch:>5} {e.worker_pid:>8} {e.healthy!s:>7} {e.running:>7} {e.weight_version:>7}"
+            f"router restarting (restarts so far: {router['restarts']}): engines as last known; "
+            "requests in flight resume when it is back"
+        )
+    typer.echo(f"{'engine':8} {'epoch':>5} {'pid':>8} {'healthy':>7} {'running':>7} {'weights':>7}")
+    for e in engines:
+        typer.echo(
+            f"{e['id']:8} {e['epoch']:>5} {e['worker_pid']!s:>8} {e['healthy']!s:>7} "
+            f"{e.get('running', '-')!s:>7} {e.get('weight_version', '-')!s:>7}"
         )
     for p in procs:
         typer.echo(f"  {p['name']:14} pid {p['pid']}  alive {p['alive']}  restarts {p['restarts']}")
+
+
+async def engine_epochs(nc: Any) -> dict[str, int]:
+    """Every engine's epoch from the ``engine_epochs`` KV bucket ({} if unreadable)."""
+    try:
+        kv = await nc.jetstream().key_value(subjects.BUCKET_ENGINE_EPOCHS)
+        keys = await kv.keys()
+    except Exception:  # no bucket yet, or JetStream unavailable: nothing is known
+        return {}
+    out: dict[str, int] = {}
+    for key in keys:
+        with contextlib.suppress(Exception):
+            entry = await kv.get(key)
+            out[key] = int(entry.value or b"0")
+    return out
 
 
 def events(
@@ -305,18 +423,19 @@ def events(
                     return
                 continue
             seen += 1
-            ev = decode(msg.data, Event)
+            try:
+                ev = decode(msg.data, AnyEvent)
+            except BelayerError as exc:  # an older or newer event type than this CLI knows
+                typer.echo(f"? {msg.subject}: {exc}", err=True)
+                continue
             if json_out:
-                print_json_line(msgspec.to_builtins(ev))
+                print_json_line({"kind": ev.kind, **msgspec.to_builtins(ev)})
             else:
                 stamp = (
                     time.strftime("%H:%M:%S", time.localtime(ev.ts))
                     + f".{int(ev.ts * 1000) % 1000:03d}"
                 )
-                extra = " ".join(f"{k}={v}" for k, v in ev.data.items())
-                typer.echo(
-                    f"{stamp} {ev.kind:24} {ev.source:14} {ev.engine_id or '':4} {ev.request_id or ''} {extra}"
-                )
+                typer.echo(f"{stamp} {event_types.describe(ev)}")
 
     run(with_bus(nats_url or None, tail))
 

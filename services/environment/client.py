@@ -1,6 +1,11 @@
-"""Typed client of the environment service (used by the CLI, the benchmark, the controller)."""
+"""Typed client of the environment service (used by the CLI, the benchmark, the controller),
+and the node-side cleanup ``belayer down`` and the supervisor run after the service stopped."""
 
 from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
 from nats.aio.client import Client as NATS
 
@@ -23,6 +28,7 @@ from schemas.env import (
     SandboxLimits,
     TaskFile,
 )
+from services.environment.config import EnvConfig
 
 
 class EnvClient:
@@ -98,3 +104,54 @@ class EnvClient:
             Ok,
             timeout=self.timeout,
         )
+
+
+def node_label(run_id: str) -> str:
+    """The ``belayer.node`` container label of the sandboxes of the node with this run id: the
+    supervisor starts the environment service with it, ``belayer down`` finds leftovers by it
+    (the run id is in the node file, so this works even after the service died)."""
+    return f"node-{run_id}"
+
+
+@dataclass(frozen=True)
+class SandboxCleanup:
+    """What ``remove_node_sandboxes`` removed."""
+
+    containers: int = 0
+    """Sandbox containers of the node removed."""
+    checkpoint_dirs: int = 0
+    """Sandbox checkpoint directories removed (with the sandbox records)."""
+    error: str = ""
+    """Why the node's containers could not be listed (dockerd unreachable), else empty."""
+
+
+def remove_node_sandboxes(node: str, run_dir: Path) -> SandboxCleanup:
+    """Blocking. Remove every container labelled ``belayer.node=<node>``, then every sandbox's
+    checkpoint directory and record under ``run_dir`` (sandboxes do not outlive their node).
+    Call it only once the node's environment service has stopped. A run directory where no
+    environment service ever ran is left alone (no Docker call); with dockerd unreachable
+    nothing is removed and ``error`` says why."""
+    config = EnvConfig(run_dir=run_dir, node=node)
+    if not config.env_dir.is_dir():
+        return SandboxCleanup()
+    from common.errors import SandboxError
+    from services.environment.docker_ops import DockerOps
+
+    containers = 0
+    docker = DockerOps(config)
+    try:
+        for cid, _sid in docker.labelled():
+            docker.remove(cid)
+            containers += 1
+    except SandboxError as exc:  # keep the records: a retry once dockerd answers finds them
+        return SandboxCleanup(containers=containers, error=str(exc))
+    dirs = [p for p in _entries(config.checkpoint_root) if p.is_dir()]
+    for p in dirs:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in _entries(config.records_dir):
+        p.unlink(missing_ok=True)
+    return SandboxCleanup(containers=containers, checkpoint_dirs=len(dirs))
+
+
+def _entries(directory: Path) -> list[Path]:
+    return list(directory.iterdir()) if directory.is_dir() else []

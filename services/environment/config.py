@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from services.environment.archive import ArchiveLimits
 
@@ -35,7 +36,7 @@ class EnvConfig:
     """runc's state directory for Docker-managed containers (Docker 20.10 + containerd)."""
     runc_bin: str = "runc"
     """runc binary (the one containerd uses)."""
-    checkpoint_method: str = "auto"
+    checkpoint_method: Literal["auto", "runc", "docker"] = "auto"
     """``runc`` (CRIU through runc on the Docker-managed container; fast), ``docker`` (Docker's
     checkpoint API; ~20× slower for memory-heavy sandboxes) or ``auto`` (runc, falling back to
     Docker when runc cannot see the container)."""
@@ -76,6 +77,8 @@ class EnvConfig:
     bytes (fsync doubles a 256 MB checkpoint's cost) and only a machine crash — outside the
     failure model — could lose them; a torn image set then fails restore and the previous
     ready checkpoint is used."""
+    log_file: Path | None = None
+    """JSON log lines go here (stderr when unset)."""
 
     @property
     def env_dir(self) -> Path:

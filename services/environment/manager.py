@@ -7,7 +7,9 @@ with a JetStream KV bucket and stream). Invariants it keeps:
 * a checkpoint is captured while the container's cgroup is frozen (files, then processes),
   written under ``.tmp-<id>`` (``snapshot.capture``), fsynced, renamed whole, and only then published by a
   compare-and-set of the ready pointer; any failure deletes the directory;
-* restore always uses a fresh container; a rejected checkpoint falls back to the previous one.
+* restore always uses a fresh container; a rejected checkpoint falls back to the previous one;
+* a graceful stop (``close``) destroys every sandbox: sandboxes do not outlive their node (a
+  killed service's sandboxes are re-adopted by its restart).
 """
 
 from __future__ import annotations
@@ -171,14 +173,19 @@ class SandboxManager:
     async def destroy(self, sandbox_id: str) -> None:
         rec = self.get(sandbox_id)
         async with self._locked(rec, self.config.lock_wait_s):
-            await asyncio.to_thread(self.docker.remove, rec.container_id)
-            ops.remove_tree(self.sandbox_dir(rec.id))
-            await self.store.delete(rec.id)
-            rec.move(SandboxState.DESTROYED)
-            core.remove_record(self.config.records_dir, rec.id)
-            del self.records[rec.id]
+            await self._remove(rec)
         self.locks.pop(rec.id, None)
         log.info("sandbox_destroyed", sandbox_id=sandbox_id)
+
+    async def _remove(self, rec: SandboxRecord) -> None:
+        """Container, checkpoints, ready pointer, record — in that order (a failure to remove
+        the container keeps everything else, so the sandbox can still be found)."""
+        await asyncio.to_thread(self.docker.remove, rec.container_id)
+        ops.remove_tree(self.sandbox_dir(rec.id))
+        await self.store.delete(rec.id)
+        rec.move(SandboxState.DESTROYED)
+        core.remove_record(self.config.records_dir, rec.id)
+        del self.records[rec.id]
 
     def sandboxes(self) -> list[SandboxInfo]:
         out = []
@@ -467,9 +474,43 @@ class SandboxManager:
         await asyncio.to_thread(self.docker.kill, rec.container_id)
 
     async def close(self) -> None:
-        """Wait (bounded) for in-flight operations: take every lock once."""
-        for sid, lock in list(self.locks.items()):
+        """Graceful stop (after the server stopped taking requests): wait, bounded by one
+        ``lock_wait_s`` in all, for in-flight operations, then destroy every sandbox and reap
+        whatever else of this node is left — a stopped service leaves no container and no
+        checkpoint directory behind (sandboxes do not outlive their node)."""
+        deadline = time.monotonic() + self.config.lock_wait_s
+        for lock in list(self.locks.values()):
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(lock.acquire(), self.config.lock_wait_s)
+                await asyncio.wait_for(lock.acquire(), max(0.0, deadline - time.monotonic()))
                 lock.release()
-            _ = sid
+        await self.destroy_all()
+
+    async def destroy_all(self) -> int:
+        """Destroy every sandbox (a busy one too: its operation is abandoned), then remove this
+        node's labelled containers and the checkpoint directories no sandbox owns. Returns how
+        many sandboxes were destroyed; a failure (dockerd unreachable) is logged and leaves the
+        failed sandbox's record for the next start to adopt."""
+        destroyed = 0
+        for rec in list(self.records.values()):
+            if rec.status in (SandboxState.CHECKPOINTING, SandboxState.RESTORING):
+                rec.move(SandboxState.FAILED)  # its operation ran past the drain and is dropped
+            try:
+                await self._remove(rec)
+            except BelayerError as exc:
+                log.warning("sandbox_destroy_failed", sandbox_id=rec.id, error=str(exc))
+                continue
+            self.locks.pop(rec.id, None)
+            destroyed += 1
+            log.info("sandbox_destroyed", sandbox_id=rec.id, reason="shutdown")
+        try:
+            for cid, sid in await asyncio.to_thread(self.docker.labelled):
+                if not any(r.container_id == cid for r in self.records.values()):
+                    log.info("orphan_container_reaped", container_id=cid[:12], sandbox_id=sid)
+                    await asyncio.to_thread(self.docker.remove, cid)
+        except SandboxError as exc:
+            log.warning("orphan_reap_failed", error=str(exc))
+        if self.config.checkpoint_root.is_dir():
+            for d in self.config.checkpoint_root.iterdir():
+                if d.name not in self.records:
+                    ops.remove_tree(d)
+        return destroyed

@@ -16,11 +16,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from common import subjects
-from common.bus import Handler, Server, connect, ensure_jetstream, publish_event
+from common import events, subjects
+from common.bus import Handler
 from common.errors import BusUnavailable, Conflict, SandboxError
 from common.logging import get_logger
-from common.service import Status
+from common.service import Service, run_service
 from schemas.base import Ok
 from schemas.env import (
     CheckpointInfo,
@@ -37,7 +37,7 @@ from schemas.env import (
     EnvRestored,
     ReadyPointer,
 )
-from schemas.events import Event
+from schemas.events import CheckpointReady
 from services.environment import core
 from services.environment.config import EnvConfig
 from services.environment.manager import SandboxManager
@@ -97,13 +97,8 @@ class KvReadyStore:
             log.warning("ready_pointer_delete_failed", sandbox_id=sandbox_id, error=repr(exc))
 
     async def announce(self, info: CheckpointInfo) -> None:
-        event = Event(
-            kind="checkpoint_ready",
-            ts=time.time(),
-            source=self.source,
-            data=msgspec.to_builtins(info),
-        )
-        await publish_event(self.js, event, msg_id=f"checkpoint_ready-{info.checkpoint_id}")
+        event = CheckpointReady(source=self.source, checkpoint=info)
+        await events.publish(self.js, event, msg_id=f"checkpoint_ready-{info.checkpoint_id}")
 
 
 class EnvironmentService:
@@ -186,18 +181,23 @@ async def adopt_when_reachable(manager: SandboxManager, stop: asyncio.Event) -> 
                 await asyncio.wait_for(stop.wait(), 2.0)
 
 
-async def run(
-    config: EnvConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
-) -> None:
-    """STARTING → READY → DRAINING → STOPPED: connect, declare JetStream, adopt sandboxes, serve."""
-    status = Status.STARTING
-    nc = await connect(config.nats_url, name="environment")
-    server: Server | None = None
-    try:
-        js = nc.jetstream()
-        await ensure_jetstream(js)
-        manager = SandboxManager(config, KvReadyStore(js, source=f"environment:{config.node}"))
-        adopting: asyncio.Task[None] | None = None
+class EnvService(Service[EnvConfig]):
+    """The environment process: adopt the sandboxes of a previous run (or keep retrying while
+    dockerd is unreachable), serve ``belayer.env.<op>`` with concurrent handlers; on stop the
+    handlers finish (bounded by ``lock_wait_s``), then every sandbox is destroyed."""
+
+    name = "environment"
+
+    def __init__(self, config: EnvConfig) -> None:
+        super().__init__(config)
+        self.drain_timeout_s = config.lock_wait_s
+        self.manager: SandboxManager | None = None
+        self.adopting: asyncio.Task[None] | None = None
+
+    async def setup(self) -> None:
+        config = self.config
+        manager = SandboxManager(config, KvReadyStore(self.js, source=f"environment:{config.node}"))
+        self.manager = manager
         try:
             await asyncio.to_thread(manager.docker.ping)
             await manager.adopt()
@@ -205,9 +205,8 @@ async def run(
             # Serve anyway: every request gets a clear "dockerd is not reachable" error until
             # dockerd answers, then the sandboxes of a previous run are adopted.
             log.warning("dockerd_unreachable", error=str(exc))
-            adopting = asyncio.create_task(adopt_when_reachable(manager, stop))
+            self.adopting = asyncio.create_task(adopt_when_reachable(manager, self.stop_requested))
         svc = EnvironmentService(config, manager)
-        server = Server(nc, service="environment")
         routes: list[tuple[str, Any, Handler]] = [
             ("create", EnvCreate, svc.on_create),
             ("exec", EnvExec, svc.on_exec),
@@ -218,24 +217,19 @@ async def run(
             ("gc", EnvGc, svc.on_gc),
         ]
         for op, typ, handler in routes:
-            await server.serve(subjects.env(op), typ, handler, concurrent=True)
-        status = Status.READY
-        log.info(
-            "service_ready", status=status.value, node=config.node, sandboxes=len(manager.records)
-        )
-        if ready is not None:
-            ready.set()
-        await stop.wait()
-        if adopting is not None:
-            adopting.cancel()
-        status = Status.DRAINING
-        log.info("service_draining", status=status.value)
-        await server.drain(timeout=config.lock_wait_s)
-        await manager.close()
-    finally:
-        if not nc.is_closed:
-            try:
-                await nc.drain()
-            except (nats.errors.Error, TimeoutError):
-                pass
-        log.info("service_stopped", status=Status.STOPPED.value)
+            await self.server.serve(subjects.env(op), typ, handler, concurrent=True)
+        log.info("sandboxes_adopted", node=config.node, sandboxes=len(manager.records))
+
+    async def drain(self) -> None:
+        if self.adopting is not None:
+            self.adopting.cancel()
+        await super().drain()
+        if self.manager is not None:
+            await self.manager.close()
+
+
+async def run(
+    config: EnvConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
+) -> None:
+    """Run the environment service until ``stop`` (see ``EnvService``)."""
+    await run_service(EnvService(config), stop=stop, ready=ready)

@@ -1,15 +1,23 @@
-"""What a rollout worker (or its shadow) calls: fetch its arena, map it, flush it."""
+"""What a rollout worker (or its shadow) calls: fetch its arena, map it, flush it; and the
+service's config (the supervisor starts the arena from it). torch is imported where memory is
+mapped, so importing this module for the config stays light."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from nats.aio.client import Client as NATS
 
-from common import shm, subjects
+from common import subjects
 from common.bus import request
 from common.errors import InvalidRequest
-from common.tensors import parse_dtype
 from schemas.weights import ArenaDesc, KvFlush, KvGet
+from services.kv.config import KvArenaConfig
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KvArenaConfig", "fetch_arena", "flush_arena", "map_arena"]
 
 
 async def fetch_arena(nc: NATS, engine_id: str, timeout: float = 5.0) -> ArenaDesc:
@@ -23,6 +31,9 @@ async def fetch_arena(nc: NATS, engine_id: str, timeout: float = 5.0) -> ArenaDe
 def map_arena(desc: ArenaDesc) -> torch.Tensor:
     """The arena as a tensor of ``desc.shape`` and ``desc.dtype``, zero copy: writes are
     seen by every process that maps it, and survive the writer's death."""
+    from common import shm
+    from common.tensors import parse_dtype
+
     buf = shm.attach(desc.handle)
     dtype = parse_dtype(desc.dtype)
     if buf.numel() % dtype.itemsize:

@@ -7,16 +7,12 @@ import asyncio
 import time
 from typing import Any
 
-import nats.errors
-
-from common import subjects
-from common.bus import Server, connect, ensure_jetstream, publish_event
-from common.logging import get_logger
-from common.service import Status
+from common import events, subjects
+from common.service import Service, run_service
 from common.tensors import parse_dtype
 from model.config import load_model_config
 from model.qwen3 import kv_cache_shape
-from schemas.events import Event
+from schemas.events import KvFlushed
 from schemas.weights import ArenaDesc, KvFlush, KvGet
 from services.kv.arena import ArenaPool
 from services.kv.config import KvArenaConfig
@@ -24,47 +20,43 @@ from services.kv.config import KvArenaConfig
 SERVICE = "kv"
 
 
+class KvService(Service[KvArenaConfig]):
+    """Allocates every engine's arena before connecting, serves ``kv.get``/``kv.flush``; on
+    stop unlinks the arena files."""
+
+    name = SERVICE
+
+    def __init__(self, config: KvArenaConfig) -> None:
+        super().__init__(config)
+        self.log = self.log.bind(run_id=config.run_id)
+        self.pool = ArenaPool(config.run_id)
+
+    async def open(self) -> None:
+        config = self.config
+        model = load_model_config(config.model_dir)
+        dtype = parse_dtype(config.dtype) if config.dtype else model.dtype
+        shape = kv_cache_shape(model, config.num_blocks, config.block_size)
+        for engine_id in config.engine_ids:
+            self.pool.allocate(engine_id, shape, dtype, config.block_size)
+        for path in self.pool.remove_strays():
+            self.log.info("stale_arena_removed", path=path)
+        self.log.info("arenas_allocated", engines=list(config.engine_ids))
+
+    async def setup(self) -> None:
+        handlers = _Handlers(self.config, self.pool, self.js, self.log)
+        await self.server.serve(subjects.kv_get(), KvGet, handlers.get)
+        await self.server.serve(subjects.kv_flush(), KvFlush, handlers.flush)
+
+    async def close(self) -> None:
+        removed = self.pool.close()
+        self.log.info("shm_removed", files=len(removed))
+
+
 async def run(
     config: KvArenaConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
 ) -> None:
-    """Allocate every engine's arena, serve until ``stop`` is set, then unlink the files."""
-    log = get_logger(service=SERVICE, run_id=config.run_id)
-    log.info("service_status", status=Status.STARTING.value, engines=list(config.engine_ids))
-    model = load_model_config(config.model_dir)
-    dtype = parse_dtype(config.dtype) if config.dtype else model.dtype
-    shape = kv_cache_shape(model, config.num_blocks, config.block_size)
-    pool = ArenaPool(config.run_id)
-    try:
-        for engine_id in config.engine_ids:
-            pool.allocate(engine_id, shape, dtype, config.block_size)
-        for path in pool.remove_strays():
-            log.info("stale_arena_removed", path=path)
-        nc = await connect(config.nats_url, name=SERVICE)
-    except BaseException:
-        pool.close()
-        raise
-    server = Server(nc, service=SERVICE)
-    try:
-        js = nc.jetstream()
-        await ensure_jetstream(js)
-        handlers = _Handlers(config, pool, js, log)
-        await server.serve(subjects.kv_get(), KvGet, handlers.get)
-        await server.serve(subjects.kv_flush(), KvFlush, handlers.flush)
-        await nc.flush()  # subscriptions reach the server before anyone hears "ready"
-        log.info("service_status", status=Status.READY.value)
-        if ready is not None:
-            ready.set()
-        await stop.wait()
-        log.info("service_status", status=Status.DRAINING.value)
-        await server.drain()
-    finally:
-        removed = pool.close()
-        log.info("shm_removed", files=len(removed))
-        try:
-            await nc.drain()
-        except nats.errors.Error:
-            pass
-        log.info("service_status", status=Status.STOPPED.value)
+    """Serve the KV arena until ``stop`` (see ``KvService``)."""
+    await run_service(KvService(config), stop=stop, ready=ready)
 
 
 class _Handlers:
@@ -89,13 +81,9 @@ class _Handlers:
             generation=arena.generation,
             ms=ms,
         )
-        event = Event(
-            kind="kv_flushed",
-            ts=time.time(),
-            source=SERVICE,
-            engine_id=req.engine_id,
-            data={"generation": arena.generation, "epoch": req.epoch, "ms": ms},
+        event = KvFlushed(
+            engine_id=req.engine_id, generation=arena.generation, epoch=req.epoch, ms=ms
         )
         msg_id = f"kv_flushed-{self.config.run_id}-{req.engine_id}-{arena.generation}"
-        await publish_event(self.js, event, msg_id=msg_id)
+        await events.publish(self.js, event, msg_id=msg_id)
         return arena.desc()

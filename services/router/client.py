@@ -1,19 +1,102 @@
-"""Client side of ``router.generate``: send a request, collect the streamed replies."""
+"""Client side of ``router.generate``: send a request, collect the streamed replies, and ride
+through a router restart.
+
+The router never generates a request id twice: resubmitting the same request re-attaches to it
+(a catch-up delta of every token so far, then the live ones) or replays its finished result.
+So when the router goes away — no responders, a stream that stops, a gap — this client simply
+resubmits the same request (bounded backoff) until the caller's deadline, placing deltas by
+their index: every token reaches ``on_delta`` exactly once, in order.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from common import subjects
 from common.codec import decode, encode, raise_error
-from common.errors import BusUnavailable, InvalidRequest, Timeout
+from common.errors import BusUnavailable, Timeout
+from common.logging import get_logger
 from schemas.base import ErrorReply
 from schemas.serving import GenerateReply, GenerateRequest, GenerateResult, TokenDelta
+from services.router.config import RouterConfig as RouterConfig  # the supervisor's, re-exported
+
+log = get_logger(component="router-client")
+
+#: How long a stream may stay silent before the client re-attaches (a router that died mid-
+#: stream sends nothing more; a re-attach to a live router costs one catch-up delta).
+SILENCE_S = 5.0
+#: Backoff between re-attach attempts: first delay, cap.
+BACKOFF_S = (0.1, 1.0)
+#: Error codes that mean "the path to the router broke", not "the request is refused".
+_TRANSPORT_CODES = frozenset({BusUnavailable.code, Timeout.code})
+
+
+class _Reattach(Exception):
+    """This attempt's stream is gone (no responders, silence, a gap): resubmit."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+@dataclass
+class _Stream:
+    """What the caller has received so far, across attempts."""
+
+    on_delta: Callable[[TokenDelta], None] | None
+    received: int = 0
+    routers: list[str] = field(default_factory=list)
+    """Distinct router incarnations seen, in order."""
+    outages: int = 0
+    """Attempts that found no router at all."""
+
+    def saw(self, router_id: str) -> None:
+        if router_id and router_id not in self.routers:
+            self.routers.append(router_id)
+
+    def place(self, d: TokenDelta) -> None:
+        """Hand on the part of ``d`` the caller does not hold yet (placement by index)."""
+        self.saw(d.router_id)
+        if d.start > self.received:
+            raise _Reattach("gap in the token stream")
+        skip = self.received - d.start
+        if skip >= len(d.token_ids):
+            return
+        fresh = msgspec.structs.replace(
+            d,
+            start=self.received,
+            token_ids=d.token_ids[skip:],
+            logprobs=d.logprobs[skip:],
+        )
+        self.received += len(fresh.token_ids)
+        if self.on_delta is not None:
+            self.on_delta(fresh)
+
+    def finish(self, result: GenerateResult) -> GenerateResult:
+        """The result, with the tokens the caller has not been handed yet (if streaming) and
+        the router restarts it rode through."""
+        self.saw(result.router_id)
+        if self.on_delta is not None and self.received < len(result.token_ids):
+            # A replayed result carries no deltas: hand on the rest from it, by index.
+            self.place(
+                TokenDelta(
+                    request_id=result.request_id,
+                    start=self.received,
+                    token_ids=result.token_ids[self.received :],
+                    logprobs=result.logprobs[self.received :],
+                    weight_version=result.weight_version,
+                    router_id=result.router_id,
+                )
+            )
+        restarts = max(len(self.routers) - 1, self.outages, result.router_restarts)
+        return msgspec.structs.replace(result, router_restarts=restarts)
 
 
 async def generate(
@@ -22,9 +105,47 @@ async def generate(
     *,
     timeout: float = 300.0,
     on_delta: Callable[[TokenDelta], None] | None = None,
+    silence_s: float = SILENCE_S,
 ) -> GenerateResult:
-    """Submit ``req`` to the router and wait for its result. Deltas are checked for gaps and
-    overlaps (each token is passed to ``on_delta`` exactly once). Raises typed errors."""
+    """Submit ``req`` to the router and wait for its result, within ``timeout`` seconds overall.
+
+    Each token is passed to ``on_delta`` exactly once, in order. No responders, a dropped or
+    silent stream (``silence_s``) and a gap are retryable: the same request id is resubmitted
+    with bounded backoff and the client re-attaches to the running or finished request. The
+    result's ``router_restarts`` counts the router restarts ridden through. Raises the typed
+    error the router answers with, or, once the deadline passes, ``Timeout`` (retryable)
+    naming the request id.
+    """
+    deadline = time.monotonic() + timeout
+    stream = _Stream(on_delta)
+    delay, cap = BACKOFF_S
+    why = ""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise Timeout(
+                "no result before the deadline",
+                request_id=req.request_id,
+                timeout=timeout,
+                last_problem=why or "none",
+            )
+        try:
+            return await _attempt(nc, req, stream, min(remaining, silence_s), deadline)
+        except _Reattach as exc:
+            why = exc.why
+            if why == "no responders":
+                stream.outages += 1
+            log.info(
+                "router_reattach", request_id=req.request_id, why=why, received=stream.received
+            )
+        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, cap)
+
+
+async def _attempt(
+    nc: NATS, req: GenerateRequest, stream: _Stream, silence_s: float, deadline: float
+) -> GenerateResult:
+    """One submission: read replies until the result, or raise ``_Reattach``."""
     inbox = nc.new_inbox()
     queue: asyncio.Queue[Msg] = asyncio.Queue()
 
@@ -32,42 +153,30 @@ async def generate(
         queue.put_nowait(msg)
 
     sub = await nc.subscribe(inbox, cb=cb)
-    received = 0
     try:
         await nc.publish(subjects.router_generate(), encode(req), reply=inbox)
-        deadline = time.monotonic() + timeout
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise Timeout("no result in time", request_id=req.request_id, timeout=timeout)
+            wait = min(silence_s, deadline - time.monotonic())
+            if wait <= 0:
+                raise _Reattach("deadline")
             try:
-                msg = await asyncio.wait_for(queue.get(), remaining)
+                msg = await asyncio.wait_for(queue.get(), wait)
             except TimeoutError:
-                continue
+                raise _Reattach("silent stream") from None
             if msg.headers and msg.headers.get("Status") == "503":
-                raise BusUnavailable("no router is serving router.generate")
+                raise _Reattach("no responders")
             reply = decode(msg.data, GenerateReply)
             if isinstance(reply, ErrorReply):
+                if reply.code in _TRANSPORT_CODES:
+                    raise _Reattach(f"router answered {reply.code}")
                 raise_error(reply)
             elif isinstance(reply, TokenDelta):
-                if reply.start > received:
-                    raise InvalidRequest(
-                        "gap in the token stream", expected=received, got=reply.start
-                    )
-                skip = received - reply.start
-                if skip < len(reply.token_ids):
-                    fresh = TokenDelta(
-                        request_id=reply.request_id,
-                        start=received,
-                        token_ids=reply.token_ids[skip:],
-                        logprobs=reply.logprobs[skip:],
-                        weight_version=reply.weight_version,
-                    )
-                    received += len(fresh.token_ids)
-                    if on_delta is not None:
-                        on_delta(fresh)
+                stream.place(reply)
             else:
                 assert isinstance(reply, GenerateResult)
-                return reply
+                return stream.finish(reply)
     finally:
-        await sub.unsubscribe()
+        try:
+            await sub.unsubscribe()
+        except Exception:  # the connection may be reconnecting; the inbox is abandoned anyway
+            pass

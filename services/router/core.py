@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from common.errors import Conflict, EngineUnavailable, InvalidRequest, NotFound, ResourceLimit
+from common.errors import Conflict, EngineUnavailable, NotFound
+from schemas import events as ev
 from schemas.serving import (
     EngineInfo,
     EngineRequest,
@@ -39,6 +40,8 @@ from services.router.state import (
     RequestState,
     SendToCaller,
     SubmitToEngine,
+    check_limits,
+    request_identity,
 )
 
 RECOVERABLE_REASONS = frozenset({"submit failed"})
@@ -46,31 +49,24 @@ RECOVERABLE_REASONS = frozenset({"submit failed"})
 answers pings. Reports from the shadow (hung), the supervisor (exited) and the remote heartbeat
 (the baseline's detector, which triggers a cold restart) are final."""
 
-__all__ = [
-    "AbortOnEngine",
-    "Action",
-    "EmitEvent",
-    "EngineState",
-    "EngineStatus",
-    "PersistChunk",
-    "RequestState",
-    "RouterCore",
-    "SendToCaller",
-    "SubmitToEngine",
-]
-
 
 class RouterCore:
     """All routing decisions. ``now`` is injected so tests control time."""
 
-    def __init__(self, config: RouterConfig, decode: Callable[[list[int]], str]) -> None:
+    def __init__(
+        self, config: RouterConfig, decode: Callable[[list[int]], str], *, router_id: str = ""
+    ) -> None:
         self.config = config
         self.decode = decode
+        self.router_id = router_id
+        """This router process's incarnation, stamped on everything sent to callers."""
         self.engines: dict[str, EngineState] = {}
         self.active: dict[str, RequestState] = {}
         self.pending: list[str] = []
         """Requests waiting for any healthy engine."""
         self.finished: OrderedDict[str, GenerateResult] = OrderedDict()
+        self.finished_identity: dict[str, str] = {}
+        """``request_identity`` of each finished request kept for replay."""
         self.regenerated_tokens = 0
         self.counters: dict[str, int] = dict.fromkeys(
             ("tokens", "requests", "resumes", "adopted", "stale_batches", "engine_failures"), 0
@@ -83,21 +79,7 @@ class RouterCore:
         self, prompt_ids: list[int], sampling: SamplingParams, engine_id: str | None
     ) -> None:
         """Reject requests that can never run (raises a typed error naming the problem)."""
-        if not prompt_ids:
-            raise InvalidRequest("empty prompt", field="$.prompt")
-        if len(prompt_ids) > self.config.max_prompt_tokens:
-            raise ResourceLimit(
-                "prompt too long",
-                field="$.prompt",
-                tokens=len(prompt_ids),
-                limit=self.config.max_prompt_tokens,
-            )
-        if sampling.max_tokens > self.config.max_new_tokens:
-            raise ResourceLimit(
-                "max_tokens too large",
-                field="$.sampling.max_tokens",
-                limit=self.config.max_new_tokens,
-            )
+        check_limits(self.config, prompt_ids, sampling)
         if engine_id is not None:
             eng = self.engines.get(engine_id)
             if eng is None:
@@ -114,16 +96,27 @@ class RouterCore:
         inbox: str | None,
         stream: bool = True,
         engine_id: str | None = None,
+        identity: str | None = None,
     ) -> list[Action]:
         """A caller's request. A known id is never generated twice: the caller is attached to
-        the running request (with a catch-up delta) or handed the finished result."""
+        the running request (with a catch-up delta) or handed the finished result. A known id
+        whose request differs (``identity``: prompt and sampling as the caller sent them;
+        default: computed from ``prompt_ids`` and ``sampling``) is ``conflict``."""
+        identity = identity or request_identity(prompt_ids, sampling)
+        known = self.finished_identity.get(request_id)
+        if known is None and request_id in self.active:
+            known = self.active[request_id].identity
+        if known and known != identity:
+            raise Conflict(
+                "request id reused with a different request (prompt or sampling)",
+                request_id=request_id,
+                field="$.request_id",
+            )
         done = self.finished.get(request_id)
         if done is not None:
             return [SendToCaller(inbox, done)] if inbox else []
         req = self.active.get(request_id)
         if req is not None:
-            if req.prompt_ids != prompt_ids:
-                raise Conflict("request id reused with a different prompt", request_id=request_id)
             actions: list[Action] = []
             if inbox:
                 req.subscribers[inbox] = stream
@@ -132,7 +125,9 @@ class RouterCore:
             return actions
         self.validate(prompt_ids, sampling, engine_id)
         self.counters["requests"] += 1
-        req = RequestState(request_id, list(prompt_ids), sampling, pinned_engine=engine_id)
+        req = RequestState(
+            request_id, list(prompt_ids), sampling, pinned_engine=engine_id, identity=identity
+        )
         if inbox:
             req.subscribers[inbox] = stream
         self.active[request_id] = req
@@ -231,7 +226,7 @@ class RouterCore:
             eng = EngineState(engine_id, epoch, pid, device, max_num_seqs, weight_version)
             self.engines[engine_id] = eng
             first: list[Action] = [
-                EmitEvent("engine_registered", engine_id, data={"epoch": epoch, "pid": pid})
+                EmitEvent(ev.EngineRegistered(engine_id=engine_id, epoch=epoch, pid=pid))
             ]
             return first + self._place(self._take_pending())
         if epoch < eng.epoch or (epoch == eng.epoch and pid != eng.worker_pid):
@@ -247,13 +242,10 @@ class RouterCore:
         eng.device, eng.max_num_seqs = device, max_num_seqs
         if eng.status is not EngineStatus.UNHEALTHY:
             eng.status = EngineStatus.UP
-        actions.append(
-            EmitEvent(
-                "engine_registered",
-                engine_id,
-                data={"epoch": epoch, "pid": pid, "old_pid": old_pid, "old_epoch": old_epoch},
-            )
+        registered = ev.EngineRegistered(
+            engine_id=engine_id, epoch=epoch, pid=pid, old_pid=old_pid, old_epoch=old_epoch
         )
+        actions.append(EmitEvent(registered))
         if eng.status is EngineStatus.UNHEALTHY:
             return actions
         interrupted = [self.active[r] for r in sorted(eng.assigned) if r in self.active]
@@ -263,17 +255,14 @@ class RouterCore:
             self.counters["resumes"] += 1
             req.engine_id = None
         if interrupted:
-            actions.append(
-                EmitEvent(
-                    "requests_resumed",
-                    engine_id,
-                    data={
-                        "count": len(interrupted),
-                        "epoch": epoch,
-                        "held_tokens": sum(len(r.tokens) for r in interrupted),
-                    },
-                )
+            resumed = ev.RequestsResumed(
+                engine_id=engine_id,
+                epoch=epoch,
+                count=len(interrupted),
+                held_tokens=sum(len(r.tokens) for r in interrupted),
+                request_ids=[r.request_id for r in interrupted],
             )
+            actions.append(EmitEvent(resumed))
         return actions + self._place(interrupted + self._take_pending())
 
     def engine_failed(
@@ -298,13 +287,14 @@ class RouterCore:
         self.counters["engine_failures"] += 1
         window = self.config.failure_window_s
         eng.failures = [t for t in eng.failures if now - t <= window] + [now]
-        actions: list[Action] = [
-            EmitEvent(
-                "engine_failed",
-                engine_id,
-                data={"epoch": eng.epoch, "pid": eng.worker_pid, "reason": reason},
-            )
-        ]
+        failed = ev.EngineFailedEvent(
+            engine_id=engine_id,
+            epoch=eng.epoch,
+            pid=eng.worker_pid,
+            reason=reason,
+            request_ids=sorted(eng.assigned),
+        )
+        actions: list[Action] = [EmitEvent(failed)]
         if len(eng.failures) >= 2:
             actions += self.mark_unhealthy(engine_id, reason="repeated failure")
         else:
@@ -325,14 +315,14 @@ class RouterCore:
         eng.status = EngineStatus.UP
         held = [self.active[r] for r in sorted(eng.assigned) if r in self.active]
         eng.assigned.clear()
-        actions: list[Action] = [
-            EmitEvent(
-                "engine_recovered",
-                engine_id,
-                data={"epoch": epoch, "pid": pid, "requests": len(held)},
-            )
-        ]
-        return actions + self._place(held + self._take_pending())
+        recovered = ev.EngineRecovered(
+            engine_id=engine_id,
+            epoch=epoch,
+            pid=pid,
+            requests=len(held),
+            request_ids=[r.request_id for r in held],
+        )
+        return [EmitEvent(recovered), *self._place(held + self._take_pending())]
 
     def mark_unhealthy(self, engine_id: str, *, reason: str) -> list[Action]:
         eng = self.engines[engine_id]
@@ -345,13 +335,13 @@ class RouterCore:
             req.engine_id = None
             if req.pinned_engine == engine_id:
                 req.pinned_engine = None
-        actions: list[Action] = [
-            EmitEvent(
-                "engine_unhealthy",
-                engine_id,
-                data={"reason": reason, "moved_requests": len(moved), "alert": True},
-            )
-        ]
+        unhealthy = ev.EngineUnhealthy(
+            engine_id=engine_id,
+            reason=reason,
+            moved_requests=len(moved),
+            request_ids=[r.request_id for r in moved],
+        )
+        actions: list[Action] = [EmitEvent(unhealthy)]
         # Spread evenly: place one at a time so each sees the load the previous one added.
         for req in moved:
             actions += self._place([req])
@@ -376,16 +366,16 @@ class RouterCore:
         if eng is None or eng.status is not EngineStatus.UP:
             return []
         actions: list[Action] = []
+        adopted: list[str] = []
         for h in held:
             req = self.active.get(h.request_id)
             if req is None or req.engine_id is not None or len(h.token_ids) < len(req.tokens):
                 continue
             if h.token_ids[: len(req.tokens)] != req.tokens:
-                actions.append(
-                    EmitEvent(
-                        "adopt_mismatch", engine_id, h.request_id, {"logged": len(req.tokens)}
-                    )
+                mismatch = ev.AdoptMismatch(
+                    engine_id=engine_id, request_id=h.request_id, logged=len(req.tokens)
                 )
+                actions.append(EmitEvent(mismatch))
                 continue
             if h.request_id in self.pending:
                 self.pending.remove(h.request_id)
@@ -396,6 +386,7 @@ class RouterCore:
             req.engine_id = engine_id
             req.engine_history.append(engine_id)
             eng.assigned.add(h.request_id)
+            adopted.append(h.request_id)
             # The caller got at least the logged tokens from the old router (it streamed them
             # before logging them): catch up from there; clients drop what they already hold.
             actions += [
@@ -407,7 +398,8 @@ class RouterCore:
             if h.finished:
                 actions += self._finish(req, h.finish_reason or "stop")
         if held:
-            actions.append(EmitEvent("requests_adopted", engine_id, data={"count": len(held)}))
+            event = ev.RequestsAdopted(engine_id=engine_id, count=len(held), request_ids=adopted)
+            actions.append(EmitEvent(event))
             self.counters["adopted"] += len(held)
         return actions
 
@@ -418,17 +410,14 @@ class RouterCore:
         eng = self.engines.get(batch.engine_id)
         if eng is None or batch.epoch != eng.epoch or eng.status is not EngineStatus.UP:
             self.counters["stale_batches"] += 1
-            return [
-                EmitEvent(
-                    "stale_output_rejected",
-                    batch.engine_id,
-                    data={
-                        "epoch": batch.epoch,
-                        "pid": batch.worker_pid,
-                        "current_epoch": eng.epoch if eng else None,
-                    },
-                )
-            ]
+            stale = ev.StaleOutputRejected(
+                engine_id=batch.engine_id,
+                epoch=batch.epoch,
+                pid=batch.worker_pid,
+                current_epoch=eng.epoch if eng else None,
+                request_ids=[d.request_id for d in batch.deltas],
+            )
+            return [EmitEvent(stale)]
         eng.weight_version = batch.weight_version
         actions: list[Action] = []
         for d in batch.deltas:
@@ -454,10 +443,11 @@ class RouterCore:
             eng = self.engines[req.engine_id] if req.engine_id else None
             if eng is None:
                 return []
+            gap = ev.TokenGapResubmitted(
+                engine_id=eng.id, request_id=req.request_id, held=held, start=start
+            )
             return [
-                EmitEvent(
-                    "token_gap_resubmitted", eng.id, req.request_id, {"held": held, "start": start}
-                ),
+                EmitEvent(gap),
                 SubmitToEngine(eng.id, eng.epoch, [self._engine_request(req)]),
             ]
         overlap = min(held - start, len(toks))
@@ -493,6 +483,7 @@ class RouterCore:
             token_ids=req.tokens[start:end],
             logprobs=req.logprobs[start:end],
             weight_version=req.versions[end - 1] if end else 0,
+            router_id=self.router_id,
         )
 
     def _chunk(
@@ -538,23 +529,29 @@ class RouterCore:
             resumes=req.resumes,
             version_changed=req.version_changed,
             regenerated=req.regenerated,
+            router_id=self.router_id,
+            router_restarts=req.router_restarts,
         )
-        self.remember(result)
+        self.remember(result, req.identity)
         actions: list[Action] = [
             PersistChunk(self._chunk(req, len(req.tokens), final=True, reason=reason))
         ]
         actions += [SendToCaller(inbox, result) for inbox in req.subscribers]
         if error:
-            actions.append(
-                EmitEvent("request_failed", req.engine_id, req.request_id, {"error": error})
+            failed = ev.RequestFailed(
+                engine_id=req.engine_id or "", request_id=req.request_id, error=error
             )
+            actions.append(EmitEvent(failed))
         return actions
 
-    def remember(self, result: GenerateResult) -> None:
+    def remember(self, result: GenerateResult, identity: str = "") -> None:
         """Keep a finished result for replay (bounded, oldest dropped first)."""
         self.finished[result.request_id] = result
+        if identity:
+            self.finished_identity[result.request_id] = identity
         while len(self.finished) > self.config.finished_cache:
-            self.finished.popitem(last=False)
+            old, _ = self.finished.popitem(last=False)
+            self.finished_identity.pop(old, None)
 
     # --- restart recovery -------------------------------------------------------------------
     def restore(
@@ -565,12 +562,13 @@ class RouterCore:
         chunks: list[TokenLogChunk],
         *,
         inbox: str | None,
+        identity: str = "",
     ) -> None:
         """Rebuild one request from the durable log after a router restart: finished requests
         become replayable results; unfinished ones become active with their logged tokens held
         (they are placed once engines register)."""
         chunks = sorted(chunks, key=lambda c: c.chunk_index)
-        req = RequestState(request_id, list(prompt_ids), sampling)
+        req = RequestState(request_id, list(prompt_ids), sampling, identity=identity)
         if inbox:
             req.subscribers[inbox] = True
         for c in chunks:
@@ -584,6 +582,7 @@ class RouterCore:
             if c.final:
                 self._finish(req, c.finish_reason or "stop")
                 return
+        req.router_restarts = 1
         self.active[request_id] = req
         self.pending.append(request_id)
 

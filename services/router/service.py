@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
@@ -21,16 +22,16 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from common import subjects
-from common.bus import Server, connect, ensure_jetstream, publish_event, request
+from common import events, subjects
+from common.bus import Server, request
 from common.codec import decode, encode
 from common.epoch import current_epoch
 from common.errors import BelayerError, Conflict, InvalidRequest, NotFound
 from common.logging import get_logger
-from common.service import Status
+from common.service import Service, Status, run_service
 from model.tokenizer import load_tokenizer
 from schemas.base import Ok
-from schemas.events import Event
+from schemas.events import RegistrationRejected, StaleFailureReport
 from schemas.serving import (
     AcceptedRequest,
     CancelRequest,
@@ -52,15 +53,16 @@ from schemas.serving import (
     TokenLogChunk,
 )
 from services.router.config import RouterConfig
-from services.router.core import (
+from services.router.core import RouterCore
+from services.router.state import (
     AbortOnEngine,
     Action,
     EmitEvent,
     EngineStatus,
     PersistChunk,
-    RouterCore,
     SendToCaller,
     SubmitToEngine,
+    request_identity,
 )
 
 M = TypeVar("M")
@@ -72,7 +74,7 @@ class Router:
         self.nc = nc
         self.js = js
         self.tokenizer = load_tokenizer(config.model_dir)
-        self.core = RouterCore(config, decode=self.tokenizer.decode)
+        self.core = RouterCore(config, decode=self.tokenizer.decode, router_id=secrets.token_hex(6))
         self.server = Server(nc, service="router")
         self.status = Status.STARTING
         self.persist_q: asyncio.Queue[PersistChunk | EmitEvent | SendToCaller | AcceptedRequest] = (
@@ -171,15 +173,7 @@ class Router:
             except (TimeoutError, nats.errors.Error) as exc:
                 self.log.error("token_log_publish_failed", request=c.request_id, error=repr(exc))
             return
-        event = Event(
-            kind=item.kind,
-            ts=time.time(),
-            source="router",
-            engine_id=item.engine_id,
-            request_id=item.request_id,
-            data=dict(item.data),
-        )
-        await publish_event(self.js, event)
+        await events.publish(self.js, item.event)
 
     # --- handlers ---------------------------------------------------------------------------
     async def on_generate(self, req: GenerateRequest, msg: Msg) -> None:
@@ -197,6 +191,7 @@ class Router:
             )
         fresh = req.request_id not in self.core.active and req.request_id not in self.core.finished
         sampling = req.sampling
+        identity = request_identity(ids, req.sampling)
         if fresh:
             self.core.validate(ids, sampling, req.engine_id)
             if sampling.seed is None:
@@ -214,6 +209,7 @@ class Router:
                 inbox=msg.reply or None,
                 stream=req.stream,
                 engine_id=req.engine_id,
+                identity=identity,
             )
         )
         return None
@@ -228,21 +224,17 @@ class Router:
             reply_to=reply or None,
             engine_id=req.engine_id,
             accepted_at=time.time(),
+            seed_filled=req.sampling.seed is None,
         )
 
     async def on_register(self, req: RegisterWorker, _msg: Msg) -> RegisterReply:
         # Only a worker that won the epoch compare-and-set may register under that epoch.
         claimed, _ = await current_epoch(self.js, req.engine_id)
         if req.epoch != claimed:
-            await self.execute(
-                [
-                    EmitEvent(
-                        "registration_rejected",
-                        req.engine_id,
-                        data={"epoch": req.epoch, "claimed_epoch": claimed, "pid": req.pid},
-                    )
-                ]
+            rejected = RegistrationRejected(
+                engine_id=req.engine_id, epoch=req.epoch, claimed_epoch=claimed, pid=req.pid
             )
+            await self.execute([EmitEvent(rejected)])
             raise Conflict(
                 "epoch was not claimed by this worker",
                 engine_id=req.engine_id,
@@ -281,15 +273,10 @@ class Router:
                 current_epoch=eng.epoch,
             )
         if req.epoch < eng.epoch:
-            await self.execute(
-                [
-                    EmitEvent(
-                        "stale_failure_report",
-                        req.engine_id,
-                        data={"epoch": req.epoch, "current_epoch": eng.epoch, "pid": req.pid},
-                    )
-                ]
+            stale = StaleFailureReport(
+                engine_id=req.engine_id, epoch=req.epoch, current_epoch=eng.epoch, pid=req.pid
             )
+            await self.execute([EmitEvent(stale)])
             return Ok(detail="stale epoch: already replaced")
         await self.execute(
             self.core.engine_failed(
@@ -429,6 +416,10 @@ class Router:
                 a.sampling,
                 by_request.get(a.request_id, []),
                 inbox=a.reply_to,
+                identity=request_identity(
+                    a.prompt_token_ids,
+                    msgspec.structs.replace(a.sampling, seed=None) if a.seed_filled else a.sampling,
+                ),
             )
         self.log.info(
             "router_restored",
@@ -482,32 +473,51 @@ class Router:
         self.status = Status.READY
 
 
+class RouterService(Service[RouterConfig]):
+    """The router process: ``Router.start`` (restore from the token log, rediscover engines,
+    serve), then ``persist_loop`` and ``heartbeat_loop``. On stop the subjects drain, then
+    queued token-log chunks reach JetStream (bounded) before the loops end."""
+
+    name = "router"
+    drain_timeout_s = 2.0
+    persist_drain_s = 3.0
+    """Longest wait for the persist queue when draining."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self.router: Router | None = None
+
+    async def setup(self) -> None:
+        self.router = router = Router(self.config, self.nc, self.js)
+        self.server = router.server
+        await router.start()
+        self.log.info("router_ready", recovery=self.config.recovery, k=self.config.token_log_chunk)
+
+    def loops(self) -> dict[str, Callable[[], Coroutine[Any, Any, None]]]:
+        assert self.router is not None
+        return {
+            "persist_loop": self.router.persist_loop,
+            "heartbeat_loop": self.router.heartbeat_loop,
+        }
+
+    async def drain(self) -> None:
+        router = self.router
+        assert router is not None
+        router.status = Status.DRAINING
+        await super().drain()
+        # Let queued token-log chunks reach JetStream before leaving (bounded).
+        try:
+            await asyncio.wait_for(router.persist_q.join(), self.persist_drain_s)
+        except TimeoutError:
+            router.log.warning("persist_queue_not_drained", left=router.persist_q.qsize())
+
+    async def close(self) -> None:
+        if self.router is not None:
+            self.router.status = Status.STOPPED
+
+
 async def run(
     config: RouterConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
 ) -> None:
-    """Run the router until ``stop``."""
-    nc = await connect(config.nats_url, name="router")
-    js = nc.jetstream()
-    await ensure_jetstream(js)
-    router = Router(config, nc, js)
-    try:
-        async with asyncio.TaskGroup() as tg:
-            persist = tg.create_task(router.persist_loop(), name="persist_loop")
-            await router.start()
-            heartbeat = tg.create_task(router.heartbeat_loop(), name="heartbeat_loop")
-            router.log.info("router_ready", recovery=config.recovery, k=config.token_log_chunk)
-            if ready is not None:
-                ready.set()
-            await stop.wait()
-            router.status = Status.DRAINING
-            await router.server.drain(timeout=2.0)
-            # Let queued token-log chunks reach JetStream before leaving (bounded).
-            try:
-                await asyncio.wait_for(router.persist_q.join(), 3.0)
-            except TimeoutError:
-                router.log.warning("persist_queue_not_drained", left=router.persist_q.qsize())
-            persist.cancel()
-            heartbeat.cancel()
-    finally:
-        router.status = Status.STOPPED
-        await nc.drain()
+    """Run the router until ``stop`` (see ``RouterService``)."""
+    await run_service(RouterService(config), stop=stop, ready=ready)

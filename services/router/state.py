@@ -4,10 +4,16 @@ keeps per engine and per request. Decisions live in ``core.py``."""
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
+import msgspec
+
+from common.errors import InvalidRequest, ResourceLimit
 from schemas.base import Message
+from schemas.events import AnyEvent
 from schemas.serving import EngineInfo, EngineRequest, SamplingParams, TokenLogChunk
+from services.router.config import RouterConfig
 
 
 # --- actions the service executes -----------------------------------------------------------
@@ -38,10 +44,8 @@ class PersistChunk:
 
 @dataclass
 class EmitEvent:
-    kind: str
-    engine_id: str | None = None
-    request_id: str | None = None
-    data: dict[str, object] = field(default_factory=dict)
+    event: AnyEvent
+    """Published on ``belayer.events.<kind>`` (``common.events.publish``)."""
 
 
 Action = SendToCaller | SubmitToEngine | AbortOnEngine | PersistChunk | EmitEvent
@@ -107,3 +111,33 @@ class RequestState:
     version_changed: bool = False
     regenerated: int = 0
     """Tokens a worker produced again that the router already held (dropped by index)."""
+    router_restarts: int = 0
+    """1 when a restarted router rebuilt this request from the durable log."""
+    identity: str = ""
+    """Digest of the request as the caller sent it (``request_identity``): a resubmission of
+    the same id must match it."""
+
+
+def request_identity(prompt_ids: list[int], sampling: SamplingParams) -> str:
+    """Digest of what makes a request itself: the prompt's token ids and the sampling
+    parameters as the caller sent them (before the router fills in a seed)."""
+    return hashlib.sha256(msgspec.msgpack.encode([prompt_ids, sampling])).hexdigest()[:32]
+
+
+def check_limits(config: RouterConfig, prompt_ids: list[int], sampling: SamplingParams) -> None:
+    """The router's request limits (typed errors naming the field)."""
+    if not prompt_ids:
+        raise InvalidRequest("empty prompt", field="$.prompt")
+    if len(prompt_ids) > config.max_prompt_tokens:
+        raise ResourceLimit(
+            "prompt too long",
+            field="$.prompt",
+            tokens=len(prompt_ids),
+            limit=config.max_prompt_tokens,
+        )
+    if sampling.max_tokens > config.max_new_tokens:
+        raise ResourceLimit(
+            "max_tokens too large",
+            field="$.sampling.max_tokens",
+            limit=config.max_new_tokens,
+        )

@@ -1,23 +1,18 @@
-"""``python -m services.shadow``: the prepared standby of one engine (takes over on failure)."""
+"""Belayer shadow: the prepared standby of one engine. It maps the weights and the arena,
+builds and warms the engine, then watches the main worker and takes over when it dies or
+hangs. Its flags are the rollout worker's (``WorkerConfig``)."""
 
-from __future__ import annotations
-
-import dataclasses
-from pathlib import Path
-
-from common.logging import configure
-from common.service import run_main
+from common.service import main
 from services.shadow.service import run
-from services.worker.__main__ import parse
-
-
-def main(argv: list[str] | None = None) -> int:
-    config = dataclasses.replace(parse(argv), role="shadow")
-    configure(
-        f"shadow:{config.engine_id}", log_file=Path(config.log_file) if config.log_file else None
-    )
-    return run_main(lambda stop: run(config, stop=stop))
-
+from services.worker.client import WorkerConfig
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(
+        main(
+            WorkerConfig,
+            run,
+            name=lambda c: f"shadow:{c.engine_id}",
+            prog="python -m services.shadow",
+            description=__doc__,
+        )
+    )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -31,14 +32,23 @@ from pathlib import Path
 
 import torch
 
-from common import subjects
-from common.bus import connect, ensure_jetstream, publish_event, request
+from common import events, subjects
+from common.bus import request
 from common.epoch import current_epoch
 from common.errors import BelayerError, Conflict
 from common.heartbeat import Identity, PidWatch, Verdict, assess, read_identity
 from common.logging import get_logger
+from common.service import Service, run_service
 from schemas.base import Ok
-from schemas.events import Event
+from schemas.events import (
+    EventBase,
+    HandoverComplete,
+    HandoverDetected,
+    HandoverFlushed,
+    HandoverHealthOk,
+    HandoverReady,
+    ShadowReady,
+)
 from schemas.serving import EngineFailed
 from services.kv.client import fetch_arena, flush_arena
 from services.weights.client import fetch_manifest
@@ -127,17 +137,8 @@ class Shadow:
         self.source = f"shadow:{config.engine_id}"
         self.log = get_logger(engine=config.engine_id, pid=os.getpid(), role="shadow")
 
-    async def event(self, kind: str, **data: object) -> None:
-        await publish_event(
-            self.worker.js,
-            Event(
-                kind=kind,
-                ts=time.time(),
-                source=self.source,
-                engine_id=self.engine_id,
-                data=dict(data),
-            ),
-        )
+    async def event(self, event: EventBase) -> None:
+        await events.publish(self.worker.js, event)
 
     async def handover(self, d: Detection) -> int:
         """Steps 1-5. Returns the new epoch; raises ``Conflict`` if another worker won."""
@@ -163,12 +164,15 @@ class Shadow:
                 timeout=cfg.bus_check_timeout_s,
             )
         await self.event(
-            "handover_detected",
-            old_pid=old.pid,
-            old_epoch=old.epoch,
-            verdict=d.verdict.value,
-            heartbeat_age_s=round(d.heartbeat_age_s, 4),
-            t_detect=d.detected_at,
+            HandoverDetected(
+                source=self.source,
+                engine_id=self.engine_id,
+                old_pid=old.pid,
+                old_epoch=old.epoch,
+                verdict=d.verdict.value,
+                heartbeat_age_s=round(d.heartbeat_age_s, 4),
+                t_detect=d.detected_at,
+            )
         )
         # 2. health check: our own engine, then the two memory owners on the bus.
         forward_s = self.worker.health_check()
@@ -177,28 +181,43 @@ class Shadow:
         killed = kill_residual(old.pid)  # a hung worker must never write the arena again
         t["t_health"] = time.time()
         await self.event(
-            "handover_health_ok",
-            forward_s=round(forward_s, 4),
-            residual_killed=killed,
-            t_health=t["t_health"],
+            HandoverHealthOk(
+                source=self.source,
+                engine_id=self.engine_id,
+                forward_s=round(forward_s, 4),
+                residual_killed=killed,
+                t_health=t["t_health"],
+            )
         )
         # 3. flush the arena under the epoch we are about to claim.
         await flush_arena(nc, self.engine_id, old.epoch + 1, timeout=cfg.bus_check_timeout_s * 4)
         t["t_flush"] = time.time()
-        await self.event("handover_flushed", t_flush=t["t_flush"])
+        await self.event(
+            HandoverFlushed(source=self.source, engine_id=self.engine_id, t_flush=t["t_flush"])
+        )
         # 4 + 5. become ready and register under epoch+1 (compare-and-set against the watched one).
         epoch = await self.worker.activate(expected_epoch=old.epoch, on_ready=self._on_ready)
         t["t_ready"] = self._t_ready
         t["t_registered"] = time.time()
-        await self.event("handover_ready", epoch=epoch, t_ready=t["t_ready"])
+        src, eid = self.source, self.engine_id
         await self.event(
-            "handover_complete",
-            epoch=epoch,
-            pid=self.worker.pid,
-            old_pid=old.pid,
-            old_epoch=old.epoch,
-            detect_to_registered_s=round(t["t_registered"] - t["t_detect"], 4),
-            **{k: v for k, v in t.items()},
+            HandoverReady(source=src, engine_id=eid, epoch=epoch, t_ready=t["t_ready"])
+        )
+        await self.event(
+            HandoverComplete(
+                source=src,
+                engine_id=eid,
+                epoch=epoch,
+                pid=self.worker.pid,
+                old_pid=old.pid,
+                old_epoch=old.epoch,
+                detect_to_registered_s=round(t["t_registered"] - t["t_detect"], 4),
+                t_detect=t["t_detect"],
+                t_health=t["t_health"],
+                t_flush=t["t_flush"],
+                t_ready=t["t_ready"],
+                t_registered=t["t_registered"],
+            )
         )
         self.log.info(
             "handover_complete",
@@ -214,35 +233,69 @@ class Shadow:
         self._t_ready = time.time()
 
 
+class ShadowService(Service[WorkerConfig]):
+    """Prepare a worker without claiming the engine, watch the main worker (``watch_loop``),
+    take over when it fails, then serve as the engine's main worker until stopped. A stop
+    during a handover lets the handover finish first."""
+
+    drain_timeout_s = 2.0
+
+    def __init__(self, config: WorkerConfig) -> None:
+        config = dataclasses.replace(config, role="shadow")
+        super().__init__(config, name=f"shadow:{config.engine_id}")
+        self.worker: Worker | None = None
+        self.shadow: Shadow | None = None
+        self.handing_over = asyncio.Lock()
+
+    async def open(self) -> None:
+        torch.set_num_threads(self.config.torch_threads)
+
+    async def setup(self) -> None:
+        config = self.config
+        self.worker = worker = Worker(config, self.nc, self.js)
+        self.server = worker.server
+        self.shadow = shadow = Shadow(config, worker)
+        await worker.prepare()
+        await worker.watch_weights()  # stay on the newest version while waiting
+        await shadow.event(
+            ShadowReady(
+                source=shadow.source,
+                engine_id=config.engine_id,
+                pid=worker.pid,
+                attach_s=worker.timings.get("attach_s", 0.0),
+                build_warm_s=worker.timings.get("build_warm_s", 0.0),
+            )
+        )
+
+    async def watch_loop(self) -> None:
+        """Watch the main worker until it fails, then hand over (once; this process then is
+        the engine's main worker)."""
+        assert self.shadow is not None
+        while True:
+            detection = await watch_main(self.config, self.stop_requested)
+            if detection is None:
+                return
+            async with self.handing_over:
+                try:
+                    await self.shadow.handover(detection)
+                    return
+                except Conflict as exc:
+                    # Another worker already took the engine (e.g. a cold restart won the
+                    # race): stay a shadow and watch the new main worker.
+                    self.shadow.log.info("handover_skipped", reason=str(exc))
+            await asyncio.sleep(self.config.watch_interval_s)
+
+    async def drain(self) -> None:
+        async with self.handing_over:  # a handover under way completes first
+            await super().drain()
+
+    async def close(self) -> None:
+        if self.worker is not None:
+            await self.worker.close()
+
+
 async def run(
     config: WorkerConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
 ) -> None:
-    """Prepare, watch, take over, then serve as the engine's main worker until ``stop``."""
-    torch.set_num_threads(config.torch_threads)
-    nc = await connect(config.nats_url, name=f"shadow-{config.engine_id}")
-    js = nc.jetstream()
-    await ensure_jetstream(js)
-    worker = Worker(config, nc, js)
-    shadow = Shadow(config, worker)
-    try:
-        await worker.prepare()
-        await worker.watch_weights()  # stay on the newest version while waiting
-        await shadow.event("shadow_ready", pid=worker.pid, **worker.timings)
-        if ready is not None:
-            ready.set()
-        while True:
-            detection = await watch_main(config, stop)
-            if detection is None:
-                return
-            try:
-                await shadow.handover(detection)
-                break
-            except Conflict as exc:
-                # Another worker already took the engine (e.g. a cold restart won the race):
-                # stay a shadow and watch the new main worker.
-                shadow.log.info("handover_skipped", reason=str(exc))
-                await asyncio.sleep(config.watch_interval_s)
-        await stop.wait()
-    finally:
-        await worker.close()
-        await nc.drain()
+    """Run an engine's shadow until ``stop`` (see ``ShadowService``)."""
+    await run_service(ShadowService(config), stop=stop, ready=ready)

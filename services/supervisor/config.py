@@ -1,14 +1,26 @@
-"""Node supervisor configuration."""
+"""Node supervisor configuration: the node's own settings, and the config of every service it
+starts (forwarded to the child with ``common.config.config_argv``, so each knob is declared
+once, in its service's config)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
+
+from common.config import RunPaths
+from services.environment.client import EnvConfig
+from services.kv.client import KvArenaConfig
+from services.router.client import RouterConfig
+from services.weights.client import WeightStoreConfig
+from services.worker.client import WorkerConfig
 
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """Every field defaulted; ``belayer up`` fills it from its flags."""
+    """Every field defaulted; ``belayer up`` fills it from its flags. In the nested service
+    configs the supervisor fills in what only the node knows: the bus URL, the run id, the model
+    directory, the engine ids, heartbeat and log files, the environment's node label."""
 
     run_dir: str = ".belayer"
     """Run directory: node file, logs, NATS store, heartbeats."""
@@ -18,16 +30,6 @@ class SupervisorConfig:
     """Hugging Face style model directory (empty: a tiny random model under the run dir)."""
     engines: int = 1
     """Rollout engines on this node (one main worker each, plus a shadow in belayer mode)."""
-    recovery: Literal["belayer", "baseline"] = "belayer"
-    """belayer: shadow workers + token-level resume; baseline: cold restart + regenerate."""
-    token_log_chunk: int = 256
-    """k for the router's token log."""
-    max_num_seqs: int = 16
-    """Decode batch limit per engine."""
-    num_blocks: int = 512
-    """KV blocks per engine arena."""
-    block_size: int = 16
-    """Tokens per KV block."""
     environment: bool = False
     """Also run the environment (sandbox) service; needs dockerd + CRIU (deploy/setup.sh)."""
     restart_backoff_s: float = 0.5
@@ -40,11 +42,29 @@ class SupervisorConfig:
     """How long start-up may take before ``up`` fails."""
     handover_timeout_s: float = 15.0
     """How long a dead main worker waits for its shadow's handover before a cold restart."""
-    hang_threshold_s: float = 2.0
-    """Shadow: heartbeat age (process alive) that counts as a hang."""
-    heartbeat_interval_s: float = 5.0
-    """Router's remote heartbeat interval (the baseline detector)."""
-    failure_window_s: float = 60.0
-    """A second failure of an engine inside this window marks it unhealthy."""
     run_id: str = ""
     """Names this node's shared-memory files (empty: generated)."""
+    weights: WeightStoreConfig = field(default_factory=WeightStoreConfig)
+    """The weight store."""
+    kv: KvArenaConfig = field(default_factory=KvArenaConfig)
+    """The KV arena (one per engine)."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+    """The router; its ``recovery`` is the node's recovery mode."""
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    """Every rollout worker and shadow of the node."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The environment service (with ``environment`` on)."""
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+
+    @property
+    def recovery(self) -> Literal["belayer", "baseline"]:
+        """belayer: shadow workers + token-level resume; baseline: cold restart + regenerate."""
+        return self.router.recovery
+
+    @property
+    def log_file(self) -> Path:
+        """The supervisor's own JSON log."""
+        return RunPaths(Path(self.run_dir).resolve()).logs / "supervisor.jsonl"

@@ -20,14 +20,22 @@ from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
 
-from common import subjects
+from common import events, subjects
 from common.bus import request
 from common.codec import decode
 from common.errors import BelayerError
 from common.heartbeat import read_identity
 from common.logging import get_logger
 from schemas.base import Ok
-from schemas.events import Event
+from schemas.events import (
+    EngineFailedEvent,
+    EngineRetired,
+    EngineUnhealthy,
+    HandoverComplete,
+    ResidualKilled,
+    ServiceExited,
+    ServiceRestarted,
+)
 from schemas.serving import EngineFailed
 from services.supervisor.procs import Child
 
@@ -67,9 +75,7 @@ class Engines:
         self, slot: Slot, role: str, *, cold: bool = False, watch: bool = True
     ) -> Child:
         eid = slot.engine_id
-        argv = self.sup.worker_argv(eid, role)
-        if cold:
-            argv += ["--cold-load", str(self.sup.model_dir)]
+        argv = self.sup.worker_argv(eid, role, cold=cold)
         child = self.sup._child(f"{'worker' if role == 'main' else 'shadow'}-{eid}", argv)
         if role == "main":
             slot.main = child
@@ -107,8 +113,8 @@ class Engines:
             if self.sup.stop_requested.is_set() or child.stopping or slot is None or slot.retired:
                 return
             ran = time.monotonic() - child.started_at
-            await self.sup._event(
-                "service_exited", name=child.name, code=code, pid=child.pid, ran_s=round(ran, 3)
+            await self.sup.publish(
+                ServiceExited(name=child.name, code=code, pid=child.pid, ran_s=round(ran, 3))
             )
             if child is slot.shadow:
                 delay = child.backoff.next_delay(ran)
@@ -119,7 +125,7 @@ class Engines:
                     and not self.sup.stop_requested.is_set()
                 ):
                     await child.start()
-                    await self.sup._event("service_restarted", name=child.name, pid=child.pid)
+                    await self.sup.publish(ServiceRestarted(name=child.name, pid=child.pid))
                     continue
                 return
             # the main worker exited
@@ -137,7 +143,7 @@ class Engines:
             if slot.main is not child or slot.retired or self.sup.stop_requested.is_set():
                 return
             await child.start()
-            await self.sup._event("service_restarted", name=child.name, pid=child.pid, mode="cold")
+            await self.sup.publish(ServiceRestarted(name=child.name, pid=child.pid, mode="cold"))
 
     async def _report_failure(self, slot: Slot, child: Child) -> None:
         """Tell the router (idempotent per epoch) — the epoch comes from the dead worker's
@@ -165,23 +171,23 @@ class Engines:
     async def subscribe(self) -> None:
         nc = self.sup.nc
         assert nc is not None
-        for kind in ("handover_complete", "engine_failed", "engine_unhealthy"):
-            await nc.subscribe(subjects.event(kind), cb=self._on_event)
+        for typ in (HandoverComplete, EngineFailedEvent, EngineUnhealthy):
+            await nc.subscribe(events.subject(typ), cb=self._on_event)
 
     async def _on_event(self, msg: Msg) -> None:
         try:
-            ev = decode(msg.data, Event)
+            ev = decode(msg.data, HandoverComplete | EngineFailedEvent | EngineUnhealthy)
         except BelayerError:
             return
-        slot = self.slots.get(ev.engine_id or "")
+        slot = self.slots.get(ev.engine_id)
         if slot is None or slot.retired or self.sup.stop_requested.is_set():
             return
-        if ev.kind == "handover_complete":
-            await self._promote(slot, int(ev.data.get("pid", 0)))
-        elif ev.kind == "engine_failed" and not self.belayer:
+        if isinstance(ev, HandoverComplete):
+            await self._promote(slot, ev.pid)
+        elif isinstance(ev, EngineFailedEvent) and not self.belayer:
             await self._cold_restart(slot)
-        elif ev.kind == "engine_unhealthy":
-            await self._retire(slot, str(ev.data.get("reason", "")))
+        elif isinstance(ev, EngineUnhealthy):
+            await self._retire(slot, ev.reason)
 
     async def _promote(self, slot: Slot, pid: int) -> None:
         shadow, old = slot.shadow, slot.main
@@ -191,7 +197,7 @@ class Engines:
         if old is not None:
             if old.alive:  # residual old worker (hung): the control plane kills it
                 await old.stop(timeout=0.0)
-                await self.sup._event("residual_killed", engine_id=slot.engine_id, pid=old.pid)
+                await self.sup.publish(ResidualKilled(engine_id=slot.engine_id, pid=old.pid))
             old.stopping = True
         shadow.name = f"worker-{slot.engine_id}"
         slot.main, slot.shadow = shadow, None
@@ -208,13 +214,13 @@ class Engines:
             old.stopping = True
             if old.alive:
                 await old.stop(timeout=0.0)  # a hung worker is killed before its replacement starts
-        await self._start(slot, "main", cold=True)
-        await self.sup._event("service_restarted", name=f"worker-{slot.engine_id}", mode="cold")
+        new = await self._start(slot, "main", cold=True)
+        await self.sup.publish(ServiceRestarted(name=new.name, pid=new.pid, mode="cold"))
 
     async def _retire(self, slot: Slot, reason: str) -> None:
         slot.retired = True
         for child in (slot.main, slot.shadow):
             if child is not None:
                 await child.stop(timeout=2.0)
-        await self.sup._event("engine_retired", engine_id=slot.engine_id, reason=reason)
+        await self.sup.publish(EngineRetired(engine_id=slot.engine_id, reason=reason))
         log.warning("engine_retired", engine=slot.engine_id, reason=reason)

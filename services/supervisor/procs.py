@@ -38,6 +38,8 @@ class Child:
     started_at: float = 0.0
     backoff: Backoff = field(default_factory=Backoff)
     stopping: bool = False
+    stop_timeout: float = 5.0
+    """Seconds ``stop`` waits after SIGTERM before SIGKILL (a service's graceful drain)."""
 
     @property
     def pid(self) -> int | None:
@@ -64,8 +66,9 @@ class Child:
             out.close()
         self.started_at = time.monotonic()
 
-    async def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout``."""
+    async def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` (default ``stop_timeout``)."""
+        timeout = self.stop_timeout if timeout is None else timeout
         self.stopping = True
         if self.proc is None or self.proc.returncode is not None:
             return

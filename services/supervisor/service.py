@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shutil
 import sys
@@ -18,22 +19,28 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from common import subjects
-from common.bus import Server, connect, ensure_jetstream, publish_event, request
-from common.config import SHM_DIR, RunPaths, shm_prefix
+from common import events, subjects
+from common.bus import request
+from common.config import SHM_DIR, RunPaths, config_argv, shm_prefix
 from common.errors import BelayerError, Timeout
 from common.logging import get_logger
 from common.natsserver import NatsServer, start_nats_server
 from common.node import NodeInfo
+from common.service import Service, run_service
 from schemas.base import Ok
-from schemas.events import Event
+from schemas.events import EventBase, NodeReady, ServiceExited, ServiceRestarted
 from schemas.node import ProcInfo, StopNode, SupervisorStatus, SupervisorStatusRequest
 from schemas.serving import RouterStatus, StatusRequest
 from schemas.weights import ArenaDesc, KvGet, WeightManifest, WeightsGet
+from services.environment.client import node_label, remove_node_sandboxes
 from services.supervisor.backoff import Backoff
 from services.supervisor.config import SupervisorConfig
 from services.supervisor.engines import Engines
 from services.supervisor.procs import Child
+
+ENV_STOP_TIMEOUT_S = 30.0
+"""The environment service's graceful stop destroys every sandbox: it gets longer than the
+others before SIGKILL (whatever it leaves then is removed by ``remove_node_sandboxes``)."""
 
 log = get_logger(service="supervisor")
 
@@ -50,27 +57,34 @@ def ensure_model(config: SupervisorConfig, paths: RunPaths) -> Path:
     return tiny.resolve()
 
 
-class Supervisor:
+class Supervisor(Service[SupervisorConfig]):
+    """The node as one service: ``open`` starts nats-server (unless given one) and makes the
+    model, ``setup`` starts the children and waits until each answers, ``stop_requested`` is
+    set by ``supervisor.stop``; ``close`` stops the children, then NATS, and removes what the
+    node leaves in shared memory and the run directory."""
+
+    name = "supervisor"
+
     def __init__(self, config: SupervisorConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.paths = RunPaths(Path(config.run_dir).resolve())
         self.run_id = config.run_id or uuid.uuid4().hex[:8]
         self.nats: NatsServer | None = None
         self.nats_url = config.nats_url
-        self.nc: NATS | None = None
         self.children: dict[str, Child] = {}
         self.ready = False
-        self.stop_requested = asyncio.Event()
         self.model_dir = Path()
         self.engine_ids = [f"e{i}" for i in range(config.engines)]
         self.watchers: list[asyncio.Task[None]] = []
         self.engines = Engines(self)
 
     # --- specs ------------------------------------------------------------------------------
-    def _py(self, module: str, *args: str) -> list[str]:
-        return [sys.executable, "-m", module, "--nats-url", self.nats_url, *args]
+    def _py(self, module: str, config: Any) -> list[str]:
+        """The command line that runs ``module`` with ``config`` on this node's bus."""
+        config = dataclasses.replace(config, nats_url=self.nats_url)
+        return [sys.executable, "-m", module, *config_argv(config)]
 
-    def _child(self, name: str, argv: list[str]) -> Child:
+    def _child(self, name: str, argv: list[str], stop_timeout: float = 5.0) -> Child:
         c = self.config
         child = Child(
             name=name,
@@ -78,27 +92,29 @@ class Supervisor:
             log_path=self.paths.logs / f"{name}.out",
             backoff=Backoff(c.restart_backoff_s, c.restart_backoff_max_s, c.stable_after_s),
             env={"OMP_NUM_THREADS": "1", "BELAYER_RUN_ID": self.run_id},
+            stop_timeout=stop_timeout,
         )
         self.children[name] = child
         return child
 
-    def _log_file(self, name: str) -> str:
-        return str(self.paths.logs / f"{name}.jsonl")
+    def _log_file(self, name: str) -> Path:
+        return self.paths.logs / f"{name}.jsonl"
 
-    def worker_argv(self, engine_id: str, role: str = "main") -> list[str]:
-        c = self.config
-        return self._py(
-            "services.worker" if role == "main" else "services.shadow",
-            "--engine-id", engine_id,
-            "--heartbeat-file", str(self.paths.heartbeat_file(engine_id)),
-            "--max-num-seqs", str(c.max_num_seqs),
-            "--hang-threshold", str(c.hang_threshold_s),
-            "--log-file", self._log_file(f"{'worker' if role == 'main' else 'shadow'}-{engine_id}"),
-        )  # fmt: skip
+    def worker_argv(self, engine_id: str, role: str = "main", *, cold: bool = False) -> list[str]:
+        """A main worker's (``role="main"``) or shadow's command line; ``cold`` loads the
+        weights from the model directory instead of the weight store (baseline restarts)."""
+        kind = "worker" if role == "main" else "shadow"
+        config = dataclasses.replace(
+            self.config.worker,
+            engine_id=engine_id,
+            heartbeat_file=str(self.paths.heartbeat_file(engine_id)),
+            log_file=str(self._log_file(f"{kind}-{engine_id}")),
+            cold_load_dir=str(self.model_dir) if cold else "",
+        )
+        return self._py(f"services.{kind}", config)
 
     # --- start ------------------------------------------------------------------------------
-    async def start(self) -> None:
-        c = self.config
+    async def open(self) -> None:
         self.paths.logs.mkdir(parents=True, exist_ok=True)
         # Heartbeat files of a previous (crashed) node must not look like dead main workers.
         shutil.rmtree(self.paths.heartbeats, ignore_errors=True)
@@ -110,48 +126,41 @@ class Supervisor:
                 log_file=self.paths.logs / "nats-server.log",
             )
             self.nats_url = self.nats.url
-        self.model_dir = await asyncio.to_thread(ensure_model, c, self.paths)
+        self.model_dir = await asyncio.to_thread(ensure_model, self.config, self.paths)
         self._write_node()
-        self.nc = await connect(self.nats_url, name="supervisor")
-        js = self.nc.jetstream()
-        await ensure_jetstream(js)
-        server = Server(self.nc, service="supervisor")
+
+    async def setup(self) -> None:
+        c = self.config
+        server = self.server
         await server.serve(subjects.supervisor_status(), SupervisorStatusRequest, self._on_status)
         await server.serve(subjects.supervisor_stop(), StopNode, self._on_stop)
-        model = str(self.model_dir)
-        rid = self.run_id
+        model, rid = self.model_dir, self.run_id
         # The three stateless-to-each-other services start together (each pays torch/tokenizer
         # imports); workers need all three, so they start after.
         await asyncio.gather(
             self._start_and_wait(
-                self._child("weights", self._py(
-                    "services.weights", "--run-id", rid, "--model-dir", model,
-                    "--log-file", self._log_file("weights"))),
+                self._child("weights", self._py("services.weights", dataclasses.replace(
+                    c.weights, run_id=rid, model_dir=model, log_file=self._log_file("weights")))),
                 lambda nc: request(nc, subjects.weights_get(), WeightsGet(), WeightManifest, timeout=1),
             ),
             self._start_and_wait(
-                self._child("kv", self._py(
-                    "services.kv", "--run-id", rid, "--model-dir", model,
-                    "--engines", ",".join(self.engine_ids), "--num-blocks", str(c.num_blocks),
-                    "--block-size", str(c.block_size), "--log-file", self._log_file("kv"))),
+                self._child("kv", self._py("services.kv", dataclasses.replace(
+                    c.kv, run_id=rid, model_dir=model, engine_ids=tuple(self.engine_ids),
+                    log_file=self._log_file("kv")))),
                 lambda nc: request(nc, subjects.kv_get(), KvGet(engine_id=self.engine_ids[0]), ArenaDesc, timeout=1),
             ),
             self._start_and_wait(
-                self._child("router", self._py(
-                    "services.router", "--model-dir", model, "--recovery", c.recovery,
-                    "--token-log-chunk", str(c.token_log_chunk),
-                    "--heartbeat-interval", str(c.heartbeat_interval_s),
-                    "--failure-window", str(c.failure_window_s),
-                    "--log-file", self._log_file("router"))),
+                self._child("router", self._py("services.router", dataclasses.replace(
+                    c.router, model_dir=str(model), log_file=str(self._log_file("router"))))),
                 lambda nc: request(nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=1),
             ),
         )  # fmt: skip
         if c.environment:
             await self._start_and_wait(
-                self._child("environment", self._py(
-                    "services.environment", "--run-dir", str(self.paths.root),
-                    "--node", f"node-{self.run_id}",
-                    "--log-file", self._log_file("environment"))),
+                self._child("environment", self._py("services.environment", dataclasses.replace(
+                    c.env, run_dir=self.paths.root, node=node_label(self.run_id),
+                    log_file=self._log_file("environment"))),
+                    stop_timeout=ENV_STOP_TIMEOUT_S),
                 self._env_probe,
             )  # fmt: skip
         await self.engines.start_all()
@@ -165,7 +174,7 @@ class Supervisor:
         await self.engines.subscribe()
         self.ready = True
         self._write_node()
-        await self._event("node_ready", engines=self.engine_ids, run_id=self.run_id)
+        await self.publish(NodeReady(engines=self.engine_ids, run_id=self.run_id))
         log.info("node_ready", nats_url=self.nats_url, engines=self.engine_ids, run_id=self.run_id)
 
     async def _env_probe(self, nc: NATS) -> Any:
@@ -226,7 +235,9 @@ class Supervisor:
                 ran_s=round(ran, 2),
                 restart_in_s=delay,
             )
-            await self._event("service_exited", name=child.name, code=code, pid=child.pid)
+            await self.publish(
+                ServiceExited(name=child.name, code=code, pid=child.pid, ran_s=round(ran, 3))
+            )
             try:
                 await asyncio.wait_for(self.stop_requested.wait(), delay)
                 return
@@ -236,17 +247,13 @@ class Supervisor:
             log.info(
                 "service_restarted", name=child.name, pid=child.pid, restarts=child.backoff.restarts
             )
-            await self._event(
-                "service_restarted", name=child.name, pid=child.pid, restarts=child.backoff.restarts
+            await self.publish(
+                ServiceRestarted(name=child.name, pid=child.pid, restarts=child.backoff.restarts)
             )
 
-    async def _event(self, kind: str, *, engine_id: str | None = None, **data: Any) -> None:
-        if self.nc is None:
-            return
-        event = Event(
-            kind=kind, ts=time.time(), source="supervisor", engine_id=engine_id, data=data
-        )
-        await publish_event(self.nc.jetstream(), event)
+    async def publish(self, event: EventBase) -> None:
+        if self.nc is not None:
+            await events.publish(self.nc.jetstream(), event)
 
     async def _on_status(self, _req: SupervisorStatusRequest, _msg: Msg) -> SupervisorStatus:
         now = time.monotonic()
@@ -268,16 +275,25 @@ class Supervisor:
         return Ok(detail="stopping")
 
     # --- stop -------------------------------------------------------------------------------
-    async def shutdown(self) -> None:
-        """Stop services in reverse start order, then NATS; remove shm files and node file."""
+    async def close(self) -> None:
+        """Stop services in reverse start order, then NATS; remove shm files and node file.
+        (The supervisor's own connection is already drained; the children drain theirs.)"""
         self.stop_requested.set()
         for w in [*self.watchers, *self.engines.tasks]:
             w.cancel()
         for child in reversed(list(self.children.values())):
             await child.stop()
-        if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.drain()
+        if self.config.environment:  # whatever a killed environment service left behind
+            cleanup = await asyncio.to_thread(
+                remove_node_sandboxes, node_label(self.run_id), self.paths.root
+            )
+            if cleanup.containers or cleanup.checkpoint_dirs or cleanup.error:
+                log.warning(
+                    "sandbox_leftovers_removed",
+                    containers=cleanup.containers,
+                    checkpoint_dirs=cleanup.checkpoint_dirs,
+                    error=cleanup.error,
+                )
         if self.nats is not None:
             await asyncio.to_thread(self.nats.stop)
         removed = remove_shm_files(self.run_id)
@@ -313,15 +329,5 @@ def remove_shm_files(run_id: str) -> int:
 async def run(
     config: SupervisorConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
 ) -> None:
-    sup = Supervisor(config)
-    try:
-        await sup.start()
-        if ready is not None:
-            ready.set()
-        stopper = asyncio.create_task(sup.stop_requested.wait())
-        signal_stop = asyncio.create_task(stop.wait())
-        await asyncio.wait({stopper, signal_stop}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        signal_stop.cancel()
-    finally:
-        await sup.shutdown()
+    """Run the node until ``stop`` or a ``supervisor.stop`` request (see ``Supervisor``)."""
+    await run_service(Supervisor(config), stop=stop, ready=ready)

@@ -12,15 +12,24 @@ import asyncio
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from nats.aio.client import Client as NATS
 
 from common import subjects
 from common.bus import request
 from common.config import shm_path
 from schemas.weights import WeightManifest, WeightsGet, WeightsPush
-from services.weights import core, shm
+from services.weights.config import WeightStoreConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.weights import core
+
+# torch and what is built on it (``common.shm``, ``core``) are imported where memory is mapped
+# or written, so the supervisor and the CLI can import this module for ``WeightStoreConfig``.
+__all__ = ["WeightStoreConfig", "fetch_manifest", "map_weights", "push_weights"]
 
 PUSH_FILE_PREFIX = "wpush-"
 """Name of a pusher's temporary shm file after the run prefix."""
@@ -42,6 +51,8 @@ def map_weights(manifest: WeightManifest) -> dict[str, torch.Tensor]:
 
     The views share the store's memory: never write to them. Raises ``NotFound`` when the
     version's memory was already collected."""
+    from common import shm
+
     return shm.map_tensors(manifest.handle, manifest.tensors)
 
 
@@ -59,6 +70,9 @@ async def push_weights(
     since ``base_version``, ``InvalidRequest`` if names, dtypes or shapes differ from the
     current version.
     """
+    from common import shm
+    from services.weights import core
+
     layout = core.plan_layout(state_dict)
     path = shm_path(run_id, f"{PUSH_FILE_PREFIX}{uuid.uuid4().hex[:12]}")
     try:
@@ -78,6 +92,11 @@ async def push_weights(
 
 
 def _write(path: Path, layout: core.Layout, state_dict: Mapping[str, torch.Tensor]) -> str:
+    import torch
+
+    from common import shm
+    from services.weights import core
+
     buf = shm.create(path, layout.size)
     with torch.no_grad():
         core.pack(state_dict, layout, buf)

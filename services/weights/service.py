@@ -12,17 +12,14 @@ import asyncio
 import time
 from typing import Any
 
-import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
-from common import subjects
-from common.bus import Server, connect, ensure_jetstream, publish_event
+from common import events, subjects
 from common.codec import decode, encode
 from common.errors import Conflict, InvalidRequest
-from common.logging import get_logger
-from common.service import Status
-from schemas.events import Event
+from common.service import Service, run_service
+from schemas.events import WeightsUpdated
 from schemas.weights import WeightManifest, WeightsGet, WeightsPush
 from services.weights.config import WeightStoreConfig
 from services.weights.store import WeightStore
@@ -32,46 +29,39 @@ CURRENT_KEY = "current"
 """Key in the ``weight_version`` bucket; its value is the encoded current ``WeightManifest``."""
 
 
+class WeightsService(Service[WeightStoreConfig]):
+    """Loads the model into shared memory as the first (or next) version, serves ``weights.get``
+    and ``weights.push``; on stop unlinks every version's file."""
+
+    name = SERVICE
+
+    def __init__(self, config: WeightStoreConfig) -> None:
+        super().__init__(config)
+        self.log = self.log.bind(run_id=config.run_id)
+        self.store = WeightStore(config.run_id, config.model_dir, config.keep_versions)
+
+    async def setup(self) -> None:
+        kv = await self.js.key_value(subjects.BUCKET_WEIGHT_VERSION)
+        prior, revision = await _read_pointer(kv, self.log)
+        manifest = await asyncio.to_thread(self.store.start, prior)
+        pointer = _Pointer(kv, revision)
+        handlers = _Handlers(self.config, self.store, pointer, self.js, self.log)
+        await self.server.serve(subjects.weights_get(), WeightsGet, handlers.get)
+        await self.server.serve(subjects.weights_push(), WeightsPush, handlers.push)
+        # Publish the pointer only once weights.get answers: whoever sees it can fetch it.
+        await pointer.advance(manifest)
+        self.log.info("weights_loaded", version=manifest.version)
+
+    async def close(self) -> None:
+        removed = self.store.close()
+        self.log.info("shm_removed", files=len(removed))
+
+
 async def run(
     config: WeightStoreConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
 ) -> None:
-    """Load the model into shared memory, serve until ``stop`` is set, then unlink every
-    version's file and drain the connection."""
-    log = get_logger(service=SERVICE, run_id=config.run_id)
-    status = Status.STARTING
-    log.info("service_status", status=status.value, run_id=config.run_id)
-    store = WeightStore(config.run_id, config.model_dir, config.keep_versions)
-    nc = await connect(config.nats_url, name=SERVICE)
-    server = Server(nc, service=SERVICE)
-    try:
-        js = nc.jetstream()
-        await ensure_jetstream(js)
-        kv = await js.key_value(subjects.BUCKET_WEIGHT_VERSION)
-        prior, revision = await _read_pointer(kv, log)
-        manifest = await asyncio.to_thread(store.start, prior)
-        pointer = _Pointer(kv, revision)
-        handlers = _Handlers(config, store, pointer, js, log)
-        await server.serve(subjects.weights_get(), WeightsGet, handlers.get)
-        await server.serve(subjects.weights_push(), WeightsPush, handlers.push)
-        await nc.flush()  # subscriptions reach the server before anyone hears "ready"
-        # Publish the pointer only once weights.get answers: whoever sees it can fetch it.
-        await pointer.advance(manifest)
-        status = Status.READY
-        log.info("service_status", status=status.value, version=manifest.version)
-        if ready is not None:
-            ready.set()
-        await stop.wait()
-        status = Status.DRAINING
-        log.info("service_status", status=status.value)
-        await server.drain()
-    finally:
-        removed = store.close()
-        log.info("shm_removed", files=len(removed))
-        try:
-            await nc.drain()
-        except nats.errors.Error:
-            pass
-        log.info("service_status", status=Status.STOPPED.value)
+    """Serve the weight store until ``stop`` (see ``WeightsService``)."""
+    await run_service(WeightsService(config), stop=stop, ready=ready)
 
 
 async def _read_pointer(kv: KeyValue, log: Any) -> tuple[WeightManifest | None, int | None]:
@@ -147,18 +137,13 @@ class _Handlers:
             seconds=seconds,
             collected=collected,
         )
-        event = Event(
-            kind="weights_updated",
-            ts=time.time(),
-            source=SERVICE,
-            data={
-                "version": manifest.version,
-                "base_version": req.base_version,
-                "checksum": manifest.checksum,
-                "bytes": manifest.handle.size,
-                "seconds": seconds,
-            },
+        event = WeightsUpdated(
+            version=manifest.version,
+            base_version=req.base_version,
+            checksum=manifest.checksum,
+            bytes=manifest.handle.size,
+            seconds=seconds,
         )
         msg_id = f"weights_updated-{self.config.run_id}-{manifest.version}"
-        await publish_event(self.js, event, msg_id=msg_id)
+        await events.publish(self.js, event, msg_id=msg_id)
         return manifest

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 
+from common import shm
 from common.config import shm_path, shm_prefix
 from common.errors import Conflict, InvalidRequest, NotFound
 from common.logging import get_logger
 from model.config import load_model_config
 from model.loader import load_safetensors
 from schemas.weights import WeightManifest, WeightsPush
-from services.weights import core, shm
+from services.weights import core
 
 FILE_PREFIX = "weights-v"
 """Name of a version's shm file after the run prefix: ``weights-v<N>``."""

@@ -20,19 +20,19 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from common import subjects
-from common.bus import Server, connect, ensure_jetstream, publish_event, request
+from common import events, subjects
+from common.bus import Server, request
 from common.codec import decode, encode
 from common.epoch import claim_epoch
-from common.errors import BelayerError, Conflict, Timeout
+from common.errors import BelayerError, Conflict, FatalError, Timeout
 from common.fastpub import FastPublisher
 from common.heartbeat import Identity, write_identity
 from common.logging import get_logger
-from common.service import Status
+from common.service import Service, Status, run_service
 from model.config import load_model_config
 from model.loader import load_safetensors
 from schemas.base import Ok
-from schemas.events import Event
+from schemas.events import WeightsUpdated, WorkerReady, WorkerWeightsSwapped
 from schemas.serving import (
     EngineAbort,
     EngineStateReply,
@@ -163,13 +163,13 @@ class Worker:
 
         async def on_event(msg: Msg) -> None:
             try:
-                version = int(decode(msg.data, Event).data.get("version", 0))
-            except (BelayerError, TypeError, ValueError):
+                version = decode(msg.data, WeightsUpdated).version
+            except BelayerError:
                 return
             if version > self.weight_version:
                 await self.refresh_weights(version)
 
-        await self.nc.subscribe(subjects.event("weights_updated"), cb=on_event)
+        await self.nc.subscribe(events.subject(WeightsUpdated), cb=on_event)
         # A push may have landed while this worker prepared.
         latest = await fetch_manifest(self.nc, timeout=5.0)
         if latest.version > self.weight_version:
@@ -198,14 +198,14 @@ class Worker:
         self.log.info(
             "weights_swapped", version=manifest.version, seconds=round(time.perf_counter() - t0, 4)
         )
-        await publish_event(
+        await events.publish(
             self.js,
-            Event(
-                kind="worker_weights_swapped",
-                ts=time.time(),
-                source=f"{self.role}:{self.engine_id}",
+            WorkerWeightsSwapped(
+                source=f"{'shadow' if self.role == 'shadow' else 'worker'}:{self.engine_id}",
                 engine_id=self.engine_id,
-                data={"version": manifest.version, "pid": self.pid, "role": self.role},
+                version=manifest.version,
+                pid=self.pid,
+                role=self.role,
             ),
         )
 
@@ -289,8 +289,7 @@ class Worker:
         )
 
     async def close(self) -> None:
-        self.status = Status.DRAINING
-        await self.server.drain(timeout=2.0)
+        """Stop the engine thread and the step publisher (once ``server`` was drained)."""
         if self.loop is not None:
             self.loop.stop()
         if self.publisher is not None:
@@ -298,32 +297,52 @@ class Worker:
         self.status = Status.STOPPED
 
 
-async def run(
-    config: WorkerConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
-) -> None:
-    """Run a main worker until ``stop``."""
-    torch.set_num_threads(config.torch_threads)
-    nc = await connect(config.nats_url, name=f"worker-{config.engine_id}")
-    js = nc.jetstream()
-    await ensure_jetstream(js)
-    worker = Worker(config, nc, js)
-    try:
+class WorkerService(Service[WorkerConfig]):
+    """A main worker: prepare, claim the engine, serve it and register (``Worker``); on stop
+    the engine's subjects drain, then the engine thread stops."""
+
+    drain_timeout_s = 2.0
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config, name=f"worker:{config.engine_id}")
+        self.worker: Worker | None = None
+
+    async def open(self) -> None:
+        if self.config.role != "main":
+            raise FatalError("a shadow runs as `python -m services.shadow`")
+        torch.set_num_threads(self.config.torch_threads)
+
+    async def setup(self) -> None:
+        config, js = self.config, self.js
+        self.worker = worker = Worker(config, self.nc, js)
+        self.server = worker.server
         await worker.prepare()
         epoch = await worker.activate()
         await worker.watch_weights()
-        await publish_event(
+        await events.publish(
             js,
-            Event(
-                kind="worker_ready",
-                ts=time.time(),
+            WorkerReady(
                 source=f"worker:{config.engine_id}",
                 engine_id=config.engine_id,
-                data={"epoch": epoch, "pid": worker.pid, **worker.timings},
+                epoch=epoch,
+                pid=worker.pid,
+                attach_s=worker.timings.get("attach_s", 0.0),
+                build_warm_s=worker.timings.get("build_warm_s", 0.0),
             ),
         )
-        if ready is not None:
-            ready.set()
-        await stop.wait()
-    finally:
-        await worker.close()
-        await nc.drain()
+
+    async def drain(self) -> None:
+        if self.worker is not None:
+            self.worker.status = Status.DRAINING
+        await super().drain()
+
+    async def close(self) -> None:
+        if self.worker is not None:
+            await self.worker.close()
+
+
+async def run(
+    config: WorkerConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
+) -> None:
+    """Run a main worker until ``stop`` (see ``WorkerService``)."""
+    await run_service(WorkerService(config), stop=stop, ready=ready)

@@ -8,34 +8,23 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
 
 import pytest
 
 from common.bus import connect
+from schemas.events import EngineFailedEvent, EngineRegistered
 from tests.integration.node_helpers import (
     EventLog,
     Node,
     StreamRecord,
     greedy,
     main_pids,
-    start_node,
-    stop_node,
     stream_generate,
 )
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = start_node(
-        tmp_path_factory.mktemp("baseline"), "--recovery", "baseline", "--heartbeat-interval", "1"
-    )
-    try:
-        yield n
-    finally:
-        stop_node(n)
+NODE_ARGS = ("--recovery", "baseline", "--heartbeat-interval", "1")
+"""The module's node (``tests/node_fixtures.py``): baseline recovery, a 1 s remote heartbeat."""
 
 
 async def test_baseline_detects_by_heartbeat_restarts_cold_and_regenerates(node: Node) -> None:
@@ -55,15 +44,15 @@ async def test_baseline_detects_by_heartbeat_restarts_cold_and_regenerates(node:
         task = asyncio.create_task(stream_generate(nc, req, record=rec, timeout=120))
         await rec.wait_tokens(40)
         os.kill(pid, signal.SIGKILL)
-        failed = await events.wait_for("engine_failed", "e0", pid=pid, timeout=30)
-        assert failed.data["reason"] == "heartbeat"
-        restarted = await events.wait_for("engine_registered", "e0", old_pid=pid, timeout=60)
+        failed = await events.wait_for(EngineFailedEvent, "e0", pid=pid, timeout=30)
+        assert failed.reason == "heartbeat"
+        restarted = await events.wait_for(EngineRegistered, "e0", old_pid=pid, timeout=60)
         await task
         assert rec.result is not None
         assert rec.tokens == reference  # greedy: the regenerated prefix is identical
         assert rec.overlaps == []  # the caller never saw a token twice
         assert rec.result.regenerated > 0  # the baseline's cost, reported
-        assert rec.result.resumes >= 1 and restarted.data["pid"] != pid
+        assert rec.result.resumes >= 1 and restarted.pid != pid
     finally:
         await events.stop()
         await nc.drain()

@@ -11,12 +11,19 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
 
 from common.errors import EngineUnavailable
+from schemas.events import (
+    EngineRetired,
+    EngineUnhealthy,
+    HandoverComplete,
+    ServiceRestarted,
+    ShadowReady,
+)
 from services.router.client import generate
 from tests.chaos.test_worker_chaos import (
     check,
@@ -34,8 +41,6 @@ from tests.integration.node_helpers import (
     node_processes,
     router_status,
     sampled,
-    start_node,
-    stop_node,
     supervisor_pids,
     wait_until,
 )
@@ -44,17 +49,8 @@ pytestmark = pytest.mark.timeout(240)
 
 K = 16
 """Token-log chunk: a restarted router regenerates fewer than k tokens per request."""
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = start_node(
-        tmp_path_factory.mktemp("chaos-router"), "--engines", "2", "--token-log-chunk", str(K)
-    )
-    try:
-        yield n
-    finally:
-        stop_node(n)
+NODE_ARGS = ("--engines", "2", "--token-log-chunk", str(K))
+"""The module's node (``tests/node_fixtures.py``)."""
 
 
 @pytest_asyncio.fixture
@@ -65,7 +61,7 @@ async def bus(node: Node) -> AsyncIterator[tuple[object, EventLog]]:
     events = await EventLog(nc).start()
     try:
         for eid in ("e0", "e1"):
-            await events.wait_for("shadow_ready", eid, timeout=60)
+            await events.wait_for(ShadowReady, eid, timeout=60)
         yield nc, events
     finally:
         await events.stop()
@@ -105,7 +101,7 @@ async def test_router_killed_mid_stream_resumes_from_the_token_log(
     await asyncio.gather(*(r.wait_tokens(2 * K + 5) for r in recs))
     t_kill = time.time()
     os.kill(router_pid, signal.SIGKILL)
-    await events.wait_for("service_restarted", after=t_kill, name="router", timeout=30)
+    await events.wait_for(ServiceRestarted, after=t_kill, name="router", timeout=30)
     results = list(await asyncio.gather(*tasks))
     # The restarted router adopts what the live workers hold: nothing is generated again, so
     # even sampled requests match the uninterrupted run exactly.
@@ -142,14 +138,14 @@ async def test_repeated_failure_marks_engine_unhealthy_and_retires_it(
     await recs[0].wait_tokens(5)
     mark(recs)
     os.kill(first, signal.SIGKILL)
-    done = await events.wait_for("handover_complete", "e0", old_pid=first, timeout=30)
-    second = int(done.data["pid"])
+    done = await events.wait_for(HandoverComplete, "e0", old_pid=first, timeout=30)
+    second = done.pid
     held = len(recs[0].tokens)
     await recs[0].wait_tokens(held + 3)  # the resumed requests run on the successor
     os.kill(second, signal.SIGKILL)
-    unhealthy = await events.wait_for("engine_unhealthy", "e0", timeout=30)
-    assert unhealthy.data["alert"] is True
-    retired = await events.wait_for("engine_retired", "e0", timeout=30)
+    unhealthy = await events.wait_for(EngineUnhealthy, "e0", timeout=30)
+    assert unhealthy.alert is True
+    retired = await events.wait_for(EngineRetired, "e0", timeout=30)
     assert retired.engine_id == "e0"
     results = list(await asyncio.gather(*tasks))
     check_all(results, reqs, ref)

@@ -16,7 +16,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
@@ -25,6 +25,14 @@ from msgspec.structs import replace
 from common import subjects
 from common.bus import connect
 from common.codec import encode
+from schemas.events import (
+    HandoverComplete,
+    HandoverDetected,
+    HandoverHealthOk,
+    ResidualKilled,
+    ShadowReady,
+    StaleOutputRejected,
+)
 from schemas.serving import GenerateRequest, SeqDelta, StepBatch
 from tests.integration.node_helpers import (
     EventLog,
@@ -35,8 +43,6 @@ from tests.integration.node_helpers import (
     pid_gone,
     router_status,
     sampled,
-    start_node,
-    stop_node,
     stream_generate,
     wait_until,
 )
@@ -48,17 +54,8 @@ N = 96
 """Tokens per request: long enough that kills land mid-stream, short enough for 2 CPUs."""
 SEED = int(os.environ.get("BELAYER_CHAOS_SEED", random.randrange(1 << 30)))
 """Kill points are random; rerun a failure with ``BELAYER_CHAOS_SEED=<seed>``."""
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = start_node(
-        tmp_path_factory.mktemp("chaos-workers"), "--engines", "2", "--failure-window", "1"
-    )
-    try:
-        yield n
-    finally:
-        stop_node(n)
+NODE_ARGS = ("--engines", "2", "--failure-window", "1")
+"""The module's node (``tests/node_fixtures.py``): two engines, a 1 s failure window."""
 
 
 @pytest_asyncio.fixture
@@ -77,7 +74,7 @@ async def bus(node: Node) -> AsyncIterator[tuple[object, EventLog]]:
 async def settle(events: EventLog, *, after: float = 0.0, timeout: float = 60.0) -> None:
     """Wait until each engine's newest shadow announced ``shadow_ready`` (after ``after``)."""
     for eid in ENGINES:
-        await events.wait_for("shadow_ready", eid, after=after, timeout=timeout)
+        await events.wait_for(ShadowReady, eid, after=after, timeout=timeout)
 
 
 async def references(nc: object, reqs: list[GenerateRequest]) -> dict[str, list[int]]:
@@ -179,14 +176,14 @@ async def test_sigkill_at_random_points_resumes_every_request_exactly(
         t_kill = time.time()
         mark(recs)
         os.kill(pid, signal.SIGKILL)
-        done = await events.wait_for("handover_complete", victim, old_pid=pid, timeout=30)
+        done = await events.wait_for(HandoverComplete, victim, old_pid=pid, timeout=30)
         check_all(list(await asyncio.gather(*tasks)), reqs, ref)
         if kill_after[r] == 0:
             assert all(t > t_kill for t in recs[0].delta_times + recs[1].delta_times)
         else:
             assert recs[0].result is not None and recs[0].result.resumes >= 1
             assert recs[0].result.engine_ids == [victim]
-        await events.wait_for("shadow_ready", victim, after=done.ts, timeout=60)
+        await events.wait_for(ShadowReady, victim, after=done.ts, timeout=60)
     st = await router_status(nc)
     assert st.inflight == 0
     assert st.finished - finished0 == rounds * 4, "a request finished more or less than once"
@@ -212,22 +209,22 @@ async def test_sigstop_hang_is_taken_over_and_the_residual_is_fenced_and_killed(
     mark(recs)
     os.kill(pid, signal.SIGSTOP)
     try:
-        detected = await events.wait_for("handover_detected", "e0", old_pid=pid, timeout=15)
+        detected = await events.wait_for(HandoverDetected, "e0", old_pid=pid, timeout=15)
     finally:
         os.kill(pid, signal.SIGCONT)  # the residual worker wakes up with its old epoch
-    assert detected.data["verdict"] == "hung"
-    assert detected.data["t_detect"] - t_stop >= 1.5, "a hang was declared before the threshold"
-    done = await events.wait_for("handover_complete", "e0", old_pid=pid, timeout=15)
+    assert detected.verdict == "hung"
+    assert detected.t_detect - t_stop >= 1.5, "a hang was declared before the threshold"
+    done = await events.wait_for(HandoverComplete, "e0", old_pid=pid, timeout=15)
     await wait_until(lambda: pid_gone(pid), timeout=5, what=f"residual worker {pid} is dead")
-    health = events.matching("handover_health_ok", "e0", after=detected.ts - 1e-3)
-    killed_by_supervisor = events.matching("residual_killed", "e0", pid=pid)
-    assert (health and health[0].data["residual_killed"]) or killed_by_supervisor
+    health = events.matching(HandoverHealthOk, "e0", after=detected.ts - 1e-3)
+    killed_by_supervisor = events.matching(ResidualKilled, "e0", pid=pid)
+    assert (health and health[0].residual_killed) or killed_by_supervisor
     check_all(list(await asyncio.gather(*tasks)), reqs, ref)
     # Whatever the woken worker published after the engine went down was rejected, not relayed
     # (how much it managed to publish before the shadow's SIGKILL depends on timing).
-    for ev in events.matching("stale_output_rejected", "e0", pid=pid):
-        assert ev.data["epoch"] == done.data["old_epoch"]
-    await events.wait_for("shadow_ready", "e0", after=done.ts, timeout=60)
+    for ev in events.matching(StaleOutputRejected, "e0", pid=pid):
+        assert ev.epoch == done.old_epoch
+    await events.wait_for(ShadowReady, "e0", after=done.ts, timeout=60)
 
 
 async def test_both_engines_killed_at_once_both_hand_over(bus: tuple[object, EventLog]) -> None:
@@ -246,25 +243,32 @@ async def test_both_engines_killed_at_once_both_hand_over(bus: tuple[object, Eve
     for eid in ENGINES:
         os.kill(pids[eid], signal.SIGKILL)
     done = [
-        await events.wait_for("handover_complete", eid, old_pid=pids[eid], timeout=30)
+        await events.wait_for(HandoverComplete, eid, old_pid=pids[eid], timeout=30)
         for eid in ENGINES
     ]
     results = list(await asyncio.gather(*tasks))
     check_all(results, reqs, ref)
     assert all(rec.result is not None and rec.result.resumes >= 1 for rec in results)
     for d in done:  # each engine's replacement shadow is warm again
-        await events.wait_for("shadow_ready", d.engine_id, after=d.ts, timeout=60)
+        await events.wait_for(ShadowReady, d.engine_id, after=d.ts, timeout=60)
     assert all(e.healthy for e in (await router_status(nc)).engines)
 
 
 async def test_stale_epoch_output_never_reaches_the_caller(bus: tuple[object, EventLog]) -> None:
     """A forged StepBatch from an old epoch of the request's engine (bogus tokens, even a
-    'finished') is rejected with an event; the caller sees only the real tokens."""
+    'finished') is rejected with an event; the caller sees only the real tokens. The old epoch
+    is made here (one handover from whatever epoch the test finds), so the test stands alone."""
     nc, events = bus
     req = greedy("stale-victim", prompt(60), 160, engine_id="e0")
     ref = await references(nc, [req])
+    start = next(e for e in (await router_status(nc)).engines if e.id == "e0").epoch
+    pid = (await main_pids(nc))["e0"]
+    os.kill(pid, signal.SIGKILL)
+    done = await events.wait_for(HandoverComplete, "e0", old_pid=pid, timeout=30)
+    assert (done.old_epoch, done.epoch) == (start, start + 1)
+    await events.wait_for(ShadowReady, "e0", after=done.ts, timeout=60)
     eng = next(e for e in (await router_status(nc)).engines if e.id == "e0")
-    assert eng.epoch >= 2, "earlier tests advanced the epoch"
+    assert eng.epoch == start + 1, "the handover advanced e0's epoch by one"
     recs, tasks = launch(nc, [req])
     await recs[0].wait_tokens(4)
     forged_pid = 999_999
@@ -289,7 +293,7 @@ async def test_stale_epoch_output_never_reaches_the_caller(bus: tuple[object, Ev
         await nc.publish(subjects.router_tokens(), encode(forged))
     for epoch in (eng.epoch - 1, 0):
         await events.wait_for(
-            "stale_output_rejected", "e0", after=t0, epoch=epoch, pid=forged_pid, timeout=10
+            StaleOutputRejected, "e0", after=t0, epoch=epoch, pid=forged_pid, timeout=10
         )
     rec = await tasks[0]
     check(rec, ref[req.request_id])

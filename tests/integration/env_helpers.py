@@ -20,7 +20,8 @@ from services.environment.config import EnvConfig
 from services.environment.docker_ops import LABEL_NODE
 from services.environment.service import run
 
-# A process with in-memory state and an open file: each SIGUSR1 bumps n and appends it.
+# A process with in-memory state and an open file: each SIGUSR1 bumps n and appends it. It
+# creates /root/counter.ready once its handler is installed (a signal before that would kill it).
 COUNTER = b"""
 import signal
 n = 0
@@ -30,11 +31,33 @@ def bump(*_):
     n += 1
     f.write(f"{n}\\n")
 signal.signal(signal.SIGUSR1, bump)
+open("/root/counter.ready", "w").close()
 while True:
     signal.pause()
 """
-START_COUNTER = "nohup python3 /root/counter.py >/dev/null 2>&1 & sleep 0.3"
-BUMP = "pkill -USR1 -f '^python3 /root/counter.py' && sleep 0.15 && tail -n1 /root/count.log"
+
+
+def sh_wait(condition: str, what: str, seconds: float = 10.0) -> str:
+    """Shell (a ``{ ...; }`` group): poll ``condition`` every 50 ms inside the sandbox until it
+    holds; after ``seconds`` print what was awaited to stderr and exit 1."""
+    tries = int(seconds / 0.05)
+    return (
+        f"{{ i=0; until {condition}; do if [ $i -ge {tries} ]; then "
+        f"echo 'timed out waiting for {what}' >&2; exit 1; fi; i=$((i+1)); sleep 0.05; done; }}"
+    )
+
+
+# Start the counter in the background and return once its SIGUSR1 handler is installed.
+START_COUNTER = (
+    "{ rm -f /root/counter.ready; nohup python3 /root/counter.py >/dev/null 2>&1 & } && "
+    + sh_wait("[ -e /root/counter.ready ]", "the counter signal handler")
+)
+# Signal the counter and print the line it appended (waiting until the line is there).
+BUMP = (
+    "{ n=$(wc -l < /root/count.log) && pkill -USR1 -f '^python3 /root/counter.py' && "
+    + sh_wait('[ "$(wc -l < /root/count.log)" -gt "$n" ]', "the next counter line")
+    + " && tail -n1 /root/count.log; }"
+)
 # Hash of the sandbox's file tree outside the kernel file systems (paths, modes, contents).
 TREE_HASH = (
     'python3 -c "import hashlib,os,stat\n'

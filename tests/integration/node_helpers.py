@@ -11,15 +11,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from common import subjects
 from common.bus import request
 from common.codec import decode, encode, raise_error
 from common.config import SHM_DIR, shm_prefix
 from common.errors import BelayerError, BusUnavailable
+from common.events import describe
 from schemas.base import ErrorReply
-from schemas.events import Event
+from schemas.events import AnyEvent, EventBase
 from schemas.node import SupervisorStatus, SupervisorStatusRequest
 from schemas.serving import (
     GenerateReply,
@@ -79,23 +80,45 @@ def stop_node(node: Node) -> None:
         if str(node.run_dir) in line or node.nats_url.rsplit(":", 1)[1] in line
     ]
     assert not mine, f"processes left behind: {mine}"
+    tagged = run_id_processes(node.run_id)
+    assert not tagged, f"processes of run {node.run_id} left behind: {tagged}"
+
+
+def run_id_processes(run_id: str) -> list[int]:
+    """Live pids whose environment carries ``BELAYER_RUN_ID=<run_id>`` (every process the
+    supervisor starts, and what they start in turn: CRIU, runc, tar)."""
+    needle = f"BELAYER_RUN_ID={run_id}".encode()
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            tagged = needle in (proc / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if tagged and not pid_gone(int(proc.name)):
+            out.append(int(proc.name))
+    return out
 
 
 # --- chaos helpers: events as they happen, strict token streams, processes --------------------
+E = TypeVar("E", bound=EventBase)
+
+
 class EventLog:
     """Every event of the node's EVENTS stream, from its first one on (a JetStream ordered
     consumer), kept in arrival order; ``wait_for`` blocks until a matching one is there."""
 
     def __init__(self, nc: Any) -> None:
         self.nc = nc
-        self.events: list[Event] = []
+        self.events: list[EventBase] = []
         self._changed = asyncio.Condition()
         self._sub: Any = None
 
     async def start(self) -> EventLog:
         async def cb(msg: Any) -> None:
             try:
-                ev = decode(msg.data, Event)
+                ev: EventBase = decode(msg.data, AnyEvent)
             except BelayerError:
                 return
             async with self._changed:
@@ -112,33 +135,34 @@ class EventLog:
             await self._sub.unsubscribe()
 
     def matching(
-        self, kind: str, engine_id: str | None = None, *, after: float = 0.0, **data: object
-    ) -> list[Event]:
-        """Events of ``kind`` (for ``engine_id``, stamped after ``after``, with these data)."""
+        self, typ: type[E], engine_id: str | None = None, *, after: float = 0.0, **fields: object
+    ) -> list[E]:
+        """Events of type ``typ`` (for ``engine_id``, stamped after ``after``, with these
+        field values)."""
         return [
             e
             for e in self.events
-            if e.kind == kind
-            and (engine_id is None or e.engine_id == engine_id)
+            if isinstance(e, typ)
+            and (engine_id is None or getattr(e, "engine_id", None) == engine_id)
             and e.ts > after
-            and all(e.data.get(k) == v for k, v in data.items())
+            and all(getattr(e, k) == v for k, v in fields.items())
         ]
 
     async def wait_for(
         self,
-        kind: str,
+        typ: type[E],
         engine_id: str | None = None,
         *,
         after: float = 0.0,
         timeout: float = 30.0,
-        **data: object,
-    ) -> Event:
+        **fields: object,
+    ) -> E:
         """The first matching event (see ``matching``), waiting up to ``timeout`` for it."""
 
-        async def first() -> Event:
+        async def first() -> E:
             async with self._changed:
                 while True:
-                    found = self.matching(kind, engine_id, after=after, **data)
+                    found = self.matching(typ, engine_id, after=after, **fields)
                     if found:
                         return found[0]
                     await self._changed.wait()
@@ -146,9 +170,10 @@ class EventLog:
         try:
             return await asyncio.wait_for(first(), timeout)
         except TimeoutError:
-            seen = [(e.kind, e.engine_id, e.data) for e in self.events[-20:]]
+            seen = "\n  ".join(describe(e) for e in self.events[-20:])
             raise AssertionError(
-                f"no {kind} event for {engine_id} {data} within {timeout} s; last events: {seen}"
+                f"no {typ.kind} event for {engine_id} {fields} within {timeout} s; "
+                f"last events:\n  {seen}"
             ) from None
 
 

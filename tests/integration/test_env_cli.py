@@ -1,29 +1,33 @@
 """The environment service inside a node (`belayer up --environment`) driven through the CLI:
 create → exec → checkpoint → kill the container → restore → ls --json → destroy, with the
-public JSON fields of `env ls --json`."""
+public JSON fields of `env ls --json`; and `belayer down` leaving no sandbox container, no
+checkpoint directory, no process and no shared-memory file — after a graceful stop and after
+the node died (supervisor SIGKILLed, its environment service with it)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
-from collections.abc import Iterator
+import time
+from pathlib import Path
 
 import pytest
 
-from tests.integration.env_helpers import require_docker
-from tests.integration.node_helpers import Node, cli, start_node, stop_node
+from services.environment.client import node_label
+from tests.integration.env_helpers import (
+    BUMP,
+    COUNTER,
+    START_COUNTER,
+    leftover_containers,
+    require_docker,
+)
+from tests.integration.node_helpers import Node, cli, pid_gone, start_node, stop_node
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    require_docker()
-    n = start_node(tmp_path_factory.mktemp("envnode"), "--environment")
-    try:
-        yield n
-    finally:
-        stop_node(n)
+NODE_ARGS = ("--environment",)
+"""The module's node (``tests/node_fixtures.py``): with the environment service."""
 
 
 def env(node: Node, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -59,3 +63,93 @@ def test_cli_errors_are_clear(node: Node) -> None:
     assert r.returncode != 0 and "sb-missing" in r.stderr
     r = env(node, "restore", "sb-missing", check=False)
     assert r.returncode != 0 and "error" in r.stderr.lower()
+
+
+def _checkpointed_sandbox(node: Node, tmp_path: Path) -> tuple[str, Path]:
+    """One sandbox running a process, with a ready checkpoint at prefix 1; a second sandbox is
+    checkpointed and destroyed (its checkpoint directory goes with it). Returns (sandbox id,
+    checkpoint root)."""
+    counter = tmp_path / "counter.py"
+    counter.write_bytes(COUNTER)
+    root = node.run_dir / "env" / "checkpoints"
+    create = ("create", "--memory-mb", "256", "--file", f"{counter}:/root/counter.py")
+    sid = env(node, *create).stdout.strip()
+    env(node, "exec", sid, START_COUNTER)
+    assert env(node, "exec", sid, BUMP).stdout.strip() == "1"
+    ck = json.loads(env(node, "checkpoint", sid, "-k", "1", "--json").stdout)
+    assert (root / sid / ck["checkpoint_id"]).is_dir()
+    gone = env(node, "create", "--memory-mb", "128").stdout.strip()
+    env(node, "checkpoint", gone, "-k", "1")
+    assert (root / gone).is_dir()
+    env(node, "destroy", gone)
+    assert not (root / gone).exists(), "destroy left the sandbox's checkpoint directory"
+    return sid, root
+
+
+def _assert_no_sandbox_leftovers(node: Node, root: Path) -> None:
+    client = require_docker()
+    label = node_label(node.run_id)
+    assert not leftover_containers(client, label), f"containers of {label} left behind"
+    assert not list(root.iterdir()), f"checkpoint dirs left behind: {list(root.iterdir())}"
+    records = node.run_dir / "env" / "sandboxes"
+    assert not list(records.iterdir()), f"sandbox records left behind: {list(records.iterdir())}"
+
+
+@pytest.mark.timeout(400)
+def test_down_removes_the_nodes_sandboxes_and_checkpoints(tmp_path: Path) -> None:
+    """Graceful: a SIGTERMed environment service destroys its sandboxes while it drains (the
+    supervisor then restarts it, empty); `belayer down` leaves nothing of the node either."""
+    require_docker()
+    node = start_node(tmp_path / "run", "--environment")
+    try:
+        first, root = _checkpointed_sandbox(node, tmp_path)
+        env_pid = node.pids()["environment"]
+        os.kill(env_pid, signal.SIGTERM)
+        wait_gone(env_pid)
+        _assert_no_sandbox_leftovers(node, root)
+        wait_serving(node)  # the restarted service
+        assert json.loads(env(node, "ls", "--json").stdout) == []
+        second, _ = _checkpointed_sandbox(node, tmp_path)
+        assert leftover_containers(require_docker(), node_label(node.run_id))
+    finally:
+        stop_node(node)  # `belayer down`, then: no process, no shm file of the node
+    _assert_no_sandbox_leftovers(node, root)
+    assert not (root / first).exists() and not (root / second).exists()
+
+
+@pytest.mark.timeout(400)
+def test_down_after_the_node_died_removes_what_it_left(tmp_path: Path) -> None:
+    """The supervisor SIGKILLed: its services die with it (the environment service too, so
+    nobody destroyed the sandboxes) and its NATS server stays; `belayer down` finds the
+    sandboxes by the node's label (from the node file) and removes them, their checkpoints and
+    the NATS server."""
+    require_docker()
+    node = start_node(tmp_path / "run", "--environment")
+    try:
+        sid, root = _checkpointed_sandbox(node, tmp_path)
+        info = json.loads((node.run_dir / "node.json").read_text())
+        env_pid = node.pids()["environment"]
+        os.kill(info["supervisor_pid"], signal.SIGKILL)
+        for pid in (info["supervisor_pid"], env_pid):
+            wait_gone(pid)
+        assert leftover_containers(require_docker(), node_label(node.run_id))
+        assert (root / sid).is_dir()
+    finally:
+        stop_node(node)
+    _assert_no_sandbox_leftovers(node, root)
+
+
+def wait_gone(pid: int, timeout: float = 30.0) -> None:
+    """Until ``pid`` no longer runs (bounded)."""
+    deadline = time.monotonic() + timeout
+    while not pid_gone(pid):
+        assert time.monotonic() < deadline, f"process {pid} still runs after {timeout} s"
+        time.sleep(0.05)  # bounded poll of another process's exit
+
+
+def wait_serving(node: Node, timeout: float = 60.0) -> None:
+    """Until the node's environment service answers ``env ls`` (bounded)."""
+    deadline = time.monotonic() + timeout
+    while env(node, "ls", check=False).returncode != 0:
+        assert time.monotonic() < deadline, f"environment service not serving after {timeout} s"
+        time.sleep(0.2)  # bounded poll of a restarting service

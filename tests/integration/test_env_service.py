@@ -22,7 +22,7 @@ from common.errors import (
     Timeout,
 )
 from schemas.env import ReadyPointer, SandboxLimits
-from schemas.events import Event
+from schemas.events import CheckpointReady
 from services.environment.client import EnvClient
 from tests.integration.env_helpers import (  # noqa: F401
     BUMP,
@@ -46,7 +46,7 @@ async def _pointer(js, sandbox_id: str) -> ReadyPointer:  # type: ignore[no-unty
 @pytest.mark.timeout(180)
 async def test_checkpoint_kill_restore_is_prefix_consistent(env, js) -> None:  # type: ignore[no-untyped-def]
     c = env.client
-    sub = await js.subscribe(subjects.event("checkpoint_ready"))
+    sub = await js.subscribe(subjects.event(CheckpointReady.kind))
     sb = await c.create(files={"/root/counter.py": COUNTER}, trajectory_id="traj-1")
     sid = sb.sandbox_id
     setup = (
@@ -63,9 +63,9 @@ async def test_checkpoint_kill_restore_is_prefix_consistent(env, js) -> None:  #
     ptr = await _pointer(js, sid)
     assert (ptr.prefix, ptr.checkpoint_id) == (1, info.checkpoint_id)
     msg = await sub.next_msg(timeout=5)
-    event = decode(msg.data, Event)
-    assert event.data["checkpoint_id"] == info.checkpoint_id and event.data["prefix"] == 1
-    assert event.data["trajectory_id"] == "traj-1"
+    event = decode(msg.data, CheckpointReady)
+    assert event.checkpoint == info and event.checkpoint.prefix == 1
+    assert event.checkpoint.trajectory_id == "traj-1"
 
     # more actions after k: change, delete, create, advance the process
     later = "echo later > /root/a && rm /root/c && echo new > /root/new && " + BUMP

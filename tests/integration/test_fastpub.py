@@ -14,11 +14,14 @@ from common.fastpub import FastPublisher
 async def test_publishes_in_order(nats_server, nc) -> None:
     got: list[bytes] = []
     done = asyncio.Event()
+    after = asyncio.Event()
 
     async def cb(msg) -> None:
         got.append(msg.data)
         if len(got) == 200:
             done.set()
+        if msg.data == b"after":
+            after.set()
 
     await nc.subscribe("fp.test", cb=cb)
     await nc.flush()
@@ -33,7 +36,11 @@ async def test_publishes_in_order(nats_server, nc) -> None:
     assert pub.sock is not None
     pub.sock.close()
     pub.publish("fp.test", b"after")
-    pub.close()
+    try:
+        await asyncio.wait_for(after.wait(), 10)  # the message sent after the reconnect arrives
+    finally:
+        pub.close()
+    assert got[200:] == [b"after"]
 
 
 def test_unreachable_is_bus_unavailable() -> None:

@@ -16,11 +16,11 @@ import torch
 
 from common import subjects
 from common.codec import decode, encode
+from common.config import parse_config
 from common.errors import Conflict, NotFound
 from model.config import load_model_config
 from model.qwen3 import kv_cache_shape
-from schemas.events import Event
-from services.kv.__main__ import parse_args
+from schemas.events import KvFlushed
 from services.kv.client import fetch_arena, flush_arena, map_arena
 from services.kv.config import KvArenaConfig
 from services.kv.service import run
@@ -60,12 +60,12 @@ async def test_arena_shared_survives_writer_kill_and_flushes(
         num_blocks=8,
         block_size=4,
     )
-    events: asyncio.Queue[Event] = asyncio.Queue()
+    events: asyncio.Queue[KvFlushed] = asyncio.Queue()
 
     async def on_event(msg) -> None:
-        await events.put(decode(msg.data, Event))
+        await events.put(decode(msg.data, KvFlushed))
 
-    await nc.subscribe(subjects.event("kv_flushed"), cb=on_event)
+    await nc.subscribe(subjects.event(KvFlushed.kind), cb=on_event)
     async with running_arena(config):
         desc = await fetch_arena(nc, "e0")
         model = load_model_config(model_dir)
@@ -110,7 +110,7 @@ async def test_arena_shared_survives_writer_kill_and_flushes(
         assert not arena.any() and not again.any()
         assert (await fetch_arena(nc, "e0")).generation == 1
         event = await asyncio.wait_for(events.get(), WAIT)
-        assert event.engine_id == "e0" and event.data["generation"] == 1
+        assert event.engine_id == "e0" and event.generation == 1
         # a residual worker of an older epoch must not wipe the new worker's KV
         with pytest.raises(Conflict):
             await flush_arena(nc, "e0", epoch=1)
@@ -121,7 +121,8 @@ async def test_arena_shared_survives_writer_kill_and_flushes(
 
 
 async def test_dtype_override_and_main_args(nats_server, nc, model_dir, run_id) -> None:
-    config = parse_args(
+    config = parse_config(
+        KvArenaConfig,
         [
             "--nats-url",
             nats_server.url,
@@ -129,7 +130,7 @@ async def test_dtype_override_and_main_args(nats_server, nc, model_dir, run_id) 
             run_id,
             "--model-dir",
             str(model_dir),
-            "--engines",
+            "--engine-ids",
             "e0, e1",
             "--num-blocks",
             "4",
@@ -137,7 +138,7 @@ async def test_dtype_override_and_main_args(nats_server, nc, model_dir, run_id) 
             "2",
             "--dtype",
             "bfloat16",
-        ]
+        ],
     )
     assert config.engine_ids == ("e0", "e1") and config.num_blocks == 4
     async with running_arena(config):
@@ -145,4 +146,4 @@ async def test_dtype_override_and_main_args(nats_server, nc, model_dir, run_id) 
         arena = map_arena(desc)
         assert arena.dtype == torch.bfloat16 and arena.shape[2:4] == (4, 2)
     with pytest.raises(SystemExit):
-        parse_args(["--nats-url", "x", "--run-id", "r", "--model-dir", "m", "--engines", "a.b"])
+        parse_config(KvArenaConfig, ["--run-id", "r", "--engine-ids", "a.b"])

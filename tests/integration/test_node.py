@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -19,7 +18,7 @@ from common.bus import connect, request
 from common.codec import decode
 from common.errors import BusUnavailable, Conflict, NotFound, ResourceLimit, Timeout
 from schemas.base import ErrorReply, Ok
-from schemas.events import Event
+from schemas.events import WorkerWeightsSwapped
 from schemas.serving import (
     EngineFailed,
     GenerateRequest,
@@ -32,18 +31,11 @@ from schemas.serving import (
     TokenLogChunk,
 )
 from services.router.client import generate
-from tests.integration.node_helpers import Node, cli, start_node, stop_node
+from tests.integration.node_helpers import Node, cli
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = start_node(tmp_path_factory.mktemp("node"), "--engines", "2")
-    try:
-        yield n
-    finally:
-        stop_node(n)
+NODE_ARGS = ("--engines", "2")
+"""The module's node (``tests/node_fixtures.py``)."""
 
 
 def greedy(
@@ -237,15 +229,15 @@ async def test_pushed_weights_reach_every_worker(node: Node) -> None:
     nc = await connect(node.nats_url, name="t")
     try:
         before = await generate(nc, greedy("w-before", "weights change this", n=16, engine_id="e0"))
-        swapped: list[Event] = []
+        swapped: list[WorkerWeightsSwapped] = []
         all_swapped = asyncio.Event()
 
         async def on_swap(msg) -> None:  # type: ignore[no-untyped-def]
-            swapped.append(decode(msg.data, Event))
+            swapped.append(decode(msg.data, WorkerWeightsSwapped))
             if len(swapped) >= 4:  # two engines: main + shadow each
                 all_swapped.set()
 
-        await nc.subscribe(subjects.event("worker_weights_swapped"), cb=on_swap)
+        await nc.subscribe(subjects.event(WorkerWeightsSwapped.kind), cb=on_swap)
         current = await fetch_manifest(nc)
         gen = torch.Generator().manual_seed(0)
         new = {
@@ -255,13 +247,13 @@ async def test_pushed_weights_reach_every_worker(node: Node) -> None:
         pushed = await push_weights(nc, new, base_version=current.version, run_id=node.run_id)
         assert pushed.version == current.version + 1
         await asyncio.wait_for(all_swapped.wait(), 60)
-        assert {(e.engine_id, e.data["role"]) for e in swapped} == {
+        assert {(e.engine_id, e.role) for e in swapped} == {
             ("e0", "main"),
             ("e0", "shadow"),
             ("e1", "main"),
             ("e1", "shadow"),
         }
-        assert all(e.data["version"] == pushed.version for e in swapped)
+        assert all(e.version == pushed.version for e in swapped)
         after = await generate(nc, greedy("w-after", "weights change this", n=16, engine_id="e0"))
         assert after.weight_version == pushed.version
         assert set(after.token_weight_versions) == {pushed.version}

@@ -17,13 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common import subjects
+from common import shm, subjects
 from common.bus import request
 from common.codec import decode, encode
 from common.errors import Conflict, InvalidRequest, NotFound
-from schemas.events import Event
+from schemas.events import WeightsUpdated
 from schemas.weights import WeightManifest, WeightsPush
-from services.weights import core, shm
+from services.weights import core
 from services.weights.client import fetch_manifest, map_weights, push_weights
 from services.weights.config import WeightStoreConfig
 from services.weights.service import CURRENT_KEY, run
@@ -72,8 +72,9 @@ CHILD = r"""
 import json, sys, time
 import torch
 from common.codec import decode
+from common import shm
 from schemas.weights import WeightManifest
-from services.weights import core, shm
+from services.weights import core
 from services.weights.client import map_weights
 manifest = decode(bytes.fromhex(sys.stdin.readline()), WeightManifest)
 t0 = time.perf_counter()
@@ -131,12 +132,12 @@ async def test_push_publishes_whole_versions(nats_server, nc, model_dir, run_id)
     config = WeightStoreConfig(
         nats_url=nats_server.url, run_id=run_id, model_dir=model_dir, keep_versions=2
     )
-    events: asyncio.Queue[Event] = asyncio.Queue()
+    events: asyncio.Queue[WeightsUpdated] = asyncio.Queue()
 
     async def on_event(msg) -> None:
-        await events.put(decode(msg.data, Event))
+        await events.put(decode(msg.data, WeightsUpdated))
 
-    await nc.subscribe(subjects.event("weights_updated"), cb=on_event)
+    await nc.subscribe(subjects.event(WeightsUpdated.kind), cb=on_event)
     async with running_store(config):
         v1 = await fetch_manifest(nc)
         original = load_file(model_dir / "model.safetensors")
@@ -184,8 +185,9 @@ async def test_push_publishes_whole_versions(nats_server, nc, model_dir, run_id)
         names = {p.name for p in shm.list_files(run_id)}
         assert names == {f"belayer-{run_id}-weights-v3", f"belayer-{run_id}-weights-v4"}
         got = [await asyncio.wait_for(events.get(), WAIT) for _ in range(3)]
-        assert [e.data["version"] for e in got] == [2, 3, 4]
-        assert got[-1].data["checksum"] == current.checksum
+        assert [e.version for e in got] == [2, 3, 4]
+        assert [e.base_version for e in got] == [1, 2, 3]
+        assert got[-1].checksum == current.checksum
 
 
 async def test_bad_pushes_are_refused(nats_server, nc, model_dir, run_id) -> None:

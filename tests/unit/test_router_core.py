@@ -5,12 +5,22 @@ from __future__ import annotations
 import pytest
 
 from common.errors import Conflict, EngineUnavailable, NotFound, ResourceLimit
+from schemas.events import (
+    EngineFailedEvent,
+    EngineRecovered,
+    EngineUnhealthy,
+    EventBase,
+    RequestsAdopted,
+    RequestsResumed,
+    StaleOutputRejected,
+    TokenGapResubmitted,
+)
 from schemas.serving import GenerateResult, SamplingParams, SeqDelta, StepBatch, TokenDelta
 from services.router.config import RouterConfig
-from services.router.core import (
+from services.router.core import RouterCore
+from services.router.state import (
     EmitEvent,
     PersistChunk,
-    RouterCore,
     SendToCaller,
     SubmitToEngine,
 )
@@ -42,6 +52,11 @@ def batch(
 
 def of(actions: list, kind: type) -> list:
     return [a for a in actions if isinstance(a, kind)]
+
+
+def emitted(actions: list) -> list[EventBase]:
+    """The events among ``actions`` (each an ``EmitEvent`` carrying a typed event)."""
+    return [a.event for a in of(actions, EmitEvent)]
 
 
 def test_least_loaded_placement_spreads_requests() -> None:
@@ -107,8 +122,12 @@ def test_stale_epoch_output_is_rejected_and_resume_holds_tokens() -> None:
     c.register("e0", 1, 100)
     c.submit("r", [1, 2], SamplingParams(max_tokens=10, seed=3), inbox="in")
     c.on_step(batch("e0", 1, "r", [7, 8, 9]))
-    assert c.engine_failed("e0", now=0.0, reason="heartbeat")
+    (failed,) = emitted(c.engine_failed("e0", now=0.0, reason="heartbeat"))
+    assert isinstance(failed, EngineFailedEvent) and failed.request_ids == ["r"]
+    assert failed.engine_id == "e0" and (failed.epoch, failed.pid) == (1, 100)
     acts = c.register("e0", 2, 200)
+    (resumed,) = of(emitted(acts), RequestsResumed)
+    assert (resumed.request_ids, resumed.count, resumed.held_tokens) == (["r"], 1, 3)
     (sub,) = of(acts, SubmitToEngine)
     (er,) = sub.requests
     assert sub.epoch == 2
@@ -117,7 +136,10 @@ def test_stale_epoch_output_is_rejected_and_resume_holds_tokens() -> None:
     )
     # the old worker comes back (SIGCONT): its output never reaches the caller
     stale = c.on_step(batch("e0", 1, "r", [99], pid=100))
-    assert not of(stale, SendToCaller) and of(stale, EmitEvent)[0].kind == "stale_output_rejected"
+    assert not of(stale, SendToCaller)
+    (rejected,) = emitted(stale)
+    assert isinstance(rejected, StaleOutputRejected) and rejected.kind == "stale_output_rejected"
+    assert (rejected.epoch, rejected.current_epoch, rejected.request_ids) == (1, 2, ["r"])
     acts = c.on_step(batch("e0", 2, "r", [10], pid=200))
     assert [a.message.start for a in of(acts, SendToCaller)] == [3]
     with pytest.raises(Conflict):
@@ -133,8 +155,9 @@ def test_repeated_failure_marks_unhealthy_and_spreads_evenly() -> None:
     c.engine_failed("e0", now=0.0, reason="crash")
     c.register("e0", 2, 101)
     acts = c.engine_failed("e0", now=5.0, reason="crash")
-    kinds = [a.kind for a in of(acts, EmitEvent)]
-    assert "engine_unhealthy" in kinds
+    (unhealthy,) = of(emitted(acts), EngineUnhealthy)
+    assert unhealthy.request_ids == [f"r{i}" for i in range(6)] and unhealthy.moved_requests == 6
+    assert unhealthy.alert and unhealthy.reason == "repeated failure"
     targets = [s.engine_id for s in of(acts, SubmitToEngine) for _ in s.requests]
     assert sorted(targets) == ["e1"] * 3 + ["e2"] * 3
     assert not c.engines["e0"].info().healthy
@@ -148,7 +171,7 @@ def test_failures_outside_window_do_not_mark_unhealthy() -> None:
     c.engine_failed("e0", now=0.0, reason="crash")
     c.register("e0", 2, 101)
     acts = c.engine_failed("e0", now=50.0, reason="crash")
-    assert "engine_unhealthy" not in [a.kind for a in of(acts, EmitEvent)]
+    assert not of(emitted(acts), EngineUnhealthy)
 
 
 def test_requests_wait_for_an_engine() -> None:
@@ -194,6 +217,9 @@ def test_tokens_are_placed_by_index() -> None:
     assert not of(c.on_step(batch("e0", 1, "r", [4, 5], start=0)), SendToCaller)
     # a gap (a lost batch) resubmits from the held tokens instead of skipping any
     acts = c.on_step(batch("e0", 1, "r", [9], start=5))
+    (gap,) = emitted(acts)
+    assert isinstance(gap, TokenGapResubmitted)
+    assert (gap.request_id, gap.held, gap.start) == ("r", 2, 5)
     (sub,) = of(acts, SubmitToEngine)
     assert sub.requests[0].token_ids == [1, 4, 5] and sub.requests[0].held_logprobs == [-0.5, -0.5]
     assert c.active["r"].tokens == [4, 5]
@@ -223,6 +249,9 @@ def test_restarted_router_adopts_what_workers_hold() -> None:
         )
     ]
     acts = c.adopt("e0", held, weight_version=1)
+    (adopted,) = emitted(acts)
+    assert isinstance(adopted, RequestsAdopted)
+    assert adopted.request_ids == ["r"] and adopted.count == 1
     (catch_up,) = [a.message for a in of(acts, SendToCaller)]
     assert catch_up.start == 4 and catch_up.token_ids == [8, 9]
     assert c.active["r"].engine_id == "e0" and c.active["r"].logprobs[-1] == -3.0
@@ -276,7 +305,9 @@ def test_false_alarm_engine_comes_back_with_its_requests() -> None:
     c.engine_failed("e0", now=0.0, reason="submit failed")
     assert c.engine_recovered("e0", 1, 999) == []  # not the worker it knew
     acts = c.engine_recovered("e0", 1, 100)
-    assert [a.kind for a in of(acts, EmitEvent)] == ["engine_recovered"]
+    (recovered,) = emitted(acts)
+    assert isinstance(recovered, EngineRecovered) and recovered.kind == "engine_recovered"
+    assert recovered.request_ids == ["r"] and recovered.requests == 1
     (sub,) = of(acts, SubmitToEngine)
     assert sub.requests[0].token_ids == [1, 4, 5] and sub.requests[0].generated_offset == 2
     assert c.engines["e0"].info().healthy
@@ -297,3 +328,25 @@ def test_a_confirmed_failure_is_never_taken_back() -> None:
     c2.engine_failed("e0", now=1.0, reason="exited", epoch=1)
     assert c2.engine_recovered("e0", 1, 100) == []
     assert len(c2.engines["e0"].failures) == 1  # one failure, reported twice
+
+
+@pytest.mark.parametrize(
+    ("prompt", "sampling"),
+    [([9, 9], SamplingParams(max_tokens=2)), ([1], SamplingParams(max_tokens=3))],
+)
+@pytest.mark.parametrize("finished", [False, True])
+def test_reused_id_with_a_different_request_is_conflict(
+    prompt: list[int], sampling: SamplingParams, finished: bool
+) -> None:
+    c = core()
+    c.register("e0", 1, 100)
+    c.submit("r", [1], SamplingParams(max_tokens=2), inbox="a")
+    if finished:
+        c.on_step(batch("e0", 1, "r", [4, 5], finished=True))
+        assert "r" in c.finished
+    with pytest.raises(Conflict) as err:
+        c.submit("r", prompt, sampling, inbox="b")
+    assert err.value.data["field"] == "$.request_id"
+    # The same request again is still fine (attach or replay).
+    again = c.submit("r", [1], SamplingParams(max_tokens=2), inbox="c")
+    assert finished == any(isinstance(a.message, GenerateResult) for a in of(again, SendToCaller))

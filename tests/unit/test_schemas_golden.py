@@ -18,7 +18,15 @@ import pytest
 
 from common.codec import decode, encode
 from schemas.base import ErrorReply, Ok
-from schemas.events import Event
+from schemas.env import CheckpointInfo
+from schemas.events import (
+    AnyEvent,
+    CheckpointReady,
+    EngineUnhealthy,
+    HandoverComplete,
+    RequestsResumed,
+    WeightsUpdated,
+)
 from schemas.serving import (
     EngineFailed,
     EngineRequest,
@@ -102,8 +110,45 @@ EXAMPLES: dict[str, msgspec.Struct] = {
         final=True,
         finish_reason="length",
     ),
-    "event": Event(
-        kind="handover_complete", ts=1.25, source="shadow:e0", engine_id="e0", data={"epoch": 4}
+    "event_handover_complete": HandoverComplete(
+        ts=1.25,
+        source="shadow:e0",
+        engine_id="e0",
+        epoch=4,
+        pid=43,
+        old_pid=42,
+        old_epoch=3,
+        detect_to_registered_s=0.5,
+        t_detect=1.0,
+        t_health=1.125,
+        t_flush=1.25,
+        t_ready=1.375,
+        t_registered=1.5,
+    ),
+    "event_requests_resumed": RequestsResumed(
+        ts=1.5, engine_id="e0", epoch=4, count=2, held_tokens=7, request_ids=["req-1", "req-2"]
+    ),
+    "event_engine_unhealthy": EngineUnhealthy(
+        ts=2.5, engine_id="e1", reason="repeated failure", moved_requests=1, request_ids=["req-3"]
+    ),
+    "event_weights_updated": WeightsUpdated(
+        ts=3.0, version=3, base_version=2, checksum="cd" * 32, bytes=128, seconds=0.25
+    ),
+    "event_checkpoint_ready": CheckpointReady(
+        ts=4.0,
+        source="environment:node-a",
+        checkpoint=CheckpointInfo(
+            sandbox_id="sb-1",
+            trajectory_id="traj-1",
+            prefix=1,
+            checkpoint_id="ck-1",
+            fs_bytes=10,
+            criu_bytes=20,
+            freeze_s=0.5,
+            fs_s=0.25,
+            dump_s=0.125,
+            total_s=1.0,
+        ),
     ),
     "weight_manifest": WeightManifest(
         version=2,
@@ -157,6 +202,13 @@ def test_reply_union_dispatches_on_tag() -> None:
     assert isinstance(decode(bytes.fromhex(fx["token_delta"]), GenerateReply), TokenDelta)
     assert isinstance(decode(bytes.fromhex(fx["generate_result"]), GenerateReply), GenerateResult)
     assert isinstance(decode(bytes.fromhex(fx["error_reply"]), GenerateReply), ErrorReply)
+
+
+def test_event_union_dispatches_on_tag() -> None:
+    fx = load_fixture()
+    for name, msg in EXAMPLES.items():
+        if name.startswith("event_"):
+            assert decode(bytes.fromhex(fx[name]), AnyEvent) == msg
 
 
 def test_a_field_added_later_is_ignored_by_v1_readers() -> None:

@@ -1,15 +1,5 @@
-"""The rollout worker's inference engine: pure, synchronous, no networking (nano-vllm style)."""
+"""The rollout worker's inference engine: pure, synchronous, no networking (nano-vllm style).
 
-from services.worker.engine.config import EngineConfig
-from services.worker.engine.llm_engine import GenerationResult, LLMEngine, StepOutput
-from services.worker.engine.sequence import SamplingParams, Sequence, SequenceStatus
-
-__all__ = [
-    "EngineConfig",
-    "GenerationResult",
-    "LLMEngine",
-    "SamplingParams",
-    "Sequence",
-    "SequenceStatus",
-    "StepOutput",
-]
+``config`` (``EngineConfig``, light: the worker's and the supervisor's configs nest it),
+``llm_engine`` (``LLMEngine``), ``scheduler``, ``block_manager``, ``model_runner``, ``sampler``,
+``sequence``. Nothing is imported here, so importing the config does not import torch."""

@@ -1,0 +1,144 @@
+"""What every benchmark shares: progress lines, the result table, the JSON file, the machine.
+
+Each benchmark module exposes ``main(json_path, **options) -> dict``: it measures (progress on
+stderr via :func:`progress`), prints one table of :class:`Row` with :func:`print_table`,
+writes the result with :func:`write_json` and returns it. Every result carries ``bench`` (its
+name), ``timestamp`` and ``machine`` (:func:`machine_info`); a benchmark with targets also
+carries ``targets`` (key → ``{"op", "bound"}``, :func:`targets_json`) and ``verdicts``
+(key → ``PASS``/``MISS``, :func:`verdict`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+Target = tuple[str, float]
+"""A target: (comparison, ``">="`` or ``"<="``; bound)."""
+
+PASS = "PASS"
+MISS = "MISS"
+
+
+def progress(bench_name: str, message: str) -> None:
+    """One progress line on stderr (stdout carries the table, or the JSON with ``--json``)."""
+    sys.stderr.write(f"[bench {bench_name}] {message}\n")
+    sys.stderr.flush()
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a benchmark's table."""
+
+    metric: str
+    """What was measured, in words."""
+    value: str
+    """The measured value as shown (with its unit), ``n/a`` when not measured."""
+    target: str = ""
+    """The target as shown (``≤ 0.2 s``); empty for an informational row."""
+    verdict: str = ""
+    """``PASS``, ``MISS`` or empty (no target)."""
+
+
+def verdict(value: float | None, target: Target) -> str:
+    """``PASS`` when ``value`` meets ``target``; ``MISS`` when it does not or was not measured."""
+    if value is None:
+        return MISS
+    op, bound = target
+    if op not in (">=", "<="):
+        raise ValueError(f"unknown comparison {op!r} (expected '>=' or '<=')")
+    return PASS if (value >= bound if op == ">=" else value <= bound) else MISS
+
+
+def target_text(target: Target, unit: str = "") -> str:
+    """A target as shown in a table: ``≥ 150 tok/s``; unit ``%`` shows a fraction in percent."""
+    op, bound = target
+    sign = "≥" if op == ">=" else "≤"
+    if unit == "%":
+        return f"{sign} {bound * 100:g} %"
+    if unit == "x":
+        return f"{sign} {bound:g}x"
+    return f"{sign} {bound:g} {unit}".rstrip()
+
+
+def targets_json(targets: Mapping[str, Target]) -> dict[str, dict[str, Any]]:
+    """The ``targets`` entry of a result: key → ``{"op": ..., "bound": ...}``."""
+    return {key: {"op": op, "bound": bound} for key, (op, bound) in targets.items()}
+
+
+def verdicts(targets: Mapping[str, Target], values: Mapping[str, float | None]) -> dict[str, str]:
+    """The ``verdicts`` entry of a result: each target key in ``values`` → ``PASS``/``MISS``."""
+    return {key: verdict(values[key], target) for key, target in targets.items() if key in values}
+
+
+def print_table(title: str, rows: Iterable[Row]) -> None:
+    """The benchmark's table (rich) on stdout, as it is at the time of the call."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("target", justify="right")
+    table.add_column("", justify="center")
+    for row in rows:
+        style = {PASS: "green", MISS: "bold red"}.get(row.verdict, "")
+        shown = f"[{style}]{row.verdict}[/]" if style else row.verdict
+        table.add_row(row.metric, row.value, row.target, shown)
+    Console(file=sys.stdout).print(table)
+
+
+def write_json(path: Path | str, result: Mapping[str, Any]) -> Path:
+    """Write ``result`` as indented JSON (parents created; non-JSON values as ``str``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return path
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None when either is missing or ``b`` is 0."""
+    return a / b if a is not None and b else None
+
+
+def loadavg() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the platform has none)."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def timestamp() -> str:
+    """Local time, ISO 8601 with the UTC offset."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def machine_info() -> dict[str, Any]:
+    """CPUs, load, torch and Python versions: what the numbers depend on. Imports no torch."""
+    try:
+        torch_version: str | None = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    return {
+        "cpu_count": os.cpu_count(),
+        "sched_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "loadavg": loadavg(),
+        "torch": torch_version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }

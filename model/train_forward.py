@@ -1,0 +1,124 @@
+"""The training-side forward of :class:`~model.qwen3.Qwen3ForCausalLM`: dense, differentiable.
+
+The inference engine runs the model over a paged KV cache under ``torch.inference_mode()``.
+A trainer (GRPO) instead needs, for a padded ``[B, T]`` batch of whole sequences, every
+position's logits with autograd on. This module provides that on the *same* module and
+parameter names (``forward_dense`` of each layer in :mod:`model.qwen3`), so the state dict a
+trainer produces loads unchanged into :func:`~model.qwen3.build_model` for serving.
+
+Public helpers:
+
+- :func:`build_trainable_model` ``(cfg, tensors)``: the model over owned copies of
+  ``tensors``, with ``requires_grad`` on and in train mode (optimiser steps never write into
+  the weight store's shared memory). ``model.state_dict()`` is what to publish back.
+- :func:`dense_forward` ``(model, input_ids, attention_mask=None)``: logits ``[B, T, V]`` in
+  the model's dtype, differentiable.
+- :func:`token_logprobs` ``(model, input_ids, attention_mask=None, temperature=1.0)``:
+  ``[B, T-1]`` fp32 log-probability of each next token, ``log_softmax(logits / temperature)``
+  gathered at ``input_ids[:, 1:]``; entries whose context or target is padding are 0.
+- :func:`attention_positions` and :func:`attention_mask_4d`: the per-row positions and the
+  ``[B, 1, T, T]`` causal-and-padding mask the dense forward uses.
+
+Padding: ``attention_mask`` is ``[B, T]``, 1 (true) on real tokens, 0 on padding; each row's
+real tokens must be contiguous (left or right padding both work). Positions count real tokens
+only, so a row's logits do not depend on how much padding surrounds it. Logits at padded
+positions are finite but meaningless. The log-probabilities match what the engine's sampler
+reports: ``temperature=1`` for greedy requests, the request's temperature otherwise (the
+sampler's logprob is taken before top-p truncation).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.config import ModelConfig
+from model.qwen3 import Qwen3ForCausalLM, build_model
+
+
+def build_trainable_model(cfg: ModelConfig, tensors: dict[str, Tensor]) -> Qwen3ForCausalLM:
+    """The model over owned copies of ``tensors`` (HF names), trainable and in train mode.
+
+    Same validation as :func:`~model.qwen3.build_model` (``ValueError`` on a missing,
+    unexpected or misshapen tensor); tied embeddings stay tied.
+    """
+    owned = {name: t.detach().clone() for name, t in tensors.items()}
+    model = build_model(cfg, owned)
+    model.requires_grad_(True)
+    return model.train()
+
+
+def attention_positions(attention_mask: Tensor) -> Tensor:
+    """``[B, T]`` int64 positions: each real token's index among its row's real tokens.
+
+    Left padding gets position 0, right padding repeats the last real position; both are only
+    used for padded (meaningless) outputs.
+    """
+    valid = attention_mask.to(torch.long)
+    return (valid.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def attention_mask_4d(attention_mask: Tensor) -> Tensor:
+    """``[B, 1, T, T]`` bool: query ``q`` sees key ``k`` when ``k <= q`` and ``k`` is real.
+
+    Every query also sees itself, so a padded query (which may have no real key before it)
+    still gets a finite softmax; its output is ignored.
+    """
+    valid = attention_mask.to(torch.bool)
+    t = valid.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
+    mask = (causal & valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=valid.device)
+    return mask[:, None]
+
+
+def dense_hidden(
+    model: Qwen3ForCausalLM, input_ids: Tensor, attention_mask: Tensor | None = None
+) -> Tensor:
+    """Final-norm hidden states ``[B, T, hidden]`` of a ``[B, T]`` batch (see the module doc)."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+    b, t = input_ids.shape
+    if attention_mask is None:
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        return model.forward_dense(input_ids, positions, None)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != "
+            f"input_ids shape {tuple(input_ids.shape)}"
+        )
+    positions = attention_positions(attention_mask)
+    return model.forward_dense(input_ids, positions, attention_mask_4d(attention_mask))
+
+
+def dense_forward(
+    model: Qwen3ForCausalLM, input_ids: Tensor, attention_mask: Tensor | None = None
+) -> Tensor:
+    """Logits ``[B, T, vocab]`` (model dtype) for every position of a ``[B, T]`` batch."""
+    return model.compute_logits(dense_hidden(model, input_ids, attention_mask))
+
+
+def token_logprobs(
+    model: Qwen3ForCausalLM,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    """``[B, T-1]`` fp32 ``log p(input_ids[:, t+1] | input_ids[:, :t+1])``, differentiable.
+
+    Computed as ``log_softmax(logits / temperature)`` in fp32, as the engine's sampler does.
+    Entries where position ``t`` or ``t+1`` is padding are 0, so ``sum`` over a row is the
+    log-likelihood of its real continuation.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature} (greedy: use 1.0)")
+    hidden = dense_hidden(model, input_ids, attention_mask)[:, :-1]
+    logits = model.compute_logits(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = F.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    if attention_mask is None:
+        return chosen
+    valid = attention_mask.to(torch.bool)
+    return chosen.masked_fill(~(valid[:, :-1] & valid[:, 1:]), 0.0)
