@@ -16,7 +16,7 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 def check_token(value: str, what: str = "id") -> str:
     """Return ``value`` if it is safe as one subject token (no dots, spaces or wildcards)."""
-    if not value or not _TOKEN.match(value) or len(value) > 128:
+    if not value or not _TOKEN.fullmatch(value) or len(value) > 128:  # fullmatch: no "x\n"
         raise ValueError(f"{what} {value!r} is not a valid subject token ([A-Za-z0-9_-]{{1,128}})")
     return value
 

@@ -11,6 +11,12 @@ Every module also has a ``forward_dense`` path over a padded ``[batch, tokens]``
 KV cache, for training; it reuses the same parameters and projection code, so one state dict
 serves both (the public training helpers are in :mod:`model.train_forward`).
 
+Deterministic mode (``build_model(..., deterministic=True)``) swaps the matmuls, the SiLU and
+the attention for the batch-invariant versions of :mod:`model.batch_invariant`, in both the
+paged and the dense forward: a position's logits are then bitwise the same whatever the batch,
+whether its past K/V was built by prefill or by decode, and in the trainer's dense forward.
+The default (fast) mode matches them to within float rounding only.
+
 The module never owns its weights: :func:`build_model` creates it on the ``meta`` device and
 installs the caller's tensors (zero-copy views of the weight store's shared memory) as
 parameters.
@@ -18,6 +24,7 @@ parameters.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import cast
 
@@ -25,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model import batch_invariant as bi
 from model.config import ModelConfig
 
 
@@ -56,6 +64,10 @@ class AttentionMetadata:
     """Decode only: ``[B, max_blocks]`` block ids per sequence, padded with any valid id."""
     attn_mask: Tensor | None = None
     """Decode only: ``[B, 1, 1, max_blocks * block_size]``, true where a slot is in context."""
+    context_lens: Tensor | None = None
+    """Decode only: ``[B]`` tokens in each sequence's context, the new one included."""
+    block_size: int = 0
+    """Decode only: token slots per KV block (to address a position through a block table)."""
 
     @classmethod
     def prefill(cls, slot_mapping: Tensor, seq_lens: list[int]) -> AttentionMetadata:
@@ -76,7 +88,28 @@ class AttentionMetadata:
             seq_lens=[],
             block_tables=block_tables,
             attn_mask=mask[:, None, None, :],
+            context_lens=context_lens,
+            block_size=block_size,
         )
+
+    def deterministic_kv_slots(self) -> list[Tensor]:
+        """Per sequence, the flat cache slot of each key position, padded with slot 0 (read,
+        then masked) to a whole number of attention chunks (the deterministic forward)."""
+        if self.is_prefill:
+            out, start = [], 0
+            for n in self.seq_lens:
+                pad = bi.chunks_for(n) * bi.ATTENTION_CHUNK - n
+                seg = self.slot_mapping[start : start + n]
+                out.append(torch.cat([seg, seg.new_zeros(pad)]))
+                start += n
+            return out
+        assert self.block_tables is not None and self.context_lens is not None
+        bs, width = self.block_size, self.block_tables.shape[1]
+        length = bi.chunks_for(int(self.context_lens.max())) * bi.ATTENTION_CHUNK
+        pos = torch.arange(length)
+        # Positions past a table's end point at its last block: read, then masked out.
+        slots = self.block_tables[:, (pos // bs).clamp(max=width - 1)] * bs + pos % bs
+        return [slots]
 
 
 def _rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
@@ -131,27 +164,54 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def project_qkv(self, x: Tensor, cos: Tensor, sin_rot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project_qkv(
+        self, x: Tensor, cos: Tensor, sin_rot: Tensor, det: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """q and k (normed, rotated) and v, ``[..., heads, head_dim]``, for ``x`` ``[..., hidden]``.
 
         ``cos``/``sin_rot`` broadcast against the result (``[..., 1, head_dim]``). Shared by the
-        paged and the dense forward, so both compute the same projections.
+        paged and the dense forward, so both compute the same projections; ``det`` uses the
+        batch-invariant matmul.
         """
         lead = x.shape[:-1]
-        q = F.linear(x, self.q_proj.weight).view(*lead, self.num_heads, self.head_dim)
-        k = F.linear(x, self.k_proj.weight).view(*lead, self.num_kv_heads, self.head_dim)
-        v = F.linear(x, self.v_proj.weight).view(*lead, self.num_kv_heads, self.head_dim)
+        lin = bi.linear if det else _linear
+        q = lin(x, self.q_proj.weight).view(*lead, self.num_heads, self.head_dim)
+        k = lin(x, self.k_proj.weight).view(*lead, self.num_kv_heads, self.head_dim)
+        v = lin(x, self.v_proj.weight).view(*lead, self.num_kv_heads, self.head_dim)
         q = _apply_rope(self.q_norm(q), cos, sin_rot)
         k = _apply_rope(self.k_norm(k), cos, sin_rot)
         return q, k, v
 
-    def forward_dense(self, x: Tensor, cos: Tensor, sin_rot: Tensor, mask: Tensor | None) -> Tensor:
+    def forward_dense(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin_rot: Tensor,
+        mask: Tensor | None,
+        spans: list[tuple[int, int]] | None = None,
+    ) -> Tensor:
         """Causal attention over a padded batch ``x`` ``[B, T, hidden]``, no KV cache.
 
         ``mask`` is ``[B, 1, T, T]`` (true where a query may see a key) or None for plain
-        causal attention over unpadded rows.
+        causal attention over unpadded rows. With ``spans`` (deterministic mode: each row's
+        ``(start, length)`` of real tokens) ``mask`` is unused and every real query attends
+        exactly as the paged deterministic forward does; padded queries get zeros.
         """
         b, t = x.shape[:2]
+        if spans is not None:
+            q, k, v = self.project_qkv(x, cos, sin_rot, det=True)
+            rows = []
+            for i, (start, n) in enumerate(spans):
+                end = start + n
+                if n == 0:  # an all-padding row
+                    rows.append(q.new_zeros(t, self.num_heads, self.head_dim))
+                    continue
+                kv = torch.stack([k[i, start:end], v[i, start:end]])
+                pad = bi.chunks_for(n) * bi.ATTENTION_CHUNK - n
+                kv = F.pad(kv, (0, 0, 0, 0, 0, pad))
+                o = self._attend_sequence(q[i, start:end], kv)
+                rows.append(F.pad(o, (0, 0, 0, 0, start, t - end)))
+            return bi.linear(torch.stack(rows).reshape(b, t, -1), self.o_proj.weight)
         q, k, v = (y.transpose(1, 2) for y in self.project_qkv(x, cos, sin_rot))
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
@@ -166,14 +226,21 @@ class Qwen3Attention(nn.Module):
         attn: AttentionMetadata,
         flat_cache: Tensor,
         block_cache: Tensor,
+        kv_slots: list[Tensor] | None = None,
     ) -> Tensor:
         """``x`` is ``[T, hidden]``; ``flat_cache`` is this layer's ``[2, slots, kv_heads, hd]``
         view and ``block_cache`` the same memory as ``[2, blocks, block_size, kv_heads, hd]``.
+        ``kv_slots`` (deterministic mode, :meth:`AttentionMetadata.deterministic_kv_slots`)
+        selects the batch-invariant attention, which reads every key back from the cache.
         """
         t = x.shape[0]
-        q, k, v = self.project_qkv(x, cos, sin_rot)
+        det = kv_slots is not None
+        q, k, v = self.project_qkv(x, cos, sin_rot, det)
         flat_cache[0].index_copy_(0, attn.slot_mapping, k)
         flat_cache[1].index_copy_(0, attn.slot_mapping, v)
+        if kv_slots is not None:
+            out = self._deterministic_attention(q, attn, flat_cache, kv_slots)
+            return bi.linear(out.reshape(t, -1), self.o_proj.weight)
         if attn.is_prefill:
             out = self._prefill_attention(q, k, v, attn.seq_lens)
         else:
@@ -197,6 +264,34 @@ class Qwen3Attention(nn.Module):
             out[start:end] = o.transpose(0, 1)
             start = end
         return out
+
+    def _attend_sequence(self, q: Tensor, kv: Tensor) -> Tensor:
+        """One sequence's queries ``[n, heads, hd]`` at positions ``0..n-1`` over its keys and
+        values ``kv`` ``[2, L, kv_heads, hd]`` (``L`` a whole number of attention chunks)."""
+        n, g = q.shape[0], self.num_heads // self.num_kv_heads
+        # Rows of KV head h: query heads h*g .. h*g+g-1 of every token, token-major.
+        rows = q.view(n, self.num_kv_heads, g, self.head_dim).permute(1, 0, 2, 3)
+        rows = rows.reshape(1, self.num_kv_heads, n * g, self.head_dim)
+        pos = torch.arange(n).repeat_interleave(g)[None]
+        out = bi.attend(rows, pos, bi.chunk_kv(kv, 1))
+        out = out.view(self.num_kv_heads, n, g, self.head_dim).permute(1, 0, 2, 3)
+        return out.reshape(n, self.num_heads, self.head_dim)
+
+    def _deterministic_attention(
+        self, q: Tensor, attn: AttentionMetadata, flat_cache: Tensor, kv_slots: list[Tensor]
+    ) -> Tensor:
+        if attn.is_prefill:
+            outs, start = [], 0
+            for n, slots in zip(attn.seq_lens, kv_slots, strict=True):
+                outs.append(self._attend_sequence(q[start : start + n], flat_cache[:, slots]))
+                start += n
+            return torch.cat(outs)
+        assert attn.context_lens is not None
+        b, g = q.shape[0], self.num_heads // self.num_kv_heads
+        kv = bi.chunk_kv(flat_cache[:, kv_slots[0].reshape(-1)], b)
+        rows = q.view(b, self.num_kv_heads, g, self.head_dim)
+        pos = (attn.context_lens - 1)[:, None].expand(b, g)
+        return bi.attend(rows, pos, kv).reshape(b, self.num_heads, self.head_dim)
 
     def _decode_attention(self, q: Tensor, attn: AttentionMetadata, block_cache: Tensor) -> Tensor:
         assert attn.block_tables is not None and attn.attn_mask is not None
@@ -222,7 +317,10 @@ class Qwen3MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, det: bool = False) -> Tensor:
+        if det:
+            gate = bi.silu(bi.linear(x, self.gate_proj.weight))
+            return bi.linear(gate * bi.linear(x, self.up_proj.weight), self.down_proj.weight)
         gate = F.silu(F.linear(x, self.gate_proj.weight))
         return F.linear(gate * F.linear(x, self.up_proj.weight), self.down_proj.weight)
 
@@ -245,16 +343,24 @@ class Qwen3DecoderLayer(nn.Module):
         attn: AttentionMetadata,
         flat_cache: Tensor,
         block_cache: Tensor,
+        kv_slots: list[Tensor] | None = None,
     ) -> Tensor:
         h = self.input_layernorm(x)
-        x = x + self.self_attn(h, cos, sin_rot, attn, flat_cache, block_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(h, cos, sin_rot, attn, flat_cache, block_cache, kv_slots)
+        return x + self.mlp(self.post_attention_layernorm(x), kv_slots is not None)
 
-    def forward_dense(self, x: Tensor, cos: Tensor, sin_rot: Tensor, mask: Tensor | None) -> Tensor:
+    def forward_dense(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin_rot: Tensor,
+        mask: Tensor | None,
+        spans: list[tuple[int, int]] | None = None,
+    ) -> Tensor:
         """The same block over a padded batch ``[B, T, hidden]`` (see ``forward_dense`` of
-        :class:`Qwen3Attention`)."""
-        x = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin_rot, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        :class:`Qwen3Attention`; ``spans`` selects deterministic mode)."""
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin_rot, mask, spans)
+        return x + self.mlp(self.post_attention_layernorm(x), spans is not None)
 
 
 class Qwen3Model(nn.Module):
@@ -276,6 +382,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = cfg
         self.model = Qwen3Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.deterministic = False
+        """Batch-invariant forward (see the module docstring); set by :func:`build_model`."""
         self.rope_cos: Tensor
         self.rope_sin: Tensor
 
@@ -287,40 +395,67 @@ class Qwen3ForCausalLM(nn.Module):
         ``input_ids`` and ``positions`` are ``[T]`` int64; ``kv_cache`` has
         :func:`kv_cache_shape`. Returns the final-norm hidden states ``[T, hidden]``.
         """
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin_rot = self.rope_sin[positions].unsqueeze(1)
-        flat = kv_cache.flatten(2, 3)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin_rot, attn, flat[i], kv_cache[i])
-        return self.model.norm(x)
+        with bi.one_thread() if self.deterministic else contextlib.nullcontext():
+            x = F.embedding(input_ids, self.model.embed_tokens.weight)
+            cos = self.rope_cos[positions].unsqueeze(1)
+            sin_rot = self.rope_sin[positions].unsqueeze(1)
+            flat = kv_cache.flatten(2, 3)
+            kv_slots = attn.deterministic_kv_slots() if self.deterministic else None
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin_rot, attn, flat[i], kv_cache[i], kv_slots)
+            return self.model.norm(x)
 
-    def forward_dense(self, input_ids: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
+    def forward_dense(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        mask: Tensor | None,
+        spans: list[tuple[int, int]] | None = None,
+    ) -> Tensor:
         """Run a padded batch without a KV cache, autograd-friendly (the training path).
 
         ``input_ids`` and ``positions`` are ``[B, T]`` int64; ``mask`` is ``[B, 1, T, T]`` bool
-        or None (see :mod:`model.train_forward`, which builds both). Returns the final-norm
-        hidden states ``[B, T, hidden]``.
+        or None; in deterministic mode ``spans`` (each row's ``(start, length)`` of real tokens)
+        replaces the mask (see :mod:`model.train_forward`, which builds them). Returns the
+        final-norm hidden states ``[B, T, hidden]``.
         """
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        cos = self.rope_cos[positions].unsqueeze(2)
-        sin_rot = self.rope_sin[positions].unsqueeze(2)
-        for layer in self.model.layers:
-            x = cast(Qwen3DecoderLayer, layer).forward_dense(x, cos, sin_rot, mask)
-        return self.model.norm(x)
+        if self.deterministic and spans is None:
+            raise ValueError("a deterministic model's dense forward needs spans")
+        with bi.one_thread() if self.deterministic else contextlib.nullcontext():
+            x = F.embedding(input_ids, self.model.embed_tokens.weight)
+            cos = self.rope_cos[positions].unsqueeze(2)
+            sin_rot = self.rope_sin[positions].unsqueeze(2)
+            det_spans = spans if self.deterministic else None
+            for layer in self.model.layers:
+                x = cast(Qwen3DecoderLayer, layer).forward_dense(x, cos, sin_rot, mask, det_spans)
+            return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Output-layer logits ``[..., vocab]`` for hidden states ``[..., hidden]``."""
+        if self.deterministic:
+            with bi.one_thread():
+                return bi.linear(hidden, self.lm_head.weight)
         return F.linear(hidden, self.lm_head.weight)
 
 
-def build_model(cfg: ModelConfig, tensors: dict[str, Tensor]) -> Qwen3ForCausalLM:
+def logprobs_at_temperature(logits: Tensor, temperatures: Tensor) -> Tensor:
+    """fp32 ``log_softmax(logits / temperature)`` over the last dim; ``temperatures`` has
+    ``logits``' leading shape (1.0 for greedy rows). The one definition of a reported
+    log-probability: the engine's sampler and the trainer's :func:`~model.train_forward.token_logprobs`
+    both call it, so equal logits give bitwise-equal log-probabilities."""
+    return torch.log_softmax(logits.float() / temperatures.float()[..., None], dim=-1)
+
+
+def build_model(
+    cfg: ModelConfig, tensors: dict[str, Tensor], *, deterministic: bool = False
+) -> Qwen3ForCausalLM:
     """Build the model around ``tensors`` (HF names) without copying them.
 
     The module is created on the ``meta`` device, then every parameter is replaced by an
     ``nn.Parameter`` that shares storage with the given tensor, so weights living in another
     process's shared memory are used in place. Raises ``ValueError`` on a missing, unexpected
-    or misshapen tensor. Run the result under ``torch.inference_mode()``.
+    or misshapen tensor. Run the result under ``torch.inference_mode()``. ``deterministic``
+    selects the batch-invariant forward (see the module docstring).
     """
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg)
@@ -351,4 +486,9 @@ def build_model(cfg: ModelConfig, tensors: dict[str, Tensor]) -> Qwen3ForCausalL
     cos, sin_rot = _rope_tables(cfg)
     model.register_buffer("rope_cos", cos, persistent=False)
     model.register_buffer("rope_sin", sin_rot, persistent=False)
+    model.deterministic = deterministic
     return model.eval()
+
+
+def _linear(x: Tensor, weight: Tensor) -> Tensor:
+    return F.linear(x, weight)

@@ -8,9 +8,9 @@ trainer produces loads unchanged into :func:`~model.qwen3.build_model` for servi
 
 Public helpers:
 
-- :func:`build_trainable_model` ``(cfg, tensors)``: the model over owned copies of
-  ``tensors``, with ``requires_grad`` on and in train mode (optimiser steps never write into
-  the weight store's shared memory). ``model.state_dict()`` is what to publish back.
+- :func:`build_trainable_model` ``(cfg, tensors, deterministic=False)``: the model over owned
+  copies of ``tensors``, with ``requires_grad`` on and in train mode (optimiser steps never
+  write into the weight store's shared memory). ``model.state_dict()`` is what to publish back.
 - :func:`dense_forward` ``(model, input_ids, attention_mask=None)``: logits ``[B, T, V]`` in
   the model's dtype, differentiable.
 - :func:`token_logprobs` ``(model, input_ids, attention_mask=None, temperature=1.0)``:
@@ -25,26 +25,34 @@ only, so a row's logits do not depend on how much padding surrounds it. Logits a
 positions are finite but meaningless. The log-probabilities match what the engine's sampler
 reports: ``temperature=1`` for greedy requests, the request's temperature otherwise (the
 sampler's logprob is taken before top-p truncation).
+
+True on-policy: a model built with ``deterministic=True`` runs the batch-invariant forward of
+:mod:`model.batch_invariant` (the engine's, with ``EngineConfig.deterministic``), so
+:func:`token_logprobs` of a trajectory are *bitwise* equal to the log-probabilities the engine
+reported while generating it, whatever the padding or the other rows of the batch; in the
+default mode they agree to within float rounding (about 1e-6).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from model.config import ModelConfig
-from model.qwen3 import Qwen3ForCausalLM, build_model
+from model.qwen3 import Qwen3ForCausalLM, build_model, logprobs_at_temperature
 
 
-def build_trainable_model(cfg: ModelConfig, tensors: dict[str, Tensor]) -> Qwen3ForCausalLM:
+def build_trainable_model(
+    cfg: ModelConfig, tensors: dict[str, Tensor], *, deterministic: bool = False
+) -> Qwen3ForCausalLM:
     """The model over owned copies of ``tensors`` (HF names), trainable and in train mode.
 
     Same validation as :func:`~model.qwen3.build_model` (``ValueError`` on a missing,
-    unexpected or misshapen tensor); tied embeddings stay tied.
+    unexpected or misshapen tensor); tied embeddings stay tied. ``deterministic``: the
+    batch-invariant forward, bitwise equal to a deterministic engine's.
     """
     owned = {name: t.detach().clone() for name, t in tensors.items()}
-    model = build_model(cfg, owned)
+    model = build_model(cfg, owned, deterministic=deterministic)
     model.requires_grad_(True)
     return model.train()
 
@@ -81,14 +89,28 @@ def dense_hidden(
     b, t = input_ids.shape
     if attention_mask is None:
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        return model.forward_dense(input_ids, positions, None)
+        spans = [(0, t)] * b if model.deterministic else None
+        return model.forward_dense(input_ids, positions, None, spans)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} != "
             f"input_ids shape {tuple(input_ids.shape)}"
         )
     positions = attention_positions(attention_mask)
+    if model.deterministic:
+        return model.forward_dense(input_ids, positions, None, real_spans(attention_mask))
     return model.forward_dense(input_ids, positions, attention_mask_4d(attention_mask))
+
+
+def real_spans(attention_mask: Tensor) -> list[tuple[int, int]]:
+    """Each row's ``(start, length)`` of real tokens; ``ValueError`` if they are not contiguous."""
+    valid = attention_mask.to(torch.bool)
+    lengths = valid.sum(dim=1).tolist()
+    starts = valid.to(torch.int8).argmax(dim=1).tolist()
+    for i, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+        if not bool(valid[i, start : start + n].all()):
+            raise ValueError(f"row {i} of attention_mask: real tokens are not contiguous")
+    return list(zip(starts, lengths, strict=True))
 
 
 def dense_forward(
@@ -106,17 +128,15 @@ def token_logprobs(
 ) -> Tensor:
     """``[B, T-1]`` fp32 ``log p(input_ids[:, t+1] | input_ids[:, :t+1])``, differentiable.
 
-    Computed as ``log_softmax(logits / temperature)`` in fp32, as the engine's sampler does.
+    Computed as the engine's sampler does (:func:`~model.qwen3.logprobs_at_temperature`).
     Entries where position ``t`` or ``t+1`` is padding are 0, so ``sum`` over a row is the
     log-likelihood of its real continuation.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature} (greedy: use 1.0)")
     hidden = dense_hidden(model, input_ids, attention_mask)[:, :-1]
-    logits = model.compute_logits(hidden).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = F.log_softmax(logits, dim=-1)
+    logits = model.compute_logits(hidden)
+    logprobs = logprobs_at_temperature(logits, torch.full(logits.shape[:-1], temperature))
     chosen = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     if attention_mask is None:
         return chosen

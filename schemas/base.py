@@ -9,9 +9,19 @@ turns that into the bus error ``invalid_request``. This package imports nothing 
 
 from __future__ import annotations
 
-from typing import Any, TypeVar, overload
+from typing import Annotated, Any, TypeVar, overload
 
 import msgspec
+
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}\Z"
+r"""What every id matches, as a whole string (``\Z``: a trailing newline is refused too)."""
+
+Id = Annotated[str, msgspec.Meta(pattern=ID_PATTERN)]
+"""An id that may become a subject token, a message id or a path component: 1 to 128 letters,
+digits, ``_`` or ``-`` (no dots, spaces, wildcards, slashes)."""
+
+IdOrEmpty = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{0,128}\Z")]
+"""An ``Id`` or ``""`` (for fields whose empty value means "none" or "pick one")."""
 
 
 class Message(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=False):

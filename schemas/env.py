@@ -6,19 +6,43 @@ identified by a subject-safe ``sandbox_id``; checkpoints by ``checkpoint_id`` (`
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
-from schemas.base import Message
+from schemas.base import Id, IdOrEmpty, Message
+
+SandboxId = Id
+"""Sandbox id: a subject-safe token (``schemas.base.Id``); also a directory name."""
+
+TrajectoryId = Id
+"""Trajectory id (``schemas.base.Id``)."""
+
+MAX_PREFIX = 999_999_999
+"""Largest action-boundary index k (9 digits in a checkpoint id)."""
+
+CheckpointId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,160}\Z")]
+"""Checkpoint id, ``<sandbox_id>-k<prefix, 6+ digits>-<6 hex>``: the ``Id`` characters, at
+most 160 of them (a directory name)."""
+
+CheckpointIdOrEmpty = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{0,160}\Z")]
+"""A ``CheckpointId`` or ``""``."""
+
+Timeout = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
+"""A deadline in seconds, finite, at most a day (0: the service's default). The service may
+cap it lower (``EnvConfig.exec_timeout_max_s``)."""
 
 
 class SandboxLimits(msgspec.Struct, kw_only=True):
-    """Resource limits of one sandbox (Docker's pids/memory/CPU cgroup limits)."""
+    """Resource limits of one sandbox (Docker's pids/memory/CPU cgroup limits). Every limit is
+    positive and finite (no value switches a limit off); the service also caps each one by its
+    configured maximum (``EnvConfig.max_memory_mb``, ``max_cpus``, ``max_pids``)."""
 
-    memory_mb: int = 512
-    """Memory limit in MiB (no swap beyond it)."""
-    cpus: float = 1.0
-    """CPU quota in cores."""
-    pids: int = 256
+    memory_mb: Annotated[int, msgspec.Meta(ge=6, le=1_048_576)] = 512
+    """Memory limit in MiB (no swap beyond it); Docker's minimum is 6."""
+    cpus: Annotated[float, msgspec.Meta(ge=0.01, le=1024.0)] = 1.0
+    """CPU quota in cores; Docker's granularity is 0.01."""
+    pids: Annotated[int, msgspec.Meta(ge=1, le=4_194_304)] = 256
     """Maximum number of processes/threads."""
 
 
@@ -28,7 +52,7 @@ class TaskFile(msgspec.Struct, kw_only=True):
     path: str
     """Absolute path inside the sandbox."""
     content: bytes
-    mode: int = 0o644
+    mode: Annotated[int, msgspec.Meta(ge=0, le=0o7777)] = 0o644
 
 
 class EnvCreate(Message, tag="EnvCreate.v1"):
@@ -37,17 +61,17 @@ class EnvCreate(Message, tag="EnvCreate.v1"):
     image: str = ""
     files: list[TaskFile] = []
     limits: SandboxLimits = msgspec.field(default_factory=SandboxLimits)
-    trajectory_id: str = ""
+    trajectory_id: IdOrEmpty = ""
     """Trajectory this sandbox serves (stamped on its checkpoints and events)."""
-    sandbox_id: str = ""
+    sandbox_id: IdOrEmpty = ""
     """Optional caller-chosen id (subject-safe); default: a fresh random id."""
 
 
 class EnvCreated(Message, tag="EnvCreated.v1"):
     """Reply to ``EnvCreate``."""
 
-    sandbox_id: str
-    container_id: str
+    sandbox_id: SandboxId
+    container_id: Id
     image: str
     duration_s: float = 0.0
 
@@ -55,16 +79,16 @@ class EnvCreated(Message, tag="EnvCreated.v1"):
 class EnvExec(Message, tag="EnvExec.v1"):
     """Run ``command`` (``sh -c``) in the sandbox; killed after ``timeout_s``."""
 
-    sandbox_id: str
+    sandbox_id: SandboxId
     command: str
-    timeout_s: float = 30.0
+    timeout_s: Timeout = 30.0
     workdir: str = ""
 
 
 class EnvExecResult(Message, tag="EnvExecResult.v1"):
     """Reply to ``EnvExec``. Output beyond the service's cap is dropped (``truncated``)."""
 
-    sandbox_id: str
+    sandbox_id: SandboxId
     stdout: str
     stderr: str
     exit_code: int
@@ -76,21 +100,21 @@ class EnvExecResult(Message, tag="EnvExecResult.v1"):
 class EnvCheckpoint(Message, tag="EnvCheckpoint.v1"):
     """``full_checkpoint``: capture files + processes at action boundary ``prefix``."""
 
-    sandbox_id: str
-    prefix: int
+    sandbox_id: SandboxId
+    prefix: Annotated[int, msgspec.Meta(ge=0, le=MAX_PREFIX)]
     """Action-boundary index k the checkpoint belongs to (must exceed the ready one)."""
-    trajectory_id: str = ""
-    timeout_s: float = 0.0
+    trajectory_id: IdOrEmpty = ""
+    timeout_s: Timeout = 0.0
     """0: the service's default checkpoint timeout."""
 
 
 class CheckpointInfo(Message, tag="CheckpointInfo.v1"):
     """A ready checkpoint (reply to ``EnvCheckpoint``; also the ``checkpoint_ready`` data)."""
 
-    sandbox_id: str
-    trajectory_id: str
+    sandbox_id: SandboxId
+    trajectory_id: IdOrEmpty
     prefix: int
-    checkpoint_id: str
+    checkpoint_id: CheckpointId
     fs_bytes: int
     """Size of the writable-layer archive."""
     criu_bytes: int
@@ -109,17 +133,17 @@ class CheckpointInfo(Message, tag="CheckpointInfo.v1"):
 class EnvRestore(Message, tag="EnvRestore.v1"):
     """``full_restore``: roll the sandbox back to a ready checkpoint in a fresh container."""
 
-    sandbox_id: str
-    checkpoint_id: str = ""
+    sandbox_id: SandboxId
+    checkpoint_id: CheckpointIdOrEmpty = ""
     """Empty: the latest ready checkpoint."""
 
 
 class EnvRestored(Message, tag="EnvRestored.v1"):
     """Reply to ``EnvRestore``."""
 
-    sandbox_id: str
-    container_id: str
-    checkpoint_id: str
+    sandbox_id: SandboxId
+    container_id: Id
+    checkpoint_id: CheckpointId
     prefix: int
     duration_s: float
     method: str = "docker"
@@ -130,13 +154,13 @@ class EnvRestored(Message, tag="EnvRestored.v1"):
 class EnvDestroy(Message, tag="EnvDestroy.v1"):
     """Remove the sandbox, its container and all its checkpoints."""
 
-    sandbox_id: str
+    sandbox_id: SandboxId
 
 
 class EnvGc(Message, tag="EnvGc.v1"):
     """Drop the checkpoints of a finished trajectory (its sandboxes stay)."""
 
-    trajectory_id: str
+    trajectory_id: TrajectoryId
 
 
 class EnvList(Message, tag="EnvList.v1"):
@@ -146,13 +170,13 @@ class EnvList(Message, tag="EnvList.v1"):
 class SandboxInfo(msgspec.Struct, kw_only=True):
     """One sandbox as ``env ls`` shows it."""
 
-    id: str
-    container_id: str
+    id: SandboxId
+    container_id: IdOrEmpty
     image: str
     state: str
-    trajectory_id: str = ""
+    trajectory_id: IdOrEmpty = ""
     ready_prefix: int | None = None
-    checkpoint_id: str | None = None
+    checkpoint_id: CheckpointId | None = None
     checkpoints: int = 0
     cooldown_until: float = 0.0
 
@@ -166,10 +190,10 @@ class EnvListing(Message, tag="EnvListing.v1"):
 class ReadyPointer(msgspec.Struct, kw_only=True):
     """Value of the ``sandbox_prefix`` KV entry (key: the sandbox id)."""
 
-    sandbox_id: str
+    sandbox_id: SandboxId
     prefix: int
-    checkpoint_id: str
-    trajectory_id: str = ""
+    checkpoint_id: CheckpointId
+    trajectory_id: IdOrEmpty = ""
     ts: float = 0.0
 
 

@@ -18,6 +18,8 @@ import msgspec
 
 from schemas.base import Message
 from schemas.env import CheckpointInfo
+from schemas.node import RunId
+from schemas.serving import EngineId, RequestId
 
 
 # --- common fields ---------------------------------------------------------------------------
@@ -37,7 +39,7 @@ class EventBase(Message, kw_only=True):
 class EngineEvent(EventBase, kw_only=True):
     """An event about one engine."""
 
-    engine_id: str
+    engine_id: EngineId
     """Engine the event is about (``e0``, …)."""
 
 
@@ -70,9 +72,9 @@ class NodeReady(SupervisorEvent, tag="NodeReady.v1"):
     """Every service of the node is up and the bus checks passed."""
 
     kind: ClassVar[str] = "node_ready"
-    engines: list[str]
+    engines: list[EngineId]
     """Engine ids the node serves."""
-    run_id: str
+    run_id: RunId
     """Id of this node run (names its shared-memory segments and message ids)."""
 
 
@@ -109,18 +111,18 @@ class ResidualKilled(SupervisorEvent, tag="ResidualKilled.v1"):
     """After a handover the old (hung) main worker was still alive: the supervisor killed it."""
 
     kind: ClassVar[str] = "residual_killed"
-    engine_id: str
+    engine_id: EngineId
     """Engine whose old worker it was."""
     pid: int | None
     """Pid of the killed process."""
 
 
 class EngineRetired(SupervisorEvent, tag="EngineRetired.v1"):
-    """The router marked the engine unhealthy: the supervisor stopped its worker and shadow
-    and restarts neither."""
+    """The router lists the engine unhealthy (``router.status``): the supervisor stopped its
+    worker and shadow and restarts neither."""
 
     kind: ClassVar[str] = "engine_retired"
-    engine_id: str
+    engine_id: EngineId
     """Engine retired."""
     reason: str
     """The router's reason (``repeated failure``)."""
@@ -196,7 +198,8 @@ class HandoverHealthOk(EngineEvent, tag="HandoverHealthOk.v1"):
 
 
 class HandoverFlushed(EngineEvent, tag="HandoverFlushed.v1"):
-    """Handover step 3: the KV arena was zeroed under the new epoch."""
+    """Handover step 3: the shadow claimed the new epoch (compare-and-set) and the KV arena was
+    zeroed under exactly that epoch."""
 
     kind: ClassVar[str] = "handover_flushed"
     t_flush: float
@@ -204,7 +207,7 @@ class HandoverFlushed(EngineEvent, tag="HandoverFlushed.v1"):
 
 
 class HandoverReady(EngineEvent, tag="HandoverReady.v1"):
-    """Handover step 4: the shadow claimed the new epoch and is ready to serve."""
+    """Handover step 4: the shadow serves under the epoch it claimed at step 3."""
 
     kind: ClassVar[str] = "handover_ready"
     epoch: int
@@ -265,7 +268,7 @@ class RequestsResumed(RouterEvent, tag="RequestsResumed.v1"):
     """Number of requests resumed."""
     held_tokens: int
     """Tokens they held in all (not generated again)."""
-    request_ids: list[str]
+    request_ids: list[RequestId]
     """The requests resumed."""
 
 
@@ -280,7 +283,7 @@ class EngineFailedEvent(RouterEvent, tag="EngineFailedEvent.v1"):
     """Pid of the failed worker."""
     reason: str
     """``exited``, ``hung``, ``heartbeat``, ``replaced``, ``submit failed``, …"""
-    request_ids: list[str]
+    request_ids: list[RequestId]
     """Requests it held (they wait for the engine's next worker)."""
 
 
@@ -295,7 +298,7 @@ class EngineRecovered(RouterEvent, tag="EngineRecovered.v1"):
     """The worker's pid."""
     requests: int
     """Number of requests it got back."""
-    request_ids: list[str]
+    request_ids: list[RequestId]
     """The requests it got back."""
 
 
@@ -308,7 +311,7 @@ class EngineUnhealthy(RouterEvent, tag="EngineUnhealthy.v1"):
     """Why (``repeated failure``)."""
     moved_requests: int
     """Number of requests moved to other engines."""
-    request_ids: list[str]
+    request_ids: list[RequestId]
     """The requests moved."""
     alert: bool = True
     """Always true: an operator should look at the device."""
@@ -325,7 +328,7 @@ class StaleOutputRejected(RouterEvent, tag="StaleOutputRejected.v1"):
     """Pid of the worker that sent it."""
     current_epoch: int | None
     """The engine's current epoch (``None``: an unknown engine)."""
-    request_ids: list[str]
+    request_ids: list[RequestId]
     """Requests the dropped batch carried tokens for."""
 
 
@@ -360,7 +363,7 @@ class RequestsAdopted(RouterEvent, tag="RequestsAdopted.v1"):
     kind: ClassVar[str] = "requests_adopted"
     count: int
     """Number of requests the worker reported holding."""
-    request_ids: list[str]
+    request_ids: list[RequestId]
     """The requests adopted (not generated again)."""
 
 
@@ -369,7 +372,7 @@ class AdoptMismatch(RouterEvent, tag="AdoptMismatch.v1"):
     request is resumed from the log instead."""
 
     kind: ClassVar[str] = "adopt_mismatch"
-    request_id: str
+    request_id: RequestId
     """The request."""
     logged: int
     """Tokens in the log."""
@@ -380,7 +383,7 @@ class TokenGapResubmitted(RouterEvent, tag="TokenGapResubmitted.v1"):
     resubmitted from the tokens held."""
 
     kind: ClassVar[str] = "token_gap_resubmitted"
-    request_id: str
+    request_id: RequestId
     """The request."""
     held: int
     """Tokens the router held."""
@@ -392,7 +395,7 @@ class RequestFailed(RouterEvent, tag="RequestFailed.v1"):
     """The worker reported an error for a request: it finished with ``error``."""
 
     kind: ClassVar[str] = "request_failed"
-    request_id: str
+    request_id: RequestId
     """The request."""
     error: str
     """The worker's error message."""
@@ -400,7 +403,8 @@ class RequestFailed(RouterEvent, tag="RequestFailed.v1"):
 
 # --- memory owners and environment -----------------------------------------------------------
 class WeightsUpdated(WeightStoreEvent, tag="WeightsUpdated.v1"):
-    """A pushed weight version is now current (workers and shadows switch to it)."""
+    """A pushed weight version is now current: a hint for workers and shadows, which switch to
+    the version KV ``weight_version`` marks current."""
 
     kind: ClassVar[str] = "weights_updated"
     version: int

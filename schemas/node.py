@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
-from schemas.base import Message
+from schemas.base import Id, Message
+
+RunId = Id
+"""Id of one node run (names its shared-memory segments and message ids)."""
 
 
 class ProcInfo(msgspec.Struct, kw_only=True):
@@ -24,7 +27,7 @@ class SupervisorStatusRequest(Message, tag="SupervisorStatusRequest.v1"):
 class SupervisorStatus(Message, tag="SupervisorStatus.v1"):
     """The supervisor's process table."""
 
-    run_id: str
+    run_id: RunId
     pid: int
     ready: bool
     procs: list[ProcInfo]

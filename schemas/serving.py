@@ -6,12 +6,26 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from schemas.base import ErrorReply, Message
+from schemas.base import ErrorReply, Id, IdOrEmpty, Message
 
-RequestId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_\-]{1,128}$")]
-"""Caller-chosen request id: letters, digits, ``_`` and ``-``, at most 128 characters."""
+RequestId = Id
+"""Caller-chosen request id: 1 to 128 letters, digits, ``_`` and ``-`` (``schemas.base.Id``)."""
 
-TokenId = Annotated[int, msgspec.Meta(ge=0)]
+EngineId = Id
+"""Engine id (``e0``, …): a subject token (``belayer.engine.<engine_id>.generate``)."""
+
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest token id any message carries (vocabularies are far smaller; the router and the
+worker check the model's own vocabulary)."""
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+
+MAX_TOKENS = 1_000_000
+"""Schema cap of ``SamplingParams.max_tokens`` (the router's own limit is lower, see
+``RouterConfig``)."""
+
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+"""A sampling seed: any signed 64-bit integer."""
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -22,9 +36,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Softmax temperature; 0 selects the argmax."""
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     """Nucleus sampling mass."""
-    seed: int | None = None
+    seed: Seed | None = None
     """With a seed, token j of a request depends only on (seed, j, logits): resumes reproduce."""
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 64
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 64
     """Most new tokens to generate."""
     stop_token_ids: list[TokenId] = []
     """Extra ids that end the request (the model's EOS ids always do unless ``ignore_eos``)."""
@@ -46,21 +60,21 @@ class GenerateRequest(Message, tag="GenerateRequest.v1"):
     """Sampling parameters."""
     stream: bool = True
     """Send a ``TokenDelta`` per engine step before the final result."""
-    engine_id: str | None = None
+    engine_id: EngineId | None = None
     """Pin to one engine (unknown → ``not_found``); default: least-loaded healthy engine."""
 
 
 class TokenDelta(Message, tag="TokenDelta.v1"):
     """Router → caller: new tokens of one request. ``start`` is the index of the first one."""
 
-    request_id: str
+    request_id: RequestId
     start: int
     """Index (among generated tokens) of ``token_ids[0]``; lets callers detect gaps."""
     token_ids: list[int]
     logprobs: list[float]
     weight_version: int
     """Weight version that produced these tokens."""
-    router_id: str = ""
+    router_id: IdOrEmpty = ""
     """Incarnation of the router process that sent this (new after every router restart), so
     a caller can tell it rode through a restart."""
 
@@ -68,7 +82,7 @@ class TokenDelta(Message, tag="TokenDelta.v1"):
 class GenerateResult(Message, tag="GenerateResult.v1"):
     """Router → caller: the finished request."""
 
-    request_id: str
+    request_id: RequestId
     token_ids: list[int]
     """Generated tokens (not the prompt)."""
     text: str
@@ -81,7 +95,7 @@ class GenerateResult(Message, tag="GenerateResult.v1"):
     prompt_token_ids: list[int] = []
     token_weight_versions: list[int] = []
     """Weight version per generated token."""
-    engine_ids: list[str] = []
+    engine_ids: list[EngineId] = []
     """Engines that worked on the request, in order (more than one after a handover)."""
     resumes: int = 0
     """How many times the request was resumed on another worker."""
@@ -89,7 +103,7 @@ class GenerateResult(Message, tag="GenerateResult.v1"):
     """True if the weight version changed between the prefix and a resumed continuation."""
     regenerated: int = 0
     """Tokens that were generated again after a failure (0 under token-level recovery)."""
-    router_id: str = ""
+    router_id: IdOrEmpty = ""
     """Incarnation of the router process that sent this result (see ``TokenDelta``)."""
     router_restarts: int = 0
     """Router restarts the request rode through: the router sends 1 when a restarted router
@@ -111,10 +125,10 @@ class CancelRequest(Message, tag="CancelRequest.v1"):
 class EngineRequest(msgspec.Struct, kw_only=True):
     """One request as the router hands it to a worker (fresh or resumed)."""
 
-    request_id: str
-    token_ids: list[int]
+    request_id: RequestId
+    token_ids: list[TokenId]
     """Prompt + every token the router already holds (a resume rebuilds KV by prefill)."""
-    generated_offset: int = 0
+    generated_offset: Annotated[int, msgspec.Meta(ge=0)] = 0
     """How many of ``token_ids`` were generated before (0 for a fresh request)."""
     sampling: SamplingParams
     """``max_tokens`` is what is left to generate."""
@@ -126,7 +140,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
 class EngineSubmit(Message, tag="EngineSubmit.v1"):
     """Router → worker (``belayer.engine.<id>.generate``); the worker replies ``Ok`` once queued."""
 
-    engine_id: str
+    engine_id: EngineId
     epoch: int
     """The engine epoch the router believes current; a worker of another epoch refuses."""
     requests: list[EngineRequest]
@@ -135,15 +149,15 @@ class EngineSubmit(Message, tag="EngineSubmit.v1"):
 class EngineAbort(Message, tag="EngineAbort.v1"):
     """Router → worker: drop requests."""
 
-    engine_id: str
+    engine_id: EngineId
     epoch: int
-    request_ids: list[str]
+    request_ids: list[RequestId]
 
 
 class SeqDelta(msgspec.Struct, kw_only=True):
     """One request's output in one engine step."""
 
-    request_id: str
+    request_id: RequestId
     token_ids: list[int]
     logprobs: list[float]
     finished: bool = False
@@ -157,7 +171,7 @@ class SeqDelta(msgspec.Struct, kw_only=True):
 class StepBatch(Message, tag="StepBatch.v1"):
     """Worker → router (``belayer.router.tokens``): every request's new tokens of one step."""
 
-    engine_id: str
+    engine_id: EngineId
     epoch: int
     """Epoch of the worker that produced it; the router drops batches of stale epochs."""
     worker_pid: int
@@ -165,24 +179,29 @@ class StepBatch(Message, tag="StepBatch.v1"):
     """Monotonic per worker."""
     weight_version: int
     deltas: list[SeqDelta]
+    running: int = -1
+    """Requests the worker runs after this step (whoever sent them); -1: not reported."""
+    waiting: int = -1
+    """Requests queued in the worker, not running yet; the router places new work by these
+    counts. -1: not reported."""
 
 
 class RegisterWorker(Message, tag="RegisterWorker.v1"):
     """Worker → router (``belayer.router.register``) when it becomes the engine's main worker."""
 
-    engine_id: str
+    engine_id: EngineId
     epoch: int
     pid: int
     device: str = "cpu"
     weight_version: int = 0
-    max_num_seqs: int = 16
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 16
     role: Literal["main", "shadow"] = "main"
 
 
 class RegisterReply(Message, tag="RegisterReply.v1"):
     """Router → worker: accepted registration (with the epoch now current)."""
 
-    engine_id: str
+    engine_id: EngineId
     epoch: int
     resumed_requests: int = 0
     """Interrupted requests the router is resubmitting to the new worker."""
@@ -191,7 +210,7 @@ class RegisterReply(Message, tag="RegisterReply.v1"):
 class PingReply(Message, tag="PingReply.v1"):
     """Worker → caller of ``belayer.engine.<id>.ping``."""
 
-    engine_id: str
+    engine_id: EngineId
     epoch: int
     pid: int
     running: int
@@ -205,7 +224,7 @@ class TokenLogChunk(Message, tag="TokenLogChunk.v1"):
     """Durable copy of a request's tokens (stream TOKENS), published every k tokens and at the
     end with ``Nats-Msg-Id = <request_id>:<chunk_index>`` so a replay never duplicates."""
 
-    request_id: str
+    request_id: RequestId
     chunk_index: int
     start: int
     """Index of ``token_ids[0]`` among generated tokens."""
@@ -219,11 +238,11 @@ class TokenLogChunk(Message, tag="TokenLogChunk.v1"):
 class AcceptedRequest(Message, tag="AcceptedRequest.v1"):
     """The request as the router accepted it (stream REQUESTS, msg id = request id)."""
 
-    request_id: str
+    request_id: RequestId
     prompt_token_ids: list[int]
     sampling: SamplingParams
     reply_to: str | None = None
-    engine_id: str | None = None
+    engine_id: EngineId | None = None
     accepted_at: float = 0.0
     seed_filled: bool = False
     """True when the caller sent no seed and ``sampling.seed`` was filled in by the router (a
@@ -234,14 +253,23 @@ class AcceptedRequest(Message, tag="AcceptedRequest.v1"):
 class EngineInfo(msgspec.Struct, kw_only=True):
     """The router's view of one engine."""
 
-    id: str
+    id: EngineId
     epoch: int
     worker_pid: int
     healthy: bool
+    """Up: a live worker of the current epoch serves it (false while it is down — its worker
+    failed and the next one has not registered yet — or unhealthy)."""
     device: str = "cpu"
     running: int = 0
+    """Requests the router has on this engine."""
     weight_version: int = 0
     failures: int = 0
+    state: str = ""
+    """``up``, ``down`` (waiting for its next worker) or ``unhealthy`` (retired from
+    placement); empty from a router that does not say."""
+    holding: int = 0
+    """Requests the worker holds as the router last heard from it (running + queued, counting
+    work that did not come from this router)."""
 
 
 class RouterStatus(Message, tag="RouterStatus.v1"):
@@ -268,7 +296,7 @@ class EngineFailed(Message, tag="EngineFailed.v1"):
     """Shadow or supervisor → router (``belayer.router.engine_failed``): the main worker of
     ``engine_id`` at ``epoch`` died or hung. Idempotent per epoch."""
 
-    engine_id: str
+    engine_id: EngineId
     epoch: int
     pid: int = 0
     reason: str = ""
@@ -281,13 +309,13 @@ class EngineStateRequest(Message, tag="EngineStateRequest.v1"):
     """Request on ``belayer.engine.<id>.state``: what the worker holds for these requests
     (a restarted router adopts running requests instead of regenerating them)."""
 
-    request_ids: list[str]
+    request_ids: list[RequestId]
 
 
 class HeldRequest(msgspec.Struct, kw_only=True):
     """A worker's copy of one request: every generated token it knows, held ones included."""
 
-    request_id: str
+    request_id: RequestId
     token_ids: list[int]
     logprobs: list[float]
     finished: bool = False
@@ -298,7 +326,7 @@ class EngineStateReply(Message, tag="EngineStateReply.v1"):
     """Reply of ``belayer.engine.<id>.state``: requests the worker runs or recently finished
     (unknown ids are simply absent)."""
 
-    engine_id: str
+    engine_id: EngineId
     epoch: int
     weight_version: int
     requests: list[HeldRequest]

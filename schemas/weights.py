@@ -7,6 +7,7 @@ from typing import Literal
 import msgspec
 
 from schemas.base import Message
+from schemas.serving import EngineId
 
 
 class MemoryHandle(msgspec.Struct, kw_only=True):
@@ -65,13 +66,13 @@ class WeightsPush(Message, tag="WeightsPush.v1"):
 class KvGet(Message, tag="KvGet.v1"):
     """Request the KV arena descriptor of one engine."""
 
-    engine_id: str
+    engine_id: EngineId
 
 
 class ArenaDesc(Message, tag="ArenaDesc.v1"):
     """An engine's paged KV block pool: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
 
-    engine_id: str
+    engine_id: EngineId
     handle: MemoryHandle
     shape: list[int]
     dtype: str
@@ -86,5 +87,5 @@ class ArenaDesc(Message, tag="ArenaDesc.v1"):
 class KvFlush(Message, tag="KvFlush.v1"):
     """Zero an engine's arena before a new worker uses it (handover step 3)."""
 
-    engine_id: str
+    engine_id: EngineId
     epoch: int = 0

@@ -1,36 +1,115 @@
-"""Helpers shared by the CLI commands: running coroutines, error reporting, bus access."""
+"""Helpers shared by the CLI commands: running coroutines, error reporting, bus access.
+
+No traceback reaches a user: every error is one line on stderr (``error: …``) and a non-zero
+exit — 2 for a bad argument or request (``invalid_request``, a usage error), 1 otherwise.
+``OneLineErrors`` (the ``belayer`` app's command class) does it for usage errors and for
+anything a command did not catch; ``run`` for what a coroutine raises."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, NoReturn, TypeVar
 
+import msgspec
 import typer
+from typer.core import TyperGroup
 
 from common.bus import connect
+from common.codec import decode, encode
 from common.errors import BelayerError, InvalidRequest
 from common.node import resolve_nats_url
 
 T = TypeVar("T")
+M = TypeVar("M")
 
 
-def fail(message: str, code: int = 1) -> None:
+def one_line(message: str) -> str:
+    """``message`` on one line (newlines and runs of spaces folded)."""
+    return " ".join(message.split())
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine; Belayer errors become a clear message and a non-zero exit."""
+    """Run a coroutine; Belayer errors become one clear line and a non-zero exit (2 for an
+    invalid request), and so does a value no message can carry (an integer past 64 bits)."""
     try:
         return asyncio.run(coro)
     except BelayerError as exc:
-        fail(str(exc), 2 if isinstance(exc, InvalidRequest) else 1)
+        fail(one_line(str(exc)), 2 if isinstance(exc, InvalidRequest) else 1)
+    except (OverflowError, msgspec.EncodeError) as exc:
+        fail(one_line(f"invalid request: {exc}"), 2)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    raise AssertionError("unreachable")
+
+
+def checked(msg: M) -> M:
+    """``msg`` as a service would decode it; if a service would refuse it, the same
+    ``invalid_request`` (naming the field) is the command's one error line, exit 2, before
+    anything is sent — also for a value that does not even encode (an integer past 64 bits)."""
+    try:
+        return decode(encode(msg), type(msg))
+    except InvalidRequest as exc:
+        fail(one_line(str(exc)), 2)
+    except (OverflowError, msgspec.EncodeError) as exc:
+        fail(one_line(f"invalid request: {exc}"), 2)
+
+
+def finite(value: float | None) -> float | None:
+    """A typer callback: refuse NaN and infinities (click's ranges let NaN through)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+class OneLineErrors(TyperGroup):
+    """The ``belayer`` app's command class: a usage error (bad option, value out of range) is
+    one ``error:`` line, exit 2 (click would print a usage block and a framed message), and an
+    exception no command caught is one line, exit 1, instead of a traceback."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
+        def inner() -> Any:
+            return super(OneLineErrors, self).main(
+                args, prog_name, complete_var, False, windows_expand_args, **extra
+            )
+
+        if not standalone_mode:
+            return inner()
+        try:
+            code = inner()
+        except Exception as exc:
+            sys.exit(_report(exc))
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _report(exc: Exception) -> int:
+    """Print ``exc`` as one line (or the help it stands for); its exit code."""
+    if type(exc).__name__ == "NoArgsIsHelpError":  # the help text, as asked for
+        exc.show()  # type: ignore[attr-defined]
+        return int(getattr(exc, "exit_code", 2))
+    if isinstance(exc, typer.Abort):
+        typer.echo("error: aborted", err=True)
+        return 1
+    if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):  # click's usage errors
+        typer.echo(f"error: {one_line(exc.format_message())}", err=True)
+        return int(exc.exit_code)
+    typer.echo(f"error: internal error: {one_line(f'{type(exc).__name__}: {exc}')}", err=True)
+    return 1
 
 
 async def with_bus(

@@ -12,19 +12,27 @@ import typer
 
 from common.config import RunPaths
 from common.node import read_node
-from schemas.serving import GenerateRequest, SamplingParams, TokenDelta
-from services.cli.common import fail, print_json, run, with_bus
+from schemas.serving import MAX_TOKENS, GenerateRequest, SamplingParams, TokenDelta
+from services.cli.common import checked, fail, finite, print_json, run, with_bus
 from services.router.client import generate as generate_request
 
 
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Most new tokens."),
-    temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (0, 1]."),
+    max_tokens: int = typer.Option(
+        64, "--max-tokens", min=1, max=MAX_TOKENS, help="Most new tokens."
+    ),
+    temperature: float = typer.Option(
+        1.0, "--temperature", min=0.0, max=100.0, callback=finite, help="0 = greedy."
+    ),
+    top_p: float = typer.Option(
+        1.0, "--top-p", callback=finite, help="Nucleus sampling mass (0, 1]."
+    ),
     seed: int | None = typer.Option(
         None,
         "--seed",
+        min=-(2**63),
+        max=2**63 - 1,
         help="Seed: the same seed reproduces the same tokens, even across a handover.",
     ),
     request_id: str = typer.Option(
@@ -38,6 +46,9 @@ def generate(
     timeout: float = typer.Option(
         300.0,
         "--timeout",
+        min=0.001,
+        max=86_400.0,
+        callback=finite,
         help="Overall deadline in seconds. Until then a router restart or a dropped stream is "
         "ridden through: the same request id is resubmitted and the stream re-attached.",
     ),
@@ -59,6 +70,7 @@ def generate(
         stream=not json_out,
         engine_id=engine,
     )
+    checked(req)  # the router's own validation, before anything is sent
 
     decode = _local_decoder()
     state: dict[str, Any] = {"tokens": [], "shown": ""}

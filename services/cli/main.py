@@ -13,8 +13,10 @@ import typer
 
 from services.cli import generate as generate_cmd
 from services.cli import node as node_cmds
+from services.cli.common import OneLineErrors
 
 app = typer.Typer(
+    cls=OneLineErrors,  # every error one line, never a traceback
     name="belayer",
     help="Belayer: failure-tolerant agentic RL rollout. Start a node with `belayer up`, send "
     "requests with `belayer generate`, watch recovery with `belayer events`, stop with `belayer down`.",

@@ -104,6 +104,12 @@ def up(
         min=1,
         help="Decode batch limit per engine.",
     ),
+    deterministic: bool = typer.Option(
+        NODE_DEFAULTS.worker.engine.deterministic,
+        "--deterministic/--no-deterministic",
+        help="Batch-invariant inference: a seeded request's tokens depend only on the weights, "
+        "prompt, sampling and seed, so sampled requests resume exactly after a failure.",
+    ),
     failure_window: float = typer.Option(
         NODE_DEFAULTS.router.failure_window_s,
         "--failure-window",
@@ -161,7 +167,9 @@ def up(
         worker=dataclasses.replace(
             d.worker,
             hang_threshold_s=hang_threshold,
-            engine=dataclasses.replace(d.worker.engine, max_num_seqs=max_num_seqs),
+            engine=dataclasses.replace(
+                d.worker.engine, max_num_seqs=max_num_seqs, deterministic=deterministic
+            ),
         ),
     )
     argv = [sys.executable, "-m", "services.supervisor", *config_argv(config)]
@@ -334,6 +342,7 @@ def status(
     }
     if rs is not None:
         engines = [msgspec.to_builtins(e) for e in rs.engines]
+        mark_dead_workers(engines, procs if ss else None, local=node is not None)
     else:
         # Last known: epochs from the engine_epochs bucket, pids from the supervisor.
         pids = {p["name"]: p["pid"] for p in procs}
@@ -374,6 +383,24 @@ def status(
         )
     for p in procs:
         typer.echo(f"  {p['name']:14} pid {p['pid']}  alive {p['alive']}  restarts {p['restarts']}")
+
+
+def mark_dead_workers(
+    engines: list[dict[str, Any]], procs: list[dict[str, Any]] | None, *, local: bool
+) -> None:
+    """Never show a dead pid as healthy: an engine whose worker pid is not a live process of
+    the node (the supervisor's table; without it, this host's, for a local node) is shown
+    down, whatever the router last heard."""
+    if procs is not None:
+        live = {p["pid"] for p in procs if p["alive"]}
+        gone = [e for e in engines if e["worker_pid"] not in live]
+    elif local:
+        gone = [e for e in engines if not pid_alive(e["worker_pid"])]
+    else:
+        return
+    for e in gone:
+        if e["healthy"]:
+            e["healthy"], e["state"] = False, "down"
 
 
 async def engine_epochs(nc: Any) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,12 @@ class EnvConfig:
     """Default CPU quota (cores)."""
     default_pids: int = 256
     """Default pids limit."""
+    max_memory_mb: int = 16_384
+    """Largest memory limit (MiB) a ``create`` may ask for; above it: ``invalid_request``."""
+    max_cpus: float = field(default_factory=lambda: float(os.cpu_count() or 1))
+    """Largest CPU quota (cores) a ``create`` may ask for (default: this machine's CPUs)."""
+    max_pids: int = 4096
+    """Largest pids limit a ``create`` may ask for."""
     fsync: bool = True
     """fsync checkpoint files and directories before publishing them."""
     fsync_page_images: bool = False

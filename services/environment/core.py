@@ -14,6 +14,7 @@ Checkpoint layout (one directory per checkpoint, written under a temp name, rena
 from __future__ import annotations
 
 import enum
+import math
 import secrets
 import time
 from pathlib import Path
@@ -66,6 +67,21 @@ class Limits(msgspec.Struct, kw_only=True):
     memory_mb: int
     cpus: float
     pids: int
+
+
+def check_limits(limits: Limits, maximum: Limits) -> Limits:
+    """``limits`` if every one is positive, finite and at most ``maximum``'s (the service's
+    configured caps); else ``InvalidRequest`` naming the field. A zero or negative Docker limit
+    would mean *no* limit, so none gets through (the schema refuses them too)."""
+    for name in ("memory_mb", "cpus", "pids"):
+        value, most = getattr(limits, name), getattr(maximum, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= most):
+            raise InvalidRequest(
+                f"limits.{name} must be in (0, {most}]", field=f"$.limits.{name}", max=most
+            )
+    if int(limits.cpus * 1e9) < 10_000_000:  # Docker's floor, 0.01 core; NanoCpus 0 = no limit
+        raise InvalidRequest("limits.cpus must be at least 0.01", field="$.limits.cpus", min=0.01)
+    return limits
 
 
 class SandboxRecord(msgspec.Struct, kw_only=True):

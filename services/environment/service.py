@@ -19,6 +19,7 @@ from nats.js.kv import KeyValue
 from common import events, subjects
 from common.bus import Handler
 from common.errors import BusUnavailable, Conflict, SandboxError
+from common.guard import isolated
 from common.logging import get_logger
 from common.service import Service, run_service
 from schemas.base import Ok
@@ -68,7 +69,14 @@ class KvReadyStore:
             raise BusUnavailable(f"cannot read the ready pointer: {exc!r}") from None
         if not entry.value:
             return None, int(entry.revision or 0)
-        return msgspec.msgpack.decode(entry.value, type=ReadyPointer), int(entry.revision or 0)
+        try:
+            pointer = msgspec.msgpack.decode(entry.value, type=ReadyPointer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # Not ours to trust (anyone on the bus can write the bucket): no ready pointer; the
+            # next checkpoint replaces it (compare-and-set on this revision).
+            log.warning("bad_ready_pointer", sandbox_id=sandbox_id, error=str(exc))
+            return None, int(entry.revision or 0)
+        return pointer, int(entry.revision or 0)
 
     async def advance(self, pointer: ReadyPointer, expected_rev: int) -> int:
         """Compare-and-set: succeeds only if the key is still at ``expected_rev``."""
@@ -110,11 +118,15 @@ class EnvironmentService:
 
     async def on_create(self, req: EnvCreate, _msg: Msg) -> EnvCreated:
         start = time.monotonic()
-        lim = req.limits
+        lim, cfg = req.limits, self.config
+        limits = core.check_limits(
+            core.Limits(memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids),
+            core.Limits(memory_mb=cfg.max_memory_mb, cpus=cfg.max_cpus, pids=cfg.max_pids),
+        )
         rec = await self.manager.create(
             image=req.image,
             files=[(f.path, f.content, f.mode) for f in req.files],
-            limits=core.Limits(memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids),
+            limits=limits,
             trajectory_id=req.trajectory_id,
             sandbox_id=req.sandbox_id,
         )
@@ -171,14 +183,16 @@ class EnvironmentService:
 async def adopt_when_reachable(manager: SandboxManager, stop: asyncio.Event) -> None:
     """Retry (every 2 s, until ``stop``) to reach dockerd, then adopt the previous sandboxes."""
     while not stop.is_set():
-        try:
-            await asyncio.to_thread(manager.docker.ping)
-            await manager.adopt()
-            log.info("dockerd_reachable_again")
-            return
-        except SandboxError:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 2.0)
+        with isolated(log, "adopt_when_reachable"):  # any other failure: log it, retry later
+            try:
+                await asyncio.to_thread(manager.docker.ping)
+                await manager.adopt()
+                log.info("dockerd_reachable_again")
+                return
+            except SandboxError:
+                pass
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 2.0)
 
 
 class EnvService(Service[EnvConfig]):

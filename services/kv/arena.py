@@ -39,6 +39,9 @@ class Arena:
     num_blocks: int
     generation: int = 0
     epoch: int = 0
+    """Engine epoch of the last accepted flush: each epoch's arena is flushed once."""
+    adopted: bool = False
+    """The file existed (this service restarted): live workers may be using it."""
 
     def desc(self) -> ArenaDesc:
         """The wire descriptor workers map."""
@@ -76,6 +79,7 @@ class ArenaPool:
         path = shm_path(self.run_id, f"{FILE_PREFIX}{engine_id}")
         size = math.prod(shape) * dtype.itemsize
         buf = self._adopt(path, size)
+        adopted = buf is not None
         if buf is None:
             shm.unlink(path)
             buf = shm.create(path, size)
@@ -88,6 +92,7 @@ class ArenaPool:
             dtype=dtype,
             block_size=block_size,
             num_blocks=shape[2],
+            adopted=adopted,
         )
         self.arenas[engine_id] = arena
         return arena
@@ -117,16 +122,25 @@ class ArenaPool:
             )
         return arena
 
-    def flush(self, engine_id: str, epoch: int) -> Arena:
+    def flush(self, engine_id: str, epoch: int, claimed_epoch: int) -> Arena:
         """Zero the engine's whole arena and bump its generation.
 
-        A flush from an epoch older than the last accepted one is refused (``Conflict``): a
-        residual old worker must not wipe the KV of the worker that replaced it.
+        Only under the epoch claimed in ``engine_epochs`` (``claimed_epoch``), and only once
+        per epoch (``Conflict`` otherwise): the worker that just won the compare-and-set
+        flushes before it uses the arena, so nobody can wipe a live worker's KV — not a
+        residual old worker, not a replay, not a made-up epoch pushed out of reach.
         """
         arena = self.get(engine_id)
-        if epoch < arena.epoch:
+        if epoch != claimed_epoch:
             raise Conflict(
-                "stale epoch: a newer worker already flushed this arena",
+                "flush under an epoch that is not the engine's claimed one",
+                engine_id=engine_id,
+                epoch=epoch,
+                claimed_epoch=claimed_epoch,
+            )
+        if epoch <= arena.epoch:
+            raise Conflict(
+                "stale epoch: this arena was already flushed under it",
                 engine_id=engine_id,
                 epoch=epoch,
                 current_epoch=arena.epoch,

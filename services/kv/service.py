@@ -1,5 +1,7 @@
 """The KV arena on the bus: ``kv.get`` hands out an engine's arena descriptor, ``kv.flush``
-zeroes it (handover step 3) and publishes a ``kv_flushed`` event."""
+zeroes it — only under the epoch claimed in ``engine_epochs``, once per epoch, by the worker
+that just claimed it (handover step 3, or a main worker's start) — and publishes a
+``kv_flushed`` event."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import time
 from typing import Any
 
 from common import events, subjects
+from common.epoch import current_epoch
 from common.service import Service, run_service
 from common.tensors import parse_dtype
 from model.config import load_model_config
@@ -43,6 +46,11 @@ class KvService(Service[KvArenaConfig]):
         self.log.info("arenas_allocated", engines=list(config.engine_ids))
 
     async def setup(self) -> None:
+        for arena in self.pool.arenas.values():
+            if arena.adopted:
+                # Restarted under live workers: their epoch's flush already happened.
+                arena.epoch, _ = await current_epoch(self.js, arena.engine_id)
+                self.log.info("arena_epoch_adopted", engine_id=arena.engine_id, epoch=arena.epoch)
         handlers = _Handlers(self.config, self.pool, self.js, self.log)
         await self.server.serve(subjects.kv_get(), KvGet, handlers.get)
         await self.server.serve(subjects.kv_flush(), KvFlush, handlers.flush)
@@ -70,9 +78,12 @@ class _Handlers:
         return self.pool.get(req.engine_id).desc()
 
     async def flush(self, req: KvFlush, _msg: Any) -> ArenaDesc:
+        self.pool.get(req.engine_id)  # NotFound before anything else
+        claimed, _ = await current_epoch(self.js, req.engine_id)
         t0 = time.perf_counter()
-        # Zeroing a large arena takes a while: keep kv.get answering meanwhile.
-        arena = await asyncio.to_thread(self.pool.flush, req.engine_id, req.epoch)
+        # Zeroing a large arena takes a while: keep kv.get answering meanwhile. (Flushes are
+        # served one at a time, so the epoch check and the flush cannot interleave.)
+        arena = await asyncio.to_thread(self.pool.flush, req.engine_id, req.epoch, claimed)
         ms = round((time.perf_counter() - t0) * 1000, 3)
         self.log.info(
             "kv_flushed",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from common.limits import ServingLimits
 
 
 @dataclass(frozen=True)
@@ -16,10 +18,12 @@ class RouterConfig:
     """Model directory whose tokenizer the router uses for text prompts and results."""
     token_log_chunk: int = 256
     """k: tokens per durable token-log chunk (JetStream stream TOKENS)."""
-    max_prompt_tokens: int = 1536
-    """Longer prompts are rejected with ``resource_limit``."""
-    max_new_tokens: int = 4096
-    """Upper bound on ``sampling.max_tokens``."""
+    limits: ServingLimits = field(default_factory=ServingLimits)
+    """Request limits and each engine's queue bound; the supervisor forwards these to every
+    worker, which enforces them too."""
+    engine_ids: tuple[str, ...] = ("e0",)
+    """The node's engines (the supervisor fills them in): a registration for any other id is
+    refused ``not_found``."""
     failure_window_s: float = 60.0
     """A second failure of the same engine inside this window marks its device unhealthy."""
     recovery: Literal["belayer", "baseline"] = "belayer"

@@ -151,19 +151,20 @@ class RouterCore:
         return [e for e in self.engines.values() if e.status is EngineStatus.UP]
 
     def _place(self, reqs: list[RequestState]) -> list[Action]:
-        """Assign each request to the least-loaded up engine (or its pinned one); requests with
-        nowhere to go wait in ``pending``. One submit per engine."""
+        """Assign each request to the least-loaded up engine with room (or its pinned one), by
+        what the workers themselves report holding; requests with nowhere to go wait in
+        ``pending``. One submit per engine."""
         by_engine: dict[str, list[EngineRequest]] = {}
         for req in reqs:
             target: EngineState | None = None
             if req.pinned_engine is not None:
                 pinned = self.engines.get(req.pinned_engine)
                 if pinned is not None and pinned.status is EngineStatus.UP:
-                    target = pinned
+                    target = pinned if pinned.has_room else None
                 elif pinned is None or pinned.status is EngineStatus.UNHEALTHY:
                     req.pinned_engine = None  # its engine left: any healthy engine will do
             if target is None and req.pinned_engine is None:
-                ups = self._healthy_up()
+                ups = [e for e in self._healthy_up() if e.has_room]
                 if ups:
                     target = min(ups, key=lambda e: (e.load, e.id))
             if target is None:
@@ -175,37 +176,51 @@ class RouterCore:
             if not req.engine_history or req.engine_history[-1] != target.id:
                 req.engine_history.append(target.id)
             target.assigned.add(req.request_id)
+            target.sent_since_report += 1
             by_engine.setdefault(target.id, []).append(self._engine_request(req))
         return [SubmitToEngine(eid, self.engines[eid].epoch, ers) for eid, ers in by_engine.items()]
 
+    def _fill(self, eng: EngineState) -> list[Action]:
+        """Waiting requests get placed once an engine has room again."""
+        if not self.pending or not eng.has_room or eng.status is not EngineStatus.UP:
+            return []
+        return self._place(self._take_pending())
+
+    def report_load(
+        self, engine_id: str, epoch: int, pid: int, running: int, waiting: int
+    ) -> list[Action]:
+        """The current worker's own counts (a ping reply): placement follows them."""
+        eng = self.engines.get(engine_id)
+        if eng is None or (epoch, pid) != (eng.epoch, eng.worker_pid):
+            return []
+        eng.report(running, waiting)
+        return self._fill(eng)
+
+    def submit_refused(self, engine_id: str, epoch: int, request_ids: list[str]) -> list[Action]:
+        """The worker's queue was full (``engine_unavailable``): it counts as full until it
+        reports again, and the requests go to another engine or wait."""
+        eng = self.engines.get(engine_id)
+        if eng is None or eng.epoch != epoch:
+            return []
+        eng.reported, eng.sent_since_report = max(eng.reported, eng.capacity), 0
+        reqs = [self.active[r] for r in request_ids if r in self.active]
+        reqs = [r for r in reqs if r.engine_id == engine_id]
+        for req in reqs:
+            eng.assigned.discard(req.request_id)
+            req.engine_id = None
+        return self._place(reqs)
+
+    def submit_rejected(self, engine_id: str, request_ids: list[str], error: str) -> list[Action]:
+        """The worker refused the requests themselves (over its limits): they fail."""
+        reqs = [self.active[r] for r in request_ids if r in self.active]
+        actions: list[Action] = []
+        for req in reqs:
+            if req.engine_id == engine_id:
+                actions += self._finish(req, "error", error=error)
+        return actions
+
     def _engine_request(self, req: RequestState) -> EngineRequest:
-        held = len(req.tokens)
-        if self.config.recovery == "baseline" and held:
-            # Baseline: start over from the prompt; the caller already has ``held`` tokens,
-            # so the first ``held`` the worker produces again are dropped by index (counted as
-            # regenerated). Exact for greedy; with sampling the regenerated tokens can differ.
-            return EngineRequest(
-                request_id=req.request_id,
-                token_ids=list(req.prompt_ids),
-                generated_offset=0,
-                sampling=req.sampling,
-            )
-        remaining = req.sampling.max_tokens - held
-        sampling = SamplingParams(
-            temperature=req.sampling.temperature,
-            top_p=req.sampling.top_p,
-            seed=req.sampling.seed,
-            max_tokens=max(1, remaining),
-            stop_token_ids=req.sampling.stop_token_ids,
-            ignore_eos=req.sampling.ignore_eos,
-        )
-        return EngineRequest(
-            request_id=req.request_id,
-            token_ids=req.prompt_ids + req.tokens,
-            generated_offset=held,
-            sampling=sampling,
-            held_logprobs=list(req.logprobs),
-        )
+        return req.engine_request(baseline=self.config.recovery == "baseline")
 
     # --- workers ----------------------------------------------------------------------------
     def register(
@@ -224,6 +239,7 @@ class RouterCore:
         eng = self.engines.get(engine_id)
         if eng is None:
             eng = EngineState(engine_id, epoch, pid, device, max_num_seqs, weight_version)
+            eng.max_queued = self.config.limits.max_queued
             self.engines[engine_id] = eng
             first: list[Action] = [
                 EmitEvent(ev.EngineRegistered(engine_id=engine_id, epoch=epoch, pid=pid))
@@ -240,6 +256,7 @@ class RouterCore:
         old_pid, old_epoch = eng.worker_pid, eng.epoch
         eng.epoch, eng.worker_pid, eng.weight_version = epoch, pid, weight_version
         eng.device, eng.max_num_seqs = device, max_num_seqs
+        eng.reported = eng.sent_since_report = 0
         if eng.status is not EngineStatus.UNHEALTHY:
             eng.status = EngineStatus.UP
         registered = ev.EngineRegistered(
@@ -408,7 +425,11 @@ class RouterCore:
         """Worker output of one step. Output of an unknown engine, a stale epoch or a down
         engine never reaches a caller."""
         eng = self.engines.get(batch.engine_id)
-        if eng is None or batch.epoch != eng.epoch or eng.status is not EngineStatus.UP:
+        if (
+            eng is None
+            or (batch.epoch, batch.worker_pid) != (eng.epoch, eng.worker_pid)
+            or eng.status is not EngineStatus.UP
+        ):
             self.counters["stale_batches"] += 1
             stale = ev.StaleOutputRejected(
                 engine_id=batch.engine_id,
@@ -419,6 +440,8 @@ class RouterCore:
             )
             return [EmitEvent(stale)]
         eng.weight_version = batch.weight_version
+        if batch.running >= 0:
+            eng.report(batch.running, batch.waiting)
         actions: list[Action] = []
         for d in batch.deltas:
             req = self.active.get(d.request_id)
@@ -430,7 +453,7 @@ class RouterCore:
             if d.finish_reason == "abort" and not d.token_ids:
                 continue  # the worker dropping a copy it was told to replace; not the caller's abort
             actions += self._apply_delta(req, d, batch.weight_version)
-        return actions
+        return actions + self._fill(eng)
 
     def _apply_delta(self, req: RequestState, d: SeqDelta, version: int) -> list[Action]:
         """Place a worker's tokens by index: overlaps (tokens generated again — baseline
@@ -477,37 +500,13 @@ class RouterCore:
         return actions
 
     def _delta(self, req: RequestState, start: int, end: int) -> TokenDelta:
-        return TokenDelta(
-            request_id=req.request_id,
-            start=start,
-            token_ids=req.tokens[start:end],
-            logprobs=req.logprobs[start:end],
-            weight_version=req.versions[end - 1] if end else 0,
-            router_id=self.router_id,
-        )
-
-    def _chunk(
-        self, req: RequestState, end: int, *, final: bool, reason: str | None
-    ) -> TokenLogChunk:
-        chunk = TokenLogChunk(
-            request_id=req.request_id,
-            chunk_index=req.chunk_index,
-            start=req.logged,
-            token_ids=req.tokens[req.logged : end],
-            logprobs=req.logprobs[req.logged : end],
-            weight_versions=req.versions[req.logged : end],
-            final=final,
-            finish_reason=reason,  # type: ignore[arg-type]
-        )
-        req.chunk_index += 1
-        req.logged = end
-        return chunk
+        return req.delta(start, end, self.router_id)
 
     def _log_full_chunks(self, req: RequestState) -> list[Action]:
         k = self.config.token_log_chunk
         out: list[Action] = []
         while len(req.tokens) - req.logged >= k:
-            out.append(PersistChunk(self._chunk(req, req.logged + k, final=False, reason=None)))
+            out.append(PersistChunk(req.chunk(req.logged + k, final=False, reason=None)))
         return out
 
     def _finish(self, req: RequestState, reason: str, *, error: str | None = None) -> list[Action]:
@@ -534,7 +533,7 @@ class RouterCore:
         )
         self.remember(result, req.identity)
         actions: list[Action] = [
-            PersistChunk(self._chunk(req, len(req.tokens), final=True, reason=reason))
+            PersistChunk(req.chunk(len(req.tokens), final=True, reason=reason))
         ]
         actions += [SendToCaller(inbox, result) for inbox in req.subscribers]
         if error:

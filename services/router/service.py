@@ -26,7 +26,15 @@ from common import events, subjects
 from common.bus import Server, request
 from common.codec import decode, encode
 from common.epoch import current_epoch
-from common.errors import BelayerError, Conflict, InvalidRequest, NotFound
+from common.errors import (
+    BelayerError,
+    Conflict,
+    EngineUnavailable,
+    InvalidRequest,
+    NotFound,
+    ResourceLimit,
+)
+from common.guard import isolated
 from common.logging import get_logger
 from common.service import Service, Status, run_service
 from model.tokenizer import load_tokenizer
@@ -42,8 +50,6 @@ from schemas.serving import (
     EngineSubmit,
     GenerateRequest,
     GenerateResult,
-    Ping,
-    PingReply,
     RegisterReply,
     RegisterWorker,
     RouterStatus,
@@ -54,6 +60,7 @@ from schemas.serving import (
 )
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
+from services.router.liveness import ping_engine
 from services.router.state import (
     AbortOnEngine,
     Action,
@@ -106,12 +113,17 @@ class Router:
                 self.persist_q.put_nowait(a)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
+        async def guarded() -> None:
+            with isolated(self.log, "router_task", task=getattr(coro, "__qualname__", "")):
+                await coro
+
+        task = asyncio.create_task(guarded())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _submit(self, a: SubmitToEngine) -> None:
         msg = EngineSubmit(engine_id=a.engine_id, epoch=a.epoch, requests=a.requests)
+        ids = [r.request_id for r in a.requests]
         try:
             await request(
                 self.nc,
@@ -120,6 +132,14 @@ class Router:
                 Ok,
                 timeout=self.config.submit_timeout_s,
             )
+        except EngineUnavailable as exc:
+            # Its queue is full (work that did not come from this router): place elsewhere.
+            self.log.info("submit_refused", engine=a.engine_id, requests=len(ids), error=str(exc))
+            await self.execute(self.core.submit_refused(a.engine_id, a.epoch, ids))
+        except (ResourceLimit, InvalidRequest) as exc:
+            # The worker refuses the requests themselves: they fail, the engine is fine.
+            self.log.warning("submit_rejected", engine=a.engine_id, error=str(exc))
+            await self.execute(self.core.submit_rejected(a.engine_id, ids, str(exc)))
         except BelayerError as exc:
             # The worker is gone or wedged: the engine is down until its next worker registers
             # (which resumes these requests) or it is marked unhealthy.
@@ -135,7 +155,8 @@ class Router:
         while True:
             item = await self.persist_q.get()
             try:
-                await self._persist(item)
+                with isolated(self.log, "persist_loop", item=type(item).__name__):
+                    await self._persist(item)  # one bad item is logged and dropped
             finally:
                 self.persist_q.task_done()
 
@@ -228,7 +249,14 @@ class Router:
         )
 
     async def on_register(self, req: RegisterWorker, _msg: Msg) -> RegisterReply:
-        # Only a worker that won the epoch compare-and-set may register under that epoch.
+        # Only one of the node's engines, only the worker that won the epoch compare-and-set,
+        # and only a live process that answers the engine's ping as that worker.
+        if req.engine_id not in self.config.engine_ids:
+            raise NotFound(
+                "not an engine of this node",
+                engine_id=req.engine_id,
+                engines=",".join(self.config.engine_ids),
+            )
         claimed, _ = await current_epoch(self.js, req.engine_id)
         if req.epoch != claimed:
             rejected = RegistrationRejected(
@@ -240,6 +268,20 @@ class Router:
                 engine_id=req.engine_id,
                 epoch=req.epoch,
                 claimed_epoch=claimed,
+            )
+        pong = await ping_engine(
+            self.nc,
+            req.engine_id,
+            pid=req.pid,
+            epoch=req.epoch,
+            timeout=self.config.heartbeat_timeout_s,
+        )
+        if pong is None:
+            raise Conflict(
+                "the registering worker does not answer its engine's ping",
+                engine_id=req.engine_id,
+                epoch=req.epoch,
+                pid=req.pid,
             )
         actions = self.core.register(
             req.engine_id,
@@ -265,6 +307,14 @@ class Router:
         eng = self.core.engines.get(req.engine_id)
         if eng is None:
             raise NotFound("unknown engine", engine_id=req.engine_id)
+        if req.epoch == eng.epoch and req.pid and req.pid != eng.worker_pid:
+            raise Conflict(
+                "failure report for a worker this engine does not run",
+                engine_id=req.engine_id,
+                epoch=req.epoch,
+                pid=req.pid,
+                worker_pid=eng.worker_pid,
+            )
         if req.epoch > eng.epoch:
             raise Conflict(
                 "failure report for an epoch the router never saw",
@@ -294,7 +344,8 @@ class Router:
         if self.stash is not None:
             self.stash.append(batch)  # adopting after a restart: replayed once adoption is done
             return
-        await self.execute(self.core.on_step(batch))
+        with isolated(self.log, "on_tokens", engine=batch.engine_id, step=batch.step):
+            await self.execute(self.core.on_step(batch))
 
     async def on_cancel(self, req: CancelRequest, _msg: Msg) -> Ok:
         await self.execute(self.core.cancel(req.request_id))
@@ -318,54 +369,55 @@ class Router:
         except nats.js.errors.NoKeysError:
             return
         for engine_id in keys:
-            epoch, _ = await current_epoch(self.js, engine_id)
-            try:
-                pong: PingReply = await request(
-                    self.nc, subjects.engine_ping(engine_id), Ping(), PingReply, timeout=1.0
-                )
-            except BelayerError:
+            if engine_id not in self.config.engine_ids:
                 continue
-            if pong.epoch == epoch:
+            epoch, _ = await current_epoch(self.js, engine_id)
+            pong = await ping_engine(self.nc, engine_id, epoch=epoch, timeout=1.0)
+            if pong is not None:
                 await self.execute(
                     self.core.register(
                         engine_id, epoch, pong.pid, weight_version=pong.weight_version
                     )
                 )
+                await self.execute(
+                    self.core.report_load(engine_id, epoch, pong.pid, pong.running, pong.waiting)
+                )
                 self.log.info("engine_rediscovered", engine=engine_id, epoch=epoch, pid=pong.pid)
 
     # --- remote heartbeat -------------------------------------------------------------------
     async def heartbeat_loop(self) -> None:
-        """Ping every engine each interval. An up engine that misses a ping has failed (the
-        baseline's detector); a down engine whose current worker answers was a false alarm
-        (say, a submit acknowledged too late on a loaded machine) and comes back up."""
+        """Ping every engine's registered worker each interval. An up engine whose worker does
+        not answer has failed (the baseline's detector); a down engine whose worker answers
+        was a false alarm (say, a submit acknowledged too late on a loaded machine) and comes
+        back up. The replies' counts keep placement on the workers' own view of their load."""
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.heartbeat_interval_s)
+            # One engine's failure is logged (loop_item_failed); the others are still pinged.
             for eng in list(self.core.engines.values()):
-                if eng.status is EngineStatus.UNHEALTHY:
-                    continue
-                epoch = eng.epoch
-                try:
-                    pong: PingReply = await request(
-                        self.nc,
-                        subjects.engine_ping(eng.id),
-                        Ping(),
-                        PingReply,
-                        timeout=cfg.heartbeat_timeout_s,
+                with isolated(self.log, "heartbeat_loop", engine=eng.id):
+                    if eng.status is EngineStatus.UNHEALTHY:
+                        continue
+                    epoch, pid = eng.epoch, eng.worker_pid
+                    pong = await ping_engine(
+                        self.nc, eng.id, pid=pid, epoch=epoch, timeout=cfg.heartbeat_timeout_s
                     )
-                except BelayerError as exc:
-                    if eng.status is EngineStatus.UP:
-                        self.log.warning(
-                            "heartbeat_missed", engine=eng.id, epoch=epoch, error=str(exc)
-                        )
-                        await self.execute(
-                            self.core.engine_failed(
-                                eng.id, time.monotonic(), reason="heartbeat", epoch=epoch
+                    if pong is None:
+                        if eng.status is EngineStatus.UP and eng.epoch == epoch:
+                            self.log.warning(
+                                "heartbeat_missed", engine=eng.id, epoch=epoch, pid=pid
                             )
-                        )
-                    continue
-                if eng.status is EngineStatus.DOWN:
-                    await self.execute(self.core.engine_recovered(eng.id, pong.epoch, pong.pid))
+                            await self.execute(
+                                self.core.engine_failed(
+                                    eng.id, time.monotonic(), reason="heartbeat", epoch=epoch
+                                )
+                            )
+                        continue
+                    if eng.status is EngineStatus.DOWN:
+                        await self.execute(self.core.engine_recovered(eng.id, pong.epoch, pong.pid))
+                    await self.execute(
+                        self.core.report_load(eng.id, epoch, pid, pong.running, pong.waiting)
+                    )
 
     # --- restart recovery -------------------------------------------------------------------
     async def _read_all(self, stream: str, subject: str, typ: type[M]) -> list[M]:

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from common.errors import InvalidRequest, ResourceLimit
+from common.errors import InvalidRequest
+from common.limits import check_request
 from schemas.base import Message
 from schemas.events import AnyEvent
-from schemas.serving import EngineInfo, EngineRequest, SamplingParams, TokenLogChunk
+from schemas.serving import EngineInfo, EngineRequest, SamplingParams, TokenDelta, TokenLogChunk
 from services.router.config import RouterConfig
 
 
@@ -74,21 +75,49 @@ class EngineState:
     down_reason: str = ""
     """Why the engine is down; only the router's own suspicion (``submit failed``) may be
     withdrawn when the worker answers after all."""
+    max_queued: int = 64
+    """Requests the worker holds beyond its running batch (``ServingLimits.max_queued``)."""
+    reported: int = 0
+    """Requests the worker itself last said it holds (running + queued, whoever sent them)."""
+    sent_since_report: int = 0
+    """Requests submitted to it since that report (not counted in it yet)."""
+
+    @property
+    def capacity(self) -> int:
+        """Most requests the worker takes at once (more are refused ``engine_unavailable``)."""
+        return self.max_num_seqs + self.max_queued
+
+    @property
+    def holding(self) -> int:
+        """Requests the worker holds as far as the router can tell: its own count plus what
+        was sent since, and never fewer than the router assigned to it."""
+        return max(len(self.assigned), self.reported + self.sent_since_report)
 
     @property
     def load(self) -> float:
-        return len(self.assigned) / max(1, self.max_num_seqs)
+        return self.holding / max(1, self.max_num_seqs)
+
+    @property
+    def has_room(self) -> bool:
+        return self.holding < self.capacity
+
+    def report(self, running: int, waiting: int) -> None:
+        """The worker's own counts (from a step batch or a ping reply)."""
+        self.reported = running + waiting
+        self.sent_since_report = 0
 
     def info(self) -> EngineInfo:
         return EngineInfo(
             id=self.id,
             epoch=self.epoch,
             worker_pid=self.worker_pid,
-            healthy=self.status is not EngineStatus.UNHEALTHY,
+            healthy=self.status is EngineStatus.UP,
             device=self.device,
             running=len(self.assigned),
             weight_version=self.weight_version,
             failures=len(self.failures),
+            state=self.status.value,
+            holding=self.holding,
         )
 
 
@@ -117,6 +146,63 @@ class RequestState:
     """Digest of the request as the caller sent it (``request_identity``): a resubmission of
     the same id must match it."""
 
+    def engine_request(self, *, baseline: bool) -> EngineRequest:
+        """The request as a worker gets it: prompt + every token held (token-level resume),
+        or — ``baseline`` — the prompt alone: the caller already has the held tokens, so the
+        first ones the worker produces again are dropped by index (counted as regenerated).
+        Exact for greedy; with sampling the regenerated tokens can differ."""
+        held = len(self.tokens)
+        if baseline and held:
+            return EngineRequest(
+                request_id=self.request_id,
+                token_ids=list(self.prompt_ids),
+                generated_offset=0,
+                sampling=self.sampling,
+            )
+        s = self.sampling
+        sampling = SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            max_tokens=max(1, s.max_tokens - held),
+            stop_token_ids=s.stop_token_ids,
+            ignore_eos=s.ignore_eos,
+        )
+        return EngineRequest(
+            request_id=self.request_id,
+            token_ids=self.prompt_ids + self.tokens,
+            generated_offset=held,
+            sampling=sampling,
+            held_logprobs=list(self.logprobs),
+        )
+
+    def delta(self, start: int, end: int, router_id: str) -> TokenDelta:
+        """Tokens ``[start, end)`` as a caller gets them."""
+        return TokenDelta(
+            request_id=self.request_id,
+            start=start,
+            token_ids=self.tokens[start:end],
+            logprobs=self.logprobs[start:end],
+            weight_version=self.versions[end - 1] if end else 0,
+            router_id=router_id,
+        )
+
+    def chunk(self, end: int, *, final: bool, reason: str | None) -> TokenLogChunk:
+        """The next token-log chunk: the tokens from the last logged one up to ``end``."""
+        chunk = TokenLogChunk(
+            request_id=self.request_id,
+            chunk_index=self.chunk_index,
+            start=self.logged,
+            token_ids=self.tokens[self.logged : end],
+            logprobs=self.logprobs[self.logged : end],
+            weight_versions=self.versions[self.logged : end],
+            final=final,
+            finish_reason=reason,  # type: ignore[arg-type]
+        )
+        self.chunk_index += 1
+        self.logged = end
+        return chunk
+
 
 def request_identity(prompt_ids: list[int], sampling: SamplingParams) -> str:
     """Digest of what makes a request itself: the prompt's token ids and the sampling
@@ -125,19 +211,8 @@ def request_identity(prompt_ids: list[int], sampling: SamplingParams) -> str:
 
 
 def check_limits(config: RouterConfig, prompt_ids: list[int], sampling: SamplingParams) -> None:
-    """The router's request limits (typed errors naming the field)."""
+    """The router's request limits (typed errors naming the field); the workers apply the same
+    ``ServingLimits`` to what reaches them."""
     if not prompt_ids:
         raise InvalidRequest("empty prompt", field="$.prompt")
-    if len(prompt_ids) > config.max_prompt_tokens:
-        raise ResourceLimit(
-            "prompt too long",
-            field="$.prompt",
-            tokens=len(prompt_ids),
-            limit=config.max_prompt_tokens,
-        )
-    if sampling.max_tokens > config.max_new_tokens:
-        raise ResourceLimit(
-            "max_tokens too large",
-            field="$.sampling.max_tokens",
-            limit=config.max_new_tokens,
-        )
+    check_request(config.limits, prompt_tokens=len(prompt_ids), max_tokens=sampling.max_tokens)

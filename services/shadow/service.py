@@ -11,9 +11,12 @@ timestamps at each step:
 2. health      — a tiny forward pass; the weight store and KV arena answer on the bus in time;
                  a residual old worker (hung, not dead) is SIGKILLed so it can never touch the
                  arena again (``handover_health_ok``);
-3. flush       — the KV arena is zeroed under the new epoch (``handover_flushed``);
-4. ready       — the engine loop starts and the engine's subjects are served (``handover_ready``);
-5. register    — epoch+1 is claimed by compare-and-set and the router registers this worker,
+3. flush       — epoch+1 is claimed by compare-and-set (against the watched worker's epoch),
+                 then the KV arena is zeroed under exactly that epoch: the arena takes a flush
+                 only for the epoch claimed in ``engine_epochs``, once (``handover_flushed``);
+4. ready       — the engine loop starts and the engine's subjects are served under the new
+                 epoch (``handover_ready``);
+5. register    — the router checks the claim and pings this worker, then registers it,
                  resuming every interrupted request at token level (``handover_complete``).
 
 From then on this process *is* the engine's main worker; the supervisor starts a fresh shadow.
@@ -50,7 +53,7 @@ from schemas.events import (
     ShadowReady,
 )
 from schemas.serving import EngineFailed
-from services.kv.client import fetch_arena, flush_arena
+from services.kv.client import fetch_arena
 from services.weights.client import fetch_manifest
 from services.worker.client import Worker, WorkerConfig
 
@@ -189,14 +192,17 @@ class Shadow:
                 t_health=t["t_health"],
             )
         )
-        # 3. flush the arena under the epoch we are about to claim.
-        await flush_arena(nc, self.engine_id, old.epoch + 1, timeout=cfg.bus_check_timeout_s * 4)
+        # 3. claim epoch+1 (compare-and-set against the watched one), then flush the arena
+        # under exactly that epoch.
+        epoch = await self.worker.claim(
+            expected_epoch=old.epoch, flush_timeout=cfg.bus_check_timeout_s * 4
+        )
         t["t_flush"] = time.time()
         await self.event(
             HandoverFlushed(source=self.source, engine_id=self.engine_id, t_flush=t["t_flush"])
         )
-        # 4 + 5. become ready and register under epoch+1 (compare-and-set against the watched one).
-        epoch = await self.worker.activate(expected_epoch=old.epoch, on_ready=self._on_ready)
+        # 4 + 5. serve under the new epoch and register.
+        await self.worker.serve_engine(on_ready=self._on_ready)
         t["t_ready"] = self._t_ready
         t["t_registered"] = time.time()
         src, eid = self.source, self.engine_id

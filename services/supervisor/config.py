@@ -20,7 +20,8 @@ from services.worker.client import WorkerConfig
 class SupervisorConfig:
     """Every field defaulted; ``belayer up`` fills it from its flags. In the nested service
     configs the supervisor fills in what only the node knows: the bus URL, the run id, the model
-    directory, the engine ids, heartbeat and log files, the environment's node label."""
+    directory, the engine ids (KV arena and router), heartbeat and log files, the environment's
+    node label, and the router's limits for every worker."""
 
     run_dir: str = ".belayer"
     """Run directory: node file, logs, NATS store, heartbeats."""
@@ -49,15 +50,21 @@ class SupervisorConfig:
     kv: KvArenaConfig = field(default_factory=KvArenaConfig)
     """The KV arena (one per engine)."""
     router: RouterConfig = field(default_factory=RouterConfig)
-    """The router; its ``recovery`` is the node's recovery mode."""
+    """The router; its ``recovery`` is the node's recovery mode, its ``limits`` (request
+    limits, each engine's queue bound) are the node's: every worker gets them too."""
     worker: WorkerConfig = field(default_factory=WorkerConfig)
-    """Every rollout worker and shadow of the node."""
+    """Every rollout worker and shadow of the node (``limits``: the router's are used)."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """The environment service (with ``environment`` on)."""
 
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if self.worker.limits not in (self.router.limits, WorkerConfig().limits):
+            raise ValueError(
+                "the node's limits are set once, on the router (--router-limits-…); "
+                "the supervisor forwards them to every worker"
+            )
 
     @property
     def recovery(self) -> Literal["belayer", "baseline"]:

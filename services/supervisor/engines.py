@@ -5,8 +5,16 @@
   the shadow to main and starts a fresh shadow. If no handover comes in time, the main worker is
   restarted cold.
 - baseline mode: no shadow; a dead worker stays dead until the router's remote heartbeat
-  reports ``engine_failed``, then a new worker is started cold (weights read from disk).
+  takes the engine down (``engine_failed``), then a new worker is started cold (weights read
+  from disk).
 - an engine marked unhealthy is retired: its processes are stopped and not restarted.
+
+Events only tell the supervisor *when to look* — anyone on the bus can publish one. Before it
+acts, it asks the owners of the decision (``router.status``: the router's engine registry; the
+``engine_epochs`` bucket) and checks their answer against its own process table: a shadow is
+promoted only once the router has it registered as the engine's worker under the epoch the
+bucket holds; an engine is retired only if the router lists it unhealthy; a baseline worker is
+restarted only if the router has taken down exactly the worker the supervisor runs.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from nats.aio.msg import Msg
 from common import events, subjects
 from common.bus import request
 from common.codec import decode
+from common.epoch import current_epoch
 from common.errors import BelayerError
+from common.guard import isolated
 from common.heartbeat import read_identity
 from common.logging import get_logger
 from schemas.base import Ok
@@ -36,7 +46,7 @@ from schemas.events import (
     ServiceExited,
     ServiceRestarted,
 )
-from schemas.serving import EngineFailed
+from schemas.serving import EngineFailed, EngineInfo, RouterStatus, StatusRequest
 from services.supervisor.procs import Child
 
 if TYPE_CHECKING:
@@ -124,8 +134,10 @@ class Engines:
                     and not slot.retired
                     and not self.sup.stop_requested.is_set()
                 ):
-                    await child.start()
-                    await self.sup.publish(ServiceRestarted(name=child.name, pid=child.pid))
+                    child.started_at = time.monotonic()  # a failed start: a crash at once
+                    with isolated(log, "watch", name=child.name):  # retried after backoff
+                        await child.start()
+                        await self.sup.publish(ServiceRestarted(name=child.name, pid=child.pid))
                     continue
                 return
             # the main worker exited
@@ -136,14 +148,20 @@ class Engines:
             if shadow is not None and shadow.alive:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(slot.promoted.wait(), self.cfg.handover_timeout_s)
+                if slot.main is child:
+                    await self._promote_if_confirmed(slot)  # in case its event was missed
                 if slot.main is not child:
                     return  # the shadow took over; this child is retired
             # No handover in time: restart the main worker cold, with backoff.
             await asyncio.sleep(child.backoff.next_delay(ran))
             if slot.main is not child or slot.retired or self.sup.stop_requested.is_set():
                 return
-            await child.start()
-            await self.sup.publish(ServiceRestarted(name=child.name, pid=child.pid, mode="cold"))
+            child.started_at = time.monotonic()  # a failed start: a crash at once (backoff grows)
+            with isolated(log, "watch", name=child.name):
+                await child.start()
+                await self.sup.publish(
+                    ServiceRestarted(name=child.name, pid=child.pid, mode="cold")
+                )
 
     async def _report_failure(self, slot: Slot, child: Child) -> None:
         """Tell the router (idempotent per epoch) — the epoch comes from the dead worker's
@@ -175,6 +193,8 @@ class Engines:
             await nc.subscribe(events.subject(typ), cb=self._on_event)
 
     async def _on_event(self, msg: Msg) -> None:
+        """A hint to look: what the event claims is checked with the router and the epoch
+        bucket before anything is done."""
         try:
             ev = decode(msg.data, HandoverComplete | EngineFailedEvent | EngineUnhealthy)
         except BelayerError:
@@ -183,11 +203,71 @@ class Engines:
         if slot is None or slot.retired or self.sup.stop_requested.is_set():
             return
         if isinstance(ev, HandoverComplete):
-            await self._promote(slot, ev.pid)
+            await self._promote_if_confirmed(slot)
         elif isinstance(ev, EngineFailedEvent) and not self.belayer:
-            await self._cold_restart(slot)
+            await self._cold_restart_if_confirmed(slot)
         elif isinstance(ev, EngineUnhealthy):
-            await self._retire(slot, ev.reason)
+            await self._retire_if_confirmed(slot)
+
+    async def _router_view(self, engine_id: str) -> EngineInfo | None:
+        """The router's registry entry for the engine (None if the router cannot say)."""
+        nc = self.sup.nc
+        if nc is None:
+            return None
+        try:
+            st: RouterStatus = await request(
+                nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=2.0
+            )
+        except BelayerError as exc:
+            log.warning("router_status_failed", engine=engine_id, error=str(exc))
+            return None
+        return next((e for e in st.engines if e.id == engine_id), None)
+
+    def _not_confirmed(self, slot: Slot, action: str, info: EngineInfo | None, **kw: Any) -> None:
+        log.warning(
+            "event_not_confirmed",
+            engine=slot.engine_id,
+            action=action,
+            router_state=info.state if info else None,
+            router_pid=info.worker_pid if info else None,
+            **kw,
+        )
+
+    async def _promote_if_confirmed(self, slot: Slot) -> None:
+        """Promote the shadow only if the router has it as the engine's worker, under the
+        epoch the ``engine_epochs`` bucket holds."""
+        shadow = slot.shadow
+        if shadow is None or shadow.pid is None or self.sup.nc is None:
+            return
+        info = await self._router_view(slot.engine_id)
+        claimed, _ = await current_epoch(self.sup.nc.jetstream(), slot.engine_id)
+        if (
+            info is None
+            or info.worker_pid != shadow.pid
+            or info.epoch != claimed
+            or info.state == "down"
+            or slot.shadow is not shadow
+        ):
+            self._not_confirmed(slot, "promote", info, shadow_pid=shadow.pid, claimed=claimed)
+            return
+        await self._promote(slot, shadow.pid)
+
+    async def _retire_if_confirmed(self, slot: Slot) -> None:
+        info = await self._router_view(slot.engine_id)
+        if info is None or info.state != "unhealthy":
+            self._not_confirmed(slot, "retire", info)
+            return
+        await self._retire(slot, "repeated failure")
+
+    async def _cold_restart_if_confirmed(self, slot: Slot) -> None:
+        """Baseline: restart only the worker the router took down, and only if it is the
+        one this supervisor runs."""
+        info = await self._router_view(slot.engine_id)
+        main = slot.main
+        if info is None or info.state != "down" or main is None or info.worker_pid != main.pid:
+            self._not_confirmed(slot, "cold_restart", info, main_pid=main.pid if main else None)
+            return
+        await self._cold_restart(slot)
 
     async def _promote(self, slot: Slot, pid: int) -> None:
         shadow, old = slot.shadow, slot.main

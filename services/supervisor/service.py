@@ -23,6 +23,7 @@ from common import events, subjects
 from common.bus import request
 from common.config import SHM_DIR, RunPaths, config_argv, shm_prefix
 from common.errors import BelayerError, Timeout
+from common.guard import isolated
 from common.logging import get_logger
 from common.natsserver import NatsServer, start_nats_server
 from common.node import NodeInfo
@@ -110,6 +111,7 @@ class Supervisor(Service[SupervisorConfig]):
             heartbeat_file=str(self.paths.heartbeat_file(engine_id)),
             log_file=str(self._log_file(f"{kind}-{engine_id}")),
             cold_load_dir=str(self.model_dir) if cold else "",
+            limits=self.config.router.limits,  # one set of limits: the router's
         )
         return self._py(f"services.{kind}", config)
 
@@ -151,7 +153,8 @@ class Supervisor(Service[SupervisorConfig]):
             ),
             self._start_and_wait(
                 self._child("router", self._py("services.router", dataclasses.replace(
-                    c.router, model_dir=str(model), log_file=str(self._log_file("router"))))),
+                    c.router, model_dir=str(model), engine_ids=tuple(self.engine_ids),
+                    log_file=str(self._log_file("router"))))),
                 lambda nc: request(nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=1),
             ),
         )  # fmt: skip
@@ -243,17 +246,27 @@ class Supervisor(Service[SupervisorConfig]):
                 return
             except TimeoutError:
                 pass
-            await child.start()
-            log.info(
-                "service_restarted", name=child.name, pid=child.pid, restarts=child.backoff.restarts
-            )
-            await self.publish(
-                ServiceRestarted(name=child.name, pid=child.pid, restarts=child.backoff.restarts)
-            )
+            child.started_at = time.monotonic()  # a start that fails counts as a crash at once
+            with isolated(log, "watch", name=child.name):  # retried after the next backoff
+                await child.start()
+                log.info(
+                    "service_restarted",
+                    name=child.name,
+                    pid=child.pid,
+                    restarts=child.backoff.restarts,
+                )
+                await self.publish(
+                    ServiceRestarted(
+                        name=child.name, pid=child.pid, restarts=child.backoff.restarts
+                    )
+                )
 
     async def publish(self, event: EventBase) -> None:
+        """Best effort: an event that cannot be published is logged, never raised into a
+        watcher (a lost event must not stop the restarts)."""
         if self.nc is not None:
-            await events.publish(self.nc.jetstream(), event)
+            with isolated(log, "publish", kind=event.kind):
+                await events.publish(self.nc.jetstream(), event)
 
     async def _on_status(self, _req: SupervisorStatusRequest, _msg: Msg) -> SupervisorStatus:
         now = time.monotonic()

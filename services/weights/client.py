@@ -14,11 +14,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import nats.errors
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from common import subjects
 from common.bus import request
+from common.codec import decode
 from common.config import shm_path
+from common.errors import BelayerError
 from schemas.weights import WeightManifest, WeightsGet, WeightsPush
 from services.weights.config import WeightStoreConfig
 
@@ -29,7 +33,17 @@ if TYPE_CHECKING:
 
 # torch and what is built on it (``common.shm``, ``core``) are imported where memory is mapped
 # or written, so the supervisor and the CLI can import this module for ``WeightStoreConfig``.
-__all__ = ["WeightStoreConfig", "fetch_manifest", "map_weights", "push_weights"]
+__all__ = [
+    "CURRENT_KEY",
+    "WeightStoreConfig",
+    "current_manifest",
+    "fetch_manifest",
+    "map_weights",
+    "push_weights",
+]
+
+CURRENT_KEY = "current"
+"""Key in the ``weight_version`` bucket; its value is the encoded current ``WeightManifest``."""
 
 PUSH_FILE_PREFIX = "wpush-"
 """Name of a pusher's temporary shm file after the run prefix."""
@@ -44,6 +58,21 @@ async def fetch_manifest(
         nc, subjects.weights_get(), WeightsGet(version=version), WeightManifest, timeout=timeout
     )
     return reply
+
+
+async def current_manifest(js: JetStreamContext) -> WeightManifest | None:
+    """The manifest the weight store itself marks current (KV ``weight_version``, key
+    ``current``, advanced only by the store's compare-and-set); None when unset or unreadable.
+    A ``weights_updated`` event is only a hint to look here."""
+    try:
+        kv = await js.key_value(subjects.BUCKET_WEIGHT_VERSION)
+        entry = await kv.get(CURRENT_KEY)
+    except (nats.errors.Error, TimeoutError):  # no bucket or key yet, JetStream unavailable
+        return None
+    try:
+        return decode(entry.value or b"", WeightManifest)
+    except BelayerError:
+        return None
 
 
 def map_weights(manifest: WeightManifest) -> dict[str, torch.Tensor]:

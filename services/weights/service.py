@@ -21,12 +21,11 @@ from common.errors import Conflict, InvalidRequest
 from common.service import Service, run_service
 from schemas.events import WeightsUpdated
 from schemas.weights import WeightManifest, WeightsGet, WeightsPush
+from services.weights.client import CURRENT_KEY
 from services.weights.config import WeightStoreConfig
 from services.weights.store import WeightStore
 
 SERVICE = "weights"
-CURRENT_KEY = "current"
-"""Key in the ``weight_version`` bucket; its value is the encoded current ``WeightManifest``."""
 
 
 class WeightsService(Service[WeightStoreConfig]):

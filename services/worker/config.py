@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from common.limits import ServingLimits
 from services.worker.engine.config import EngineConfig
 
 
@@ -44,3 +45,6 @@ class WorkerConfig:
     Longer than any single engine step, so a long prefill is never mistaken for a hang."""
     bus_check_timeout_s: float = 0.5
     """Shadow: how long the weight store and KV arena get to answer the handover health check."""
+    limits: ServingLimits = field(default_factory=ServingLimits)
+    """Request limits and the queue bound (the supervisor forwards the router's): a submit
+    beyond them is refused, whoever sent it."""

@@ -117,6 +117,9 @@ class EngineLoop:
         self.recent: OrderedDict[str, Track] = OrderedDict()
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal: BaseException | None = None
+        self.inbox = 0
+        """Requests submitted but not yet handed to the engine (guarded by ``_inbox_lock``)."""
+        self._inbox_lock = threading.Lock()
 
     def start(self) -> None:
         if self.heartbeat_file is not None:
@@ -131,8 +134,15 @@ class EngineLoop:
             self.thread.join(timeout)
 
     def submit(self, cmd: Command) -> None:
+        if isinstance(cmd, Submit):
+            with self._inbox_lock:
+                self.inbox += len(cmd.requests)
         self.commands.put(cmd)
         self.wake.set()
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the engine already has this request (a resubmission replaces it)."""
+        return request_id in self.tracks
 
     def _beat(self) -> None:
         if self.heartbeat_file is not None:
@@ -191,6 +201,8 @@ class EngineLoop:
                         start=n,
                     )
                 )
+            with self._inbox_lock:  # the engine counts it now
+                self.inbox -= 1
 
     def _deltas(self, outputs: list[StepOutput]) -> list[SeqDelta]:
         """Step outputs → deltas with positions; records them in the tracks."""
@@ -251,4 +263,5 @@ class EngineLoop:
 
     @property
     def load(self) -> tuple[int, int]:
-        return self.engine.num_running, self.engine.num_waiting
+        """(running, waiting): waiting counts what was submitted but not yet picked up."""
+        return self.engine.num_running, self.engine.num_waiting + self.inbox

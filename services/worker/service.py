@@ -1,9 +1,15 @@
 """Rollout worker: the engine on mapped weights + arena, adapted to the bus.
 
-Start-up is split in two so a shadow can do the slow part ahead of time:
-``prepare`` (map weights and arena from their services, build and warm the engine) and
-``activate`` (claim the engine epoch by compare-and-set, serve the engine's subjects, start the
-scheduling loop, register with the router).
+Start-up is split so a shadow can do the slow part ahead of time:
+``prepare`` (map weights and arena from their services, build and warm the engine), then
+``claim`` (claim the engine epoch by compare-and-set, then flush the KV arena under exactly
+that epoch) and ``serve_engine`` (start the scheduling loop, serve the engine's subjects,
+register with the router); ``activate`` is the two together.
+
+The worker trusts no submit on its own: it applies the node's ``ServingLimits`` (the router's)
+to every request and bounds what it holds, so work that bypassed the router can neither exceed
+the limits nor queue without end; its step batches report its own counts, by which the router
+places.
 """
 
 from __future__ import annotations
@@ -24,9 +30,17 @@ from common import events, subjects
 from common.bus import Server, request
 from common.codec import decode, encode
 from common.epoch import claim_epoch
-from common.errors import BelayerError, Conflict, FatalError, Timeout
+from common.errors import (
+    BelayerError,
+    Conflict,
+    EngineUnavailable,
+    FatalError,
+    InvalidRequest,
+    Timeout,
+)
 from common.fastpub import FastPublisher
 from common.heartbeat import Identity, write_identity
+from common.limits import check_request
 from common.logging import get_logger
 from common.service import Service, Status, run_service
 from model.config import load_model_config
@@ -46,8 +60,8 @@ from schemas.serving import (
     SeqDelta,
     StepBatch,
 )
-from services.kv.client import fetch_arena, map_arena
-from services.weights.client import fetch_manifest, map_weights
+from services.kv.client import fetch_arena, flush_arena, map_arena
+from services.weights.client import current_manifest, fetch_manifest, map_weights
 from services.worker.config import WorkerConfig
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.llm_engine import LLMEngine
@@ -95,6 +109,7 @@ class Worker:
             block_size=arena_desc.block_size,
             num_blocks=arena_desc.num_blocks,
             max_model_len=base.max_model_len,
+            deterministic=base.deterministic,
         )
         self.engine = LLMEngine(model_config, params, kv_cache, engine_config)
         self.engine.warmup()
@@ -103,16 +118,32 @@ class Worker:
         self.timings = {"attach_s": t_attach - t0, "build_warm_s": t_ready - t_attach}
         self.log.info("worker_prepared", weight_version=manifest.version, **self.timings)
 
-    # --- phase 2: activate (fast) -----------------------------------------------------------
+    # --- phase 2: claim, then serve (fast) --------------------------------------------------
     async def activate(
         self, *, expected_epoch: int | None = None, on_ready: Callable[[], None] | None = None
     ) -> int:
-        """Claim the engine, start serving and register. Returns the new epoch. ``on_ready`` is
-        called once the loop runs and the engine's subjects are served (before registering)."""
+        """Claim the engine, start serving and register. Returns the new epoch."""
+        epoch = await self.claim(expected_epoch=expected_epoch, flush_timeout=10.0)
+        await self.serve_engine(on_ready=on_ready)
+        return epoch
+
+    async def claim(self, *, expected_epoch: int | None = None, flush_timeout: float) -> int:
+        """Advance the engine's epoch by compare-and-set (``Conflict`` if it is not
+        ``expected_epoch`` or another worker wins), then zero the KV arena under exactly that
+        epoch: the arena takes one flush per epoch, only the claimed one, so once this worker
+        uses it nobody can wipe it. Returns the new epoch."""
         assert self.engine is not None, "prepare() first"
         self.epoch = await claim_epoch(self.js, self.engine_id, expected=expected_epoch)
         self.role = "main"
         self.log = self.log.bind(epoch=self.epoch, role="main")
+        await flush_arena(self.nc, self.engine_id, self.epoch, timeout=flush_timeout)
+        return self.epoch
+
+    async def serve_engine(self, *, on_ready: Callable[[], None] | None = None) -> None:
+        """Start the scheduling loop under the claimed epoch, serve the engine's subjects and
+        register with the router. ``on_ready`` is called once the loop runs and the subjects
+        are served (before registering)."""
+        assert self.engine is not None and self.epoch, "claim() first"
         hb = Path(self.config.heartbeat_file) if self.config.heartbeat_file else None
         if hb is not None:
             write_identity(hb, Identity(self.pid, self.epoch, self.engine_id))
@@ -123,6 +154,7 @@ class Worker:
         publisher = self.publisher
 
         def on_batch(step: int, deltas: list[SeqDelta]) -> None:
+            running, waiting = self.loop.load if self.loop is not None else (-1, -1)
             batch = StepBatch(
                 engine_id=self.engine_id,
                 epoch=self.epoch,
@@ -130,6 +162,8 @@ class Worker:
                 step=step,
                 weight_version=self.weight_version,
                 deltas=deltas,
+                running=running,
+                waiting=waiting,
             )
             publisher.publish(subject, encode(batch))
 
@@ -153,21 +187,28 @@ class Worker:
             on_ready()
         await self.register()
         self.status = Status.READY
-        return self.epoch
 
     # --- weight refresh ---------------------------------------------------------------------
     async def watch_weights(self) -> None:
-        """Follow ``weights_updated`` events: map each new version and switch to it between
-        steps (a shadow's idle engine switches at once), so the trainer's pushes reach every
-        worker without a restart."""
+        """Follow the weight store: on each ``weights_updated`` event — a hint, which anyone
+        may publish — read the version the store itself marks current (KV ``weight_version``)
+        and switch to it between steps if it is newer (a shadow's idle engine switches at
+        once), so the trainer's pushes reach every worker without a restart."""
 
         async def on_event(msg: Msg) -> None:
             try:
-                version = decode(msg.data, WeightsUpdated).version
+                hinted = decode(msg.data, WeightsUpdated).version
             except BelayerError:
                 return
-            if version > self.weight_version:
-                await self.refresh_weights(version)
+            current = await current_manifest(self.js)
+            if current is None or current.version != hinted:
+                self.log.warning(
+                    "weights_event_not_current",
+                    version=hinted,
+                    current=current.version if current else None,
+                )
+            if current is not None and current.version > self.weight_version:
+                await self.refresh_weights(current.version)
 
         await self.nc.subscribe(events.subject(WeightsUpdated), cb=on_event)
         # A push may have landed while this worker prepared.
@@ -252,6 +293,33 @@ class Worker:
     async def _on_submit(self, req: EngineSubmit, _msg: Msg) -> Ok:
         self._check_epoch(req.epoch)
         assert self.loop is not None
+        limits = self.config.limits
+        for i, r in enumerate(req.requests):
+            held = r.generated_offset
+            if not 0 <= held < len(r.token_ids):
+                raise InvalidRequest(
+                    "generated_offset must leave a prompt",
+                    field=f"$.requests[{i}].generated_offset",
+                )
+            check_request(
+                limits,
+                prompt_tokens=len(r.token_ids) - held,
+                max_tokens=r.sampling.max_tokens,
+                held_tokens=held,
+                prompt_field=f"$.requests[{i}].token_ids",
+                tokens_field=f"$.requests[{i}].sampling.max_tokens",
+            )
+        running, waiting = self.loop.load
+        fresh = sum(1 for r in req.requests if not self.loop.holds(r.request_id))
+        capacity = self.config.engine.max_num_seqs + limits.max_queued
+        if fresh and running + waiting + fresh > capacity:
+            raise EngineUnavailable(
+                "engine queue is full",
+                engine_id=self.engine_id,
+                running=running,
+                waiting=waiting,
+                capacity=capacity,
+            )
         self.loop.submit(Submit(req.requests))
         return Ok(detail=f"queued {len(req.requests)}")
 

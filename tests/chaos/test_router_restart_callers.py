@@ -10,7 +10,7 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -26,8 +26,6 @@ from tests.integration.node_helpers import (
     greedy,
     main_pids,
     sampled,
-    start_node,
-    stop_node,
     supervisor_pids,
     wait_until,
 )
@@ -36,18 +34,9 @@ pytestmark = pytest.mark.timeout(240)
 
 K = 16
 N = 600
+NODE_ARGS = ("--engines", "1", "--token-log-chunk", str(K))
+"""The module's node (``tests/node_fixtures.py``)."""
 PROMPT = "a caller that outlives its router"
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = start_node(
-        tmp_path_factory.mktemp("chaos-callers"), "--engines", "1", "--token-log-chunk", str(K)
-    )
-    try:
-        yield n
-    finally:
-        stop_node(n)
 
 
 @pytest_asyncio.fixture

@@ -17,6 +17,7 @@ import torch
 from common import subjects
 from common.codec import decode, encode
 from common.config import parse_config
+from common.epoch import claim_epoch
 from common.errors import Conflict, NotFound
 from model.config import load_model_config
 from model.qwen3 import kv_cache_shape
@@ -105,15 +106,27 @@ async def test_arena_shared_survives_writer_kill_and_flushes(
         other = map_arena(await fetch_arena(nc, "e1"))
         assert not other.any()  # arenas are per engine
 
+        # Only the epoch claimed in engine_epochs may flush: not one pushed out of reach, not
+        # one nobody claimed yet.
+        assert await claim_epoch(js, "e0") == 1
+        for epoch in (10**12, 2):
+            with pytest.raises(Conflict):
+                await flush_arena(nc, "e0", epoch=epoch)
+        assert bool((again[:, :, 3] == 7.0).all())  # refused flushes touched nothing
+        assert await claim_epoch(js, "e0", expected=1) == 2
         flushed = await flush_arena(nc, "e0", epoch=2)
         assert flushed.generation == 1 and flushed.epoch == 2
         assert not arena.any() and not again.any()
         assert (await fetch_arena(nc, "e0")).generation == 1
         event = await asyncio.wait_for(events.get(), WAIT)
         assert event.engine_id == "e0" and event.generation == 1
-        # a residual worker of an older epoch must not wipe the new worker's KV
-        with pytest.raises(Conflict):
-            await flush_arena(nc, "e0", epoch=1)
+        # a residual worker of an older epoch must not wipe the new worker's KV, and the
+        # claimed epoch flushes once: a replay cannot wipe the KV its worker now writes
+        arena[:, :, 1].fill_(3.0)
+        for epoch in (1, 2):
+            with pytest.raises(Conflict):
+                await flush_arena(nc, "e0", epoch=epoch)
+        assert bool((arena[:, :, 1] == 3.0).all())
         with pytest.raises(NotFound):
             await fetch_arena(nc, "nope")
         with pytest.raises(NotFound):

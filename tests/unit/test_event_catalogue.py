@@ -207,9 +207,9 @@ def test_per_request_recovery_events_name_the_requests() -> None:
     )
     one = (events.AdoptMismatch, events.TokenGapResubmitted, events.RequestFailed)
     for cls in many:
-        assert code_rows(cls)["request_ids"][0] == "`list[str]`", cls.__name__
+        assert code_rows(cls)["request_ids"][0] == "`list[RequestId]`", cls.__name__
     for single in one:
-        assert code_rows(single)["request_id"][0] == "`str`", single.__name__
+        assert code_rows(single)["request_id"][0] == "`RequestId`", single.__name__
 
 
 # --- printing the catalogue ------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.errors import Conflict, EngineUnavailable, NotFound, ResourceLimit
+from common.limits import ServingLimits
 from schemas.events import (
     EngineFailedEvent,
     EngineRecovered,
@@ -183,7 +184,7 @@ def test_requests_wait_for_an_engine() -> None:
 
 
 def test_bad_input() -> None:
-    c = core(max_prompt_tokens=4)
+    c = core(limits=ServingLimits(max_prompt_tokens=4))
     with pytest.raises(ResourceLimit):
         c.submit("r", [1] * 5, SamplingParams(), inbox="in")
     with pytest.raises(NotFound):
@@ -202,7 +203,7 @@ def test_baseline_regenerates_from_scratch_without_duplicates() -> None:
     c.engine_failed("e0", now=0.0, reason="crash")
     (sub,) = of(c.register("e0", 2, 101), SubmitToEngine)
     assert sub.requests[0].token_ids == [1] and sub.requests[0].generated_offset == 0
-    acts = c.on_step(batch("e0", 2, "r", [4, 5, 6], start=0))
+    acts = c.on_step(batch("e0", 2, "r", [4, 5, 6], start=0, pid=101))
     (d,) = [a.message for a in of(acts, SendToCaller)]
     assert d.start == 2 and d.token_ids == [6]
     assert c.regenerated_tokens == 2
@@ -350,3 +351,64 @@ def test_reused_id_with_a_different_request_is_conflict(
     # The same request again is still fine (attach or replay).
     again = c.submit("r", [1], SamplingParams(max_tokens=2), inbox="c")
     assert finished == any(isinstance(a.message, GenerateResult) for a in of(again, SendToCaller))
+
+
+def counts(engine: str, epoch: int, running: int, waiting: int, pid: int = 100) -> StepBatch:
+    """A step batch that only reports the worker's own counts."""
+    return StepBatch(
+        engine_id=engine, epoch=epoch, worker_pid=pid, step=2, weight_version=1, deltas=[],
+        running=running, waiting=waiting,
+    )  # fmt: skip
+
+
+def test_placement_follows_the_workers_own_counts() -> None:
+    """Work the router did not send (a direct submit) counts: the router places by what the
+    worker reports holding, keeps requests itself while every engine is full, and places them
+    as soon as a worker reports room."""
+    c = core(limits=ServingLimits(max_queued=2))
+    c.register("e0", 1, 100, max_num_seqs=2)
+    c.register("e1", 1, 200, max_num_seqs=2)
+    c.on_step(counts("e0", 1, running=2, waiting=2))  # full with someone else's work
+    (sub,) = of(c.submit("a", [1], SamplingParams(), inbox="in"), SubmitToEngine)
+    assert sub.engine_id == "e1"
+    c.on_step(counts("e1", 1, running=2, waiting=2, pid=200))
+    assert c.submit("b", [1], SamplingParams(), inbox="in") == [] and c.pending == ["b"]
+    pinned = c.submit("p", [1], SamplingParams(), inbox="in", engine_id="e0")
+    assert pinned == [] and c.pending == ["b", "p"]
+    acts = c.on_step(counts("e0", 1, running=1, waiting=0))
+    assert [
+        (s.engine_id, [r.request_id for r in s.requests]) for s in of(acts, SubmitToEngine)
+    ] == [("e0", ["b", "p"])]
+    assert c.pending == [] and c.engines["e0"].info().holding == 3
+
+
+def test_a_refused_submit_moves_the_requests_and_a_rejected_one_fails_them() -> None:
+    c = core()
+    c.register("e0", 1, 100)
+    c.register("e1", 1, 200)
+    (sub,) = of(c.submit("r", [1], SamplingParams(), inbox="in"), SubmitToEngine)
+    assert sub.engine_id == "e0"
+    (moved,) = of(c.submit_refused("e0", 1, ["r"]), SubmitToEngine)
+    assert moved.engine_id == "e1" and not c.engines["e0"].has_room
+    assert c.engines["e0"].status.value == "up"  # a full queue is no failure
+    acts = c.submit_rejected("e1", ["r"], "prompt too long")
+    (res,) = [a.message for a in of(acts, SendToCaller)]
+    assert isinstance(res, GenerateResult) and res.finish_reason == "error"
+
+
+def test_output_of_another_process_under_the_current_epoch_is_stale() -> None:
+    c = core()
+    c.register("e0", 1, 100)
+    c.submit("r", [1], SamplingParams(max_tokens=8), inbox="in")
+    acts = c.on_step(batch("e0", 1, "r", [4, 5], pid=999))
+    (stale,) = emitted(acts)
+    assert isinstance(stale, StaleOutputRejected) and stale.pid == 999
+    assert c.active["r"].tokens == []
+
+
+def test_status_shows_a_down_engine_as_not_healthy() -> None:
+    c = core()
+    c.register("e0", 1, 100)
+    c.engine_failed("e0", now=0.0, reason="exited", epoch=1)
+    info = c.engines["e0"].info()
+    assert not info.healthy and info.state == "down"

@@ -19,6 +19,13 @@ class EngineConfig:
     """KV-cache blocks in the arena; must match the arena's tensor."""
     max_model_len: int = 2048
     """Longest sequence (prompt + generated); a request reaching it finishes with 'length'."""
+    deterministic: bool = True
+    """Batch-invariant inference: a request's logits, tokens and logprobs depend only on the
+    weights, its tokens, its sampling parameters and its seed — not on the batch, its
+    neighbours, prefill vs decode, or which worker runs it — so a seeded sampled request
+    resumes exactly, and a trainer built with the same switch computes bitwise-equal
+    log-probabilities (``model.batch_invariant``; on GPU: SGLang's
+    ``--enable-deterministic-inference``). Costs some throughput (``belayer bench engine``)."""
 
     def __post_init__(self) -> None:
         for name in (

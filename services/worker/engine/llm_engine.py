@@ -3,10 +3,17 @@
 Pure and synchronous (no bus, no asyncio). The weights and the KV cache are tensors the
 caller hands in, normally zero-copy views of shared memory owned by the weight store and the
 KV arena; the engine never copies or reallocates them.
+
+With ``EngineConfig.deterministic`` the model runs its batch-invariant forward
+(:mod:`model.batch_invariant`) and the warm-up checks that it really is batch-invariant on this
+machine; every draw of the sampler is a pure function of ``(seed, token index)``, and a request
+without a seed gets one of its own when it is added, so no request's samples depend on
+another's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -72,7 +79,7 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len} exceeds the model's "
                 f"max_position_embeddings={model_config.max_position_embeddings}"
             )
-        self.model = build_model(model_config, params)
+        self.model = build_model(model_config, params, deterministic=config.deterministic)
         eos = model_config.eos_token_id if eos_token_ids is None else eos_token_ids
         self.scheduler = Scheduler(config, eos)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size)
@@ -84,7 +91,7 @@ class LLMEngine:
     def load_weights(self, params: dict[str, Tensor]) -> None:
         """Switch to another weight version (zero copy: ``params`` are mapped views). Call it
         between steps; running requests continue on the new weights from their next token."""
-        model = build_model(self.model_config, params)
+        model = build_model(self.model_config, params, deterministic=self.config.deterministic)
         self.model = model
         self.runner.model = model
 
@@ -108,6 +115,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"{request_id}: prompt has token ids outside [0, {vocab})")
+        if sampling.seed is None and not sampling.greedy:
+            # A seed of its own: its draws are then (seed, j), whatever else is in the batch.
+            sampling = dataclasses.replace(sampling, seed=self.sampler.new_seed())
         seq = Sequence(request_id, list(prompt_token_ids), sampling, generated_offset)
         self.scheduler.add(seq)
         self._live[request_id] = seq
@@ -161,23 +171,41 @@ class LLMEngine:
     def warmup(self) -> None:
         """Run a tiny prefill, decode and sampling so the first real step pays no first-call
         costs. Uses a private scratch cache: the shared arena may be in use by another worker.
+
+        In deterministic mode it also checks the claim on this machine: the logits of a
+        sequence's last token must be bitwise the same from a decode step (next to another
+        sequence) as from a prefill of the whole sequence alone; ``RuntimeError`` otherwise.
         """
         cfg = self.config
         n = min(8, cfg.max_model_len - 1)
         per_seq = -(-(n + 1) // cfg.block_size)
         scratch = torch.zeros(
-            kv_cache_shape(self.model_config, 2 * per_seq, cfg.block_size),
+            kv_cache_shape(self.model_config, 3 * per_seq, cfg.block_size),
             dtype=self.model_config.dtype,
         )
-        seqs = [Sequence(f"warmup-{i}", [i] * n, SamplingParams(temperature=0)) for i in (0, 1)]
+        vocab = self.model_config.vocab_size
+        prompts = [[(7 * j + 3 * i + 1) % vocab for j in range(n)] for i in (0, 1)]
+        seqs = [
+            Sequence(f"warmup-{i}", p, SamplingParams(temperature=0)) for i, p in enumerate(prompts)
+        ]
         for i, seq in enumerate(seqs):
             seq.block_table = list(range(i * per_seq, (i + 1) * per_seq))
         logits = self.runner.run_on(scratch, seqs, True)
         self.sampler(logits, [SamplingParams(temperature=0.7, top_p=0.9, seed=0)] * 2, [0, 1])
         for seq in seqs:
             seq.token_ids.append(0)
-        logits = self.runner.run_on(scratch, seqs, False)
-        self.sampler(logits, [s.sampling for s in seqs], [0, 0])
+        decoded = self.runner.run_on(scratch, seqs, False)
+        self.sampler(decoded, [s.sampling for s in seqs], [0, 0])
+        if cfg.deterministic:
+            whole = Sequence("warmup-whole", list(seqs[0].token_ids), SamplingParams(temperature=0))
+            whole.block_table = list(range(2 * per_seq, 3 * per_seq))
+            prefilled = self.runner.run_on(scratch, [whole], True)
+            if not torch.equal(prefilled[0], decoded[0]):
+                raise RuntimeError(
+                    "deterministic mode: this machine's kernels are not batch-invariant (a "
+                    "decode step and a prefill gave different logits for the same position); "
+                    "run with one torch thread, or turn deterministic mode off"
+                )
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]

@@ -1,14 +1,18 @@
 """Pick the next token of each sequence from its logits.
 
 Greedy when ``temperature == 0``; otherwise temperature scaling, top-p truncation and
-inverse-CDF sampling with one uniform number ``u`` per token.
+inverse-CDF sampling with one uniform number ``u`` per token — the only random draw.
 
-Determinism: for a request with a ``seed``, ``u`` for its j-th generated token is a pure
-hash of ``(seed, j)`` (splitmix64), where j counts from the start of the request's whole
-generation, ``generated_offset`` included. The token therefore depends only on
-``(seed, j, logits)``: a request resumed on another worker with ``generated_offset=m``
-continues exactly as an uninterrupted run, and batching does not change its samples. Requests
-without a seed draw ``u`` from the sampler's own random stream.
+Counter-based determinism: for a request with a ``seed``, ``u`` for its j-th generated token is
+a pure hash of ``(seed, j)`` (splitmix64, :func:`seeded_uniform`), where j counts from the start
+of the request's whole generation, ``generated_offset`` included; nothing is drawn from a
+stateful generator. The token therefore depends only on ``(seed, j, logits)``: a request
+resumed on another worker with ``generated_offset=m`` continues with the same draws as an
+uninterrupted run, and batching does not change them (every op below is row-wise). With the
+engine in deterministic mode the logits are batch-invariant too, so the tokens are. Requests
+without a seed draw ``u`` from the sampler's own random stream (the engine gives each request
+a seed of its own instead, :meth:`Sampler.new_seed`). The ``n`` samples of one task must get
+distinct seeds: :func:`~schemas.seeds.derive_seed` ``(seed, sample_index)``.
 
 Returned logprob: the log-probability of the chosen token under the distribution actually
 sampled from *after temperature, before top-p truncation*, i.e.
@@ -22,21 +26,16 @@ import random
 import torch
 from torch import Tensor
 
+from model.qwen3 import logprobs_at_temperature
+from schemas.seeds import MASK64, derive_seed, splitmix64
 from services.worker.engine.sequence import SamplingParams
 
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+__all__ = ["Sampler", "derive_seed", "seeded_uniform"]
 
 
 def seeded_uniform(seed: int, index: int) -> float:
     """A uniform number in [0, 1) that depends only on ``(seed, index)``."""
-    z = _splitmix64(_splitmix64(seed & _MASK64) ^ (index & _MASK64))
+    z = splitmix64(splitmix64(seed & MASK64) ^ (index & MASK64))
     return (z >> 11) * 2.0**-53
 
 
@@ -45,6 +44,10 @@ class Sampler:
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
+
+    def new_seed(self) -> int:
+        """A fresh request seed from this sampler's stream (a signed 63-bit integer)."""
+        return self._rng.getrandbits(63)
 
     def __call__(
         self, logits: Tensor, params: list[SamplingParams], sample_indices: list[int]
@@ -55,14 +58,14 @@ class Sampler:
         Returns the token ids and their logprobs.
         """
         logits = logits.float()
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        # The trainer's token_logprobs computes the same function (bitwise, same logits).
+        logprobs = logprobs_at_temperature(logits, temps)
         if all(p.greedy for p in params):
             # The common RL-eval and test path: no sort, no random numbers.
-            logprobs = torch.log_softmax(logits, dim=-1)
             tokens = logits.argmax(dim=-1)
             chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
             return tokens.tolist(), chosen.tolist()
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
         sampled = self._sample(logprobs.exp(), params, sample_indices)
         greedy = torch.tensor([p.greedy for p in params])
         tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
