@@ -43,7 +43,7 @@ from torch import Tensor
 
 MIN_GEMM_ROWS = 4
 """Fewest rows a deterministic matmul runs with (smaller ones are zero-padded)."""
-ATTENTION_CHUNK = 64
+ATTENTION_CHUNK = 128
 """Key positions per step of the deterministic attention's online softmax. Part of the
 numerics: the engine and the trainer must use the same value."""
 

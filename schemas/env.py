@@ -28,7 +28,7 @@ most 160 of them (a directory name)."""
 CheckpointIdOrEmpty = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{0,160}\Z")]
 """A ``CheckpointId`` or ``""``."""
 
-Timeout = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
+TimeoutSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
 """A deadline in seconds, finite, at most a day (0: the service's default). The service may
 cap it lower (``EnvConfig.exec_timeout_max_s``)."""
 
@@ -81,7 +81,7 @@ class EnvExec(Message, tag="EnvExec.v1"):
 
     sandbox_id: SandboxId
     command: str
-    timeout_s: Timeout = 30.0
+    timeout_s: TimeoutSeconds = 30.0
     workdir: str = ""
 
 
@@ -104,7 +104,7 @@ class EnvCheckpoint(Message, tag="EnvCheckpoint.v1"):
     prefix: Annotated[int, msgspec.Meta(ge=0, le=MAX_PREFIX)]
     """Action-boundary index k the checkpoint belongs to (must exceed the ready one)."""
     trajectory_id: IdOrEmpty = ""
-    timeout_s: Timeout = 0.0
+    timeout_s: TimeoutSeconds = 0.0
     """0: the service's default checkpoint timeout."""
 
 

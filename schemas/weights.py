@@ -81,11 +81,16 @@ class ArenaDesc(Message, tag="ArenaDesc.v1"):
     generation: int
     """Bumped by every flush."""
     epoch: int = 0
-    """Engine epoch of the last accepted flush (0 before any); older epochs are refused."""
+    """Engine epoch of the last accepted flush (0 before any); a flush under it again or under
+    an epoch other than the claimed one is refused."""
 
 
 class KvFlush(Message, tag="KvFlush.v1"):
-    """Zero an engine's arena before a new worker uses it (handover step 3)."""
+    """Zero an engine's arena before a new worker uses it: sent by the worker that just claimed
+    ``epoch`` (a main worker at start, a shadow at handover step 3). Refused (``conflict``)
+    unless ``epoch`` is the one ``engine_epochs`` holds and the arena was not flushed under it
+    yet."""
 
     engine_id: EngineId
     epoch: int = 0
+    """The epoch the sender just claimed by compare-and-set."""

@@ -430,6 +430,8 @@ class RouterCore:
             or (batch.epoch, batch.worker_pid) != (eng.epoch, eng.worker_pid)
             or eng.status is not EngineStatus.UP
         ):
+            if not batch.deltas:
+                return []  # only counts, from a worker that is not the engine's
             self.counters["stale_batches"] += 1
             stale = ev.StaleOutputRejected(
                 engine_id=batch.engine_id,

@@ -148,10 +148,10 @@ class Engines:
             if shadow is not None and shadow.alive:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(slot.promoted.wait(), self.cfg.handover_timeout_s)
-                if slot.main is child:
+                if slot.main is child and not slot.retired:
                     await self._promote_if_confirmed(slot)  # in case its event was missed
-                if slot.main is not child:
-                    return  # the shadow took over; this child is retired
+                if slot.main is not child or slot.retired:
+                    return  # the shadow took over (this child is retired), or the engine is
             # No handover in time: restart the main worker cold, with backoff.
             await asyncio.sleep(child.backoff.next_delay(ran))
             if slot.main is not child or slot.retired or self.sup.stop_requested.is_set():
@@ -237,7 +237,9 @@ class Engines:
         """Promote the shadow only if the router has it as the engine's worker, under the
         epoch the ``engine_epochs`` bucket holds."""
         shadow = slot.shadow
-        if shadow is None or shadow.pid is None or self.sup.nc is None:
+        if slot.retired or self.sup.stop_requested.is_set() or self.sup.nc is None:
+            return
+        if shadow is None or shadow.pid is None or not shadow.alive:
             return
         info = await self._router_view(slot.engine_id)
         claimed, _ = await current_epoch(self.sup.nc.jetstream(), slot.engine_id)
@@ -245,8 +247,9 @@ class Engines:
             info is None
             or info.worker_pid != shadow.pid
             or info.epoch != claimed
-            or info.state == "down"
+            or info.state != "up"
             or slot.shadow is not shadow
+            or slot.retired
         ):
             self._not_confirmed(slot, "promote", info, shadow_pid=shadow.pid, claimed=claimed)
             return

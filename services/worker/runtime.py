@@ -117,6 +117,8 @@ class EngineLoop:
         self.recent: OrderedDict[str, Track] = OrderedDict()
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal: BaseException | None = None
+        self.busy_reported = False
+        """The last step batch said the engine holds work (an empty one follows when idle)."""
         self.inbox = 0
         """Requests submitted but not yet handed to the engine (guarded by ``_inbox_lock``)."""
         self._inbox_lock = threading.Lock()
@@ -248,6 +250,9 @@ class EngineLoop:
                 if errors:
                     self.on_batch(self.steps, errors)
                 if not self.engine.has_unfinished():
+                    if self.busy_reported:  # tell the router the engine is empty now
+                        self.busy_reported = False
+                        self.on_batch(self.steps, [])
                     self.wake.wait(self.idle_turn_s)
                     self.wake.clear()
                     continue
@@ -255,6 +260,7 @@ class EngineLoop:
                 self.steps += 1
                 deltas = self._deltas(outputs)
                 if deltas:
+                    self.busy_reported = True
                     self.on_batch(self.steps, deltas)
         except BaseException as exc:  # the worker must die loudly, not hang with a stale loop
             self.fatal = exc

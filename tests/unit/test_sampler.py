@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from schemas.seeds import derive_seed
 from services.worker.engine.sampler import Sampler, seeded_uniform
 from services.worker.engine.sequence import SamplingParams
 
@@ -111,3 +112,44 @@ def test_invalid_params_rejected() -> None:
         SamplingParams(top_p=0)
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)
+
+
+def test_seeded_draws_are_bitwise_functions_of_seed_and_index() -> None:
+    """Counter-based: token and logprob of a row depend on (seed, j, its logits) only — not on
+    the batch, the row's place in it, the sampler's own stream or what it drew before."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 500, generator=gen)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(6)]
+    indices = [0, 3, 3, 17, 200, 1]
+    tokens, lps = Sampler(seed=1)(logits, params, indices)
+    warm = Sampler(seed=2)
+    for _ in range(5):  # a sampler that has drawn before, for other requests
+        warm(torch.randn(2, 500, generator=gen), [SamplingParams(), SamplingParams()], [0, 0])
+    order = [5, 2, 0, 4, 1, 3]
+    shuffled = warm(logits[order], [params[i] for i in order], [indices[i] for i in order])
+    for k, i in enumerate(order):
+        assert shuffled[0][k] == tokens[i] and shuffled[1][k] == lps[i]
+        alone = Sampler()(logits[i : i + 1], [params[i]], [indices[i]])
+        assert alone == ([tokens[i]], [lps[i]])
+
+
+def test_derive_seed_gives_each_sample_its_own_stable_seed() -> None:
+    """The n samples of one task get distinct seeds (identical samples would zero a GRPO
+    group's advantages), the same on every run and machine (golden values)."""
+    assert [derive_seed(0, i) for i in range(3)] == [
+        5929318815373528752,
+        550273252226424709,
+        -1349443622673582321,
+    ]
+    assert derive_seed(-1, 0) == -4902657135600986228
+    for seed in (0, 1, -1, 2**63 - 1, -(2**63)):
+        seeds = [derive_seed(seed, i) for i in range(5000)]
+        assert len(set(seeds)) == len(seeds)
+        assert all(-(2**63) <= s < 2**63 for s in seeds)
+        assert SamplingParams(seed=seeds[-1]).seed == seeds[-1]
+    assert derive_seed(1, 0) != derive_seed(2, 0)
+    # Distinct seeds give distinct draws: the samples of a group really differ.
+    draws = {seeded_uniform(derive_seed(7, i), 0) for i in range(64)}
+    assert len(draws) == 64
+    with pytest.raises(ValueError):
+        derive_seed(1, -1)

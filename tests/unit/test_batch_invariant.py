@@ -1,0 +1,97 @@
+"""The batch-invariant primitives of deterministic mode, checked on the machine the tests run on.
+
+``model/batch_invariant.py`` rests on measured properties of torch/MKL on CPU with one thread
+(a matmul with >= 4 rows gives each row the same bits whatever the other rows; ``exp``,
+division, RMSNorm, ``log_softmax`` are row-wise); these tests fail if a torch or BLAS upgrade
+breaks one, before any engine test does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import batch_invariant as bi
+
+torch.set_num_threads(1)
+
+GEN = torch.Generator().manual_seed(0)
+SHAPES = [(64, 128), (64, 512), (256, 768), (768, 256), (256, 4096), (1000, 37)]
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=GEN)
+
+
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_linear_rows_do_not_depend_on_the_other_rows(k: int, n: int) -> None:
+    w, x = randn(n, k), randn(300, k)
+    alone = torch.cat([bi.linear(x[i : i + 1], w) for i in range(40)])
+    for m in (1, 2, 3, 4, 5, 8, 17, 40, 300):
+        assert torch.equal(bi.linear(x[:m], w)[:40], alone[:m])
+    perm = torch.randperm(40, generator=GEN)
+    assert torch.equal(bi.linear(x[:40][perm], w), alone[perm])
+    # Any leading shape, and with autograd on (the trainer's path): the same bits.
+    wg = w.clone().requires_grad_(True)
+    assert torch.equal(bi.linear(x[:40].view(4, 10, k), wg).detach().view(40, n), alone)
+
+
+def test_linear_matches_f_linear_to_rounding() -> None:
+    w, x = randn(256, 64), randn(3, 64)
+    assert torch.allclose(bi.linear(x, w), F.linear(x, w), atol=1e-5)
+
+
+def test_silu_is_row_invariant_and_is_silu() -> None:
+    x = randn(80, 100) * 4
+    alone = torch.cat([bi.silu(x[i : i + 1]) for i in range(80)])
+    assert all(torch.equal(bi.silu(x[:m]), alone[:m]) for m in (1, 2, 3, 7, 80))
+    assert torch.allclose(bi.silu(x), F.silu(x), atol=1e-6)
+    xg = torch.tensor([-200.0, -90.0, 0.0, 5.0], requires_grad=True)
+    bi.silu(xg).sum().backward()
+    assert xg.grad is not None and bool(xg.grad.isfinite().all())
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal softmax attention for one sequence: q ``[n, h, d]``, k/v ``[n, kvh, d]``."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) / q.shape[-1] ** 0.5
+    n = q.shape[0]
+    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+
+
+def attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``bi.attend`` laid out as the model does for one sequence (tokens × query heads)."""
+    n, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    length = bi.chunks_for(n) * bi.ATTENTION_CHUNK
+    kv = F.pad(torch.stack([k, v]), (0, 0, 0, 0, 0, length - n))
+    rows = q.view(n, kvh, g, d).permute(1, 0, 2, 3).reshape(1, kvh, n * g, d)
+    pos = torch.arange(n).repeat_interleave(g)[None]
+    out = bi.attend(rows, pos, bi.chunk_kv(kv, 1))
+    return out.view(kvh, n, g, d).permute(1, 0, 2, 3).reshape(n, h, d)
+
+
+def test_chunked_attention_is_attention_and_each_query_only_sees_its_past() -> None:
+    n = 2 * bi.ATTENTION_CHUNK + 37  # three chunks, the last one partial
+    q, k, v = randn(n, 4, 16), randn(n, 2, 16), randn(n, 2, 16)
+    out = attend_sequence(q, k, v)
+    assert torch.allclose(out, reference_attention(q, k, v), atol=1e-5)
+    # A query's output is bitwise the same from a shorter prefix (fewer chunks, other keys in
+    # its last chunk): position p depends on keys 0..p only.
+    for p in (0, 5, bi.ATTENTION_CHUNK - 1, bi.ATTENTION_CHUNK, n - 2):
+        short = attend_sequence(q[: p + 1], k[: p + 1], v[: p + 1])
+        assert torch.equal(short[p], out[p]), p
+
+
+def test_one_thread_restores_the_thread_count() -> None:
+    torch.set_num_threads(2)
+    try:
+        with bi.one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)

@@ -1,0 +1,209 @@
+"""Deterministic mode end to end on a small random model: a request's logits (bitwise) and tokens
+depend only on (weights, prompt, sampling, seed) — not on batch size, order, neighbours, when
+it joined the batch, preemption, or whether its prefix's KV was built by prefill or by decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.llm_engine import LLMEngine
+from services.worker.engine.sequence import SamplingParams, Sequence
+from tests.unit.model_fixtures import make_engine, write_small_model
+
+torch.set_num_threads(1)
+
+N = 40
+PROMPT = [5, 17, 301, 42, 7, 99, 123]
+SAMPLINGS = {
+    "greedy": SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=N, ignore_eos=True),
+}
+DET = EngineConfig(num_blocks=96, max_model_len=256, max_num_batched_tokens=1024)
+NEIGHBOURS = [
+    ([3] * 5, SamplingParams(temperature=1.0, max_tokens=N + 9, ignore_eos=True)),  # unseeded
+    (list(range(20, 160)), SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)),
+    ([400, 401], SamplingParams(temperature=0.7, seed=9, max_tokens=N, ignore_eos=True)),
+    (list(range(300, 330)), SamplingParams(temperature=1.2, top_p=0.5, seed=5, max_tokens=3)),
+    ([11] * 60, SamplingParams(temperature=0, max_tokens=N + 30, ignore_eos=True)),
+    ([7, 8, 9], SamplingParams(temperature=1.0, seed=77, max_tokens=25, ignore_eos=True)),
+    (list(range(100, 240)), SamplingParams(temperature=0.5, max_tokens=N, ignore_eos=True)),
+]
+"""Seven neighbours: long (several attention chunks) and short prompts, greedy, seeded and
+unseeded, finishing at different steps so the batch changes shape under the request."""
+
+Run = dict[int, tuple[int, Tensor]]
+"""Sample index j → (token, the logits it was drawn from)."""
+
+
+@pytest.fixture(scope="module")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_small_model(tmp_path_factory.mktemp("small-model"))
+
+
+def recording(engine: LLMEngine) -> dict[str, dict[int, Tensor]]:
+    """Wrap the engine's model runner so every logits row is kept, by request and index j."""
+    seen: dict[str, dict[int, Tensor]] = {}
+    run = engine.runner.run
+
+    def recorded(seqs: list[Sequence], is_prefill: bool) -> Tensor:
+        logits = run(seqs, is_prefill)
+        for seq, row in zip(seqs, logits, strict=True):
+            seen.setdefault(seq.request_id, {})[seq.sample_index] = row.clone()
+        return logits
+
+    engine.runner.run = recorded  # type: ignore[method-assign]
+    return seen
+
+
+def drive(
+    engine: LLMEngine,
+    requests: list[tuple[str, list[int], SamplingParams, int]],
+    *,
+    join_after: int = 0,
+) -> dict[str, Run]:
+    """Run ``(id, prompt, sampling, generated_offset)`` requests to completion; the first one is
+    added ``join_after`` steps before the others. Returns each request's tokens and logits."""
+    logits = recording(engine)
+    tokens: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
+    pending = list(requests)
+    steps = 0
+
+    def add(req: tuple[str, list[int], SamplingParams, int]) -> None:
+        rid, prompt, sampling, offset = req
+        engine.add_request(rid, prompt, sampling, generated_offset=offset)
+
+    add(pending.pop(0))
+    while engine.has_unfinished() or pending:
+        if pending and steps >= join_after:
+            for req in pending:
+                add(req)
+            pending = []
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        steps += 1
+    runs: dict[str, Run] = {}
+    for rid, _, _, offset in requests:
+        seen = logits[rid]
+        runs[rid] = {offset + i: (t, seen[offset + i]) for i, t in enumerate(tokens[rid])}
+    return runs
+
+
+def same(a: Run, b: Run) -> None:
+    """Equal tokens and bitwise-equal logits at every index both runs have."""
+    common = sorted(a.keys() & b.keys())
+    assert common, "the runs share no index"
+    for j in common:
+        assert a[j][0] == b[j][0], f"token {j} differs"
+        assert torch.equal(a[j][1], b[j][1]), f"logits of token {j} differ"
+
+
+def alone(model_dir: Path, sampling: SamplingParams, config: EngineConfig = DET) -> Run:
+    return drive(make_engine(model_dir, config), [("r", PROMPT, sampling, 0)])["r"]
+
+
+def with_neighbours(order: list[int]) -> Iterator[tuple[str, list[int], SamplingParams, int]]:
+    for i in order:
+        prompt, sampling = NEIGHBOURS[i]
+        yield (f"n{i}", prompt, sampling, 0)
+
+
+@pytest.mark.parametrize("kind", sorted(SAMPLINGS))
+def test_same_request_alone_in_a_batch_of_8_and_in_another_order(
+    small_model_dir: Path, kind: str
+) -> None:
+    sampling = SAMPLINGS[kind]
+    ref = alone(small_model_dir, sampling)
+    assert len(ref) == N
+    # In a batch of 8, submitted together, the request third.
+    reqs = list(with_neighbours([0, 1]))
+    reqs += [("r", PROMPT, sampling, 0), *with_neighbours([2, 3, 4, 5, 6])]
+    batch = drive(make_engine(small_model_dir, DET, sampler_seed=1), reqs)
+    same(batch["r"], ref)
+    # Another order, the request last, and a different unseeded stream for the neighbours.
+    reqs = [*with_neighbours([6, 5, 4, 3, 2, 1, 0]), ("r", PROMPT, sampling, 0)]
+    reordered = drive(make_engine(small_model_dir, DET, sampler_seed=2), reqs)
+    same(reordered["r"], ref)
+    # The request decodes alone for 5 steps, then 7 neighbours join (their prefill in between).
+    reqs = [("r", PROMPT, sampling, 0), *with_neighbours(list(range(7)))]
+    joined = drive(make_engine(small_model_dir, DET), reqs, join_after=5)
+    same(joined["r"], ref)
+
+
+@pytest.mark.parametrize("kind", sorted(SAMPLINGS))
+def test_resume_from_a_prefix_built_by_prefill_equals_the_decoded_run(
+    small_model_dir: Path, kind: str
+) -> None:
+    """The uninterrupted run built its KV token by token (decode); a resumed one prefills the
+    prompt plus the tokens held, on a fresh engine in a busy batch: same logits, same tokens."""
+    sampling = SAMPLINGS[kind]
+    ref = alone(small_model_dir, sampling)
+    held = [ref[j][0] for j in range(N)]
+    for m in (1, 9, 23):
+        rest = dataclasses.replace(sampling, max_tokens=N - m)
+        reqs = [*with_neighbours([4, 0, 2]), ("r", PROMPT + held[:m], rest, m)]
+        resumed = drive(make_engine(small_model_dir, DET, sampler_seed=m), reqs)["r"]
+        assert sorted(resumed) == list(range(m, N))
+        same(resumed, ref)
+
+
+def test_preemption_recomputes_sampled_requests_exactly(small_model_dir: Path) -> None:
+    sampling = SAMPLINGS["seeded"]
+    prompts = [[i + 1] * 10 for i in range(4)]
+    params = [dataclasses.replace(sampling, seed=100 + i, max_tokens=30) for i in range(4)]
+    roomy = make_engine(small_model_dir, DET).generate(prompts, params)
+    tight_config = EngineConfig(
+        block_size=4, num_blocks=24, max_model_len=64, max_num_batched_tokens=256
+    )
+    tight = make_engine(small_model_dir, tight_config)
+    results = tight.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert [r.token_ids for r in results] == [r.token_ids for r in roomy]
+    assert [r.logprobs for r in results] == [r.logprobs for r in roomy]
+
+
+def test_other_geometry_and_threads_do_not_change_anything(small_model_dir: Path) -> None:
+    """Another worker: another KV block size and block count, two torch threads set by the
+    caller (the deterministic forward runs on one), another unseeded stream."""
+    ref = alone(small_model_dir, SAMPLINGS["seeded"])
+    other = EngineConfig(block_size=8, num_blocks=80, max_model_len=256, max_num_batched_tokens=512)
+    torch.set_num_threads(2)
+    try:
+        run = drive(
+            make_engine(small_model_dir, other, sampler_seed=3),
+            [("r", PROMPT, SAMPLINGS["seeded"], 0), *with_neighbours([1, 6])],
+        )["r"]
+    finally:
+        torch.set_num_threads(1)
+    same(run, ref)
+
+
+def test_unseeded_requests_get_seeds_of_their_own(small_model_dir: Path) -> None:
+    """A request without a seed draws from its own seed (taken from the engine's stream when it
+    is added), so a neighbour's sampling never shifts it."""
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    a = make_engine(small_model_dir, DET, sampler_seed=42).generate([PROMPT], unseeded)
+    b = make_engine(small_model_dir, DET, sampler_seed=42)
+    b.add_request("first", PROMPT, unseeded)  # takes the stream's first seed, like `a`'s
+    b.add_request("noisy", [9] * 12, SamplingParams(temperature=1.0, max_tokens=30))
+    tokens: list[int] = []
+    while b.has_unfinished():
+        tokens += [t for o in b.step() if o.request_id == "first" for t in o.new_token_ids]
+    assert tokens == a[0].token_ids
+
+
+def test_default_mode_still_matches_to_rounding(small_model_dir: Path) -> None:
+    """The fast mode and the deterministic one compute the same model (to float rounding)."""
+    det = alone(small_model_dir, SAMPLINGS["greedy"])
+    fast = alone(
+        small_model_dir, SAMPLINGS["greedy"], dataclasses.replace(DET, deterministic=False)
+    )
+    for j in range(N):
+        assert torch.allclose(det[j][1], fast[j][1], atol=1e-4)
