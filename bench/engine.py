@@ -2,8 +2,10 @@
 
 Tokens/s at batch 1 and 8 (16-token prompts, greedy, ``ignore_eos``, prefill included), median
 of ``repeats`` runs, on the tiny model (hidden 256, 4 layers, vocab 4096) unless a model
-directory is given; the targets are the tiny model's. ``bench_engine`` is also the first
-measurement of ``belayer bench serve``.
+directory is given; the targets are the tiny model's. Both engine modes are measured in the same
+run, interleaved: the fast default kernels (``deterministic=False``) and deterministic mode
+(batch-invariant, ``EngineConfig.deterministic``), with the ratio at batch 8 judged against
+``≥ 50 %``. ``measure`` is also the first measurement of ``belayer bench serve``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from bench.report import (
     machine_info,
     print_table,
     progress,
+    ratio,
     target_text,
     targets_json,
     timestamp,
@@ -42,11 +45,16 @@ BATCHES = (1, 8)
 TINY_MODEL = {"hidden_size": 256, "num_layers": 4, "vocab_size": 4096}
 """The model the targets are for (``model.tiny.init_tiny_model``'s defaults)."""
 
+MODES = ("fast", "deterministic")
+"""Engine modes measured: ``EngineConfig.deterministic`` off and on."""
+
 TARGETS: dict[str, Target] = {
     "engine_tok_s_b1": (">=", 150.0),
     "engine_tok_s_b8": (">=", 600.0),
+    "engine_det_ratio_b8": (">=", 0.5),
 }
-"""Metric → (comparison, bound), tokens/s of the tiny model with one torch thread."""
+"""Metric → (comparison, bound): tokens/s of the tiny model with one torch thread (fast mode);
+deterministic over fast throughput at batch 8 (a fraction)."""
 
 
 def prompts(batch: int, vocab: int) -> list[list[int]]:
@@ -60,12 +68,14 @@ def bench_engine(
     new_tokens: int = 128,
     *,
     num_threads: int | None = 1,
+    deterministic: bool = False,
 ) -> dict[int, float]:
     """Generated tokens per second for each batch size (greedy, ``ignore_eos``).
 
     Each batch holds ``batch_size`` prompts of 16 tokens generating ``new_tokens`` each; the
     time includes the prefill step. ``num_threads`` (default 1, as on the 2-core CI machine)
     is set for the run and restored after; None leaves torch's setting alone.
+    ``deterministic``: the engine's batch-invariant mode.
     """
     previous = torch.get_num_threads()
     if num_threads is not None:
@@ -80,6 +90,7 @@ def bench_engine(
             num_blocks=max_batch * (-(-(PROMPT_LEN + new_tokens) // 16)) + 1,
             max_model_len=PROMPT_LEN + new_tokens + 1,
             max_num_batched_tokens=max(4096, PROMPT_LEN * max_batch),
+            deterministic=deterministic,
         )
         kv_cache = torch.zeros(
             kv_cache_shape(model_config, config.num_blocks, config.block_size),
@@ -108,33 +119,61 @@ def measure(
     bench_name: str = "engine",
     num_threads: int | None = 1,
 ) -> dict[str, Any]:
-    """Median tokens/s of the in-process engine at each of ``BATCHES`` over ``repeats`` runs."""
-    runs: dict[int, list[float]] = {b: [] for b in BATCHES}
+    """Median tokens/s of the in-process engine at each of ``BATCHES`` over ``repeats`` runs,
+    in both modes (interleaved run by run, so a slow spell of the machine hits both).
+
+    Returns ``tok_s`` and ``runs`` (fast mode, batch → value / list), ``det_tok_s`` and
+    ``det_runs`` (deterministic mode) and ``det_ratio`` (batch → deterministic / fast)."""
+    runs: dict[str, dict[int, list[float]]] = {m: {b: [] for b in BATCHES} for m in MODES}
     for rep in range(repeats):
-        result = bench_engine(model_dir, BATCHES, new_tokens, num_threads=num_threads)
-        for b in BATCHES:
-            runs[b].append(result[b])
-        progress(
-            bench_name,
-            f"engine alone run {rep + 1}/{repeats}: "
-            + ", ".join(f"batch {b} {result[b]:.0f} tok/s" for b in BATCHES),
-        )
-    return {"tok_s": {b: statistics.median(v) for b, v in runs.items()}, "runs": runs}
+        for mode in MODES:
+            result = bench_engine(
+                model_dir,
+                BATCHES,
+                new_tokens,
+                num_threads=num_threads,
+                deterministic=mode == "deterministic",
+            )
+            for b in BATCHES:
+                runs[mode][b].append(result[b])
+            progress(
+                bench_name,
+                f"engine alone ({mode}) run {rep + 1}/{repeats}: "
+                + ", ".join(f"batch {b} {result[b]:.0f} tok/s" for b in BATCHES),
+            )
+    med = {m: {b: statistics.median(v) for b, v in runs[m].items()} for m in MODES}
+    return {
+        "tok_s": med["fast"],
+        "runs": runs["fast"],
+        "det_tok_s": med["deterministic"],
+        "det_runs": runs["deterministic"],
+        "det_ratio": {b: ratio(med["deterministic"][b], med["fast"][b]) for b in BATCHES},
+    }
 
 
 def rows(result: dict[str, Any]) -> list[Row]:
-    """One row per batch size, judged when the result has targets (the tiny model)."""
+    """Per batch size: fast mode, deterministic mode and their ratio; judged when the result
+    has targets (the tiny model)."""
+
+    def judged(key: str, unit: str) -> tuple[str, str]:
+        target = TARGETS.get(key) if key in result["targets"] else None
+        return (target_text(target, unit) if target else "", result["verdicts"].get(key, ""))
+
     out = []
     for b, value in result["tok_s"].items():
-        key = f"engine_tok_s_b{b}"
-        target = TARGETS.get(key) if key in result["targets"] else None
         out.append(
             Row(
                 f"engine alone, batch {b}",
                 f"{value:.0f} tok/s",
-                target_text(target, "tok/s") if target else "",
-                result["verdicts"].get(key, ""),
+                *judged(f"engine_tok_s_b{b}", "tok/s"),
             )
+        )
+    for b, value in result["det_tok_s"].items():
+        out.append(Row(f"engine alone, deterministic, batch {b}", f"{value:.0f} tok/s"))
+    for b, value in result["det_ratio"].items():
+        shown = "n/a" if value is None else f"{value * 100:.1f} %"
+        out.append(
+            Row(f"deterministic / fast, batch {b}", shown, *judged(f"engine_det_ratio_b{b}", "%"))
         )
     return out
 
@@ -166,7 +205,12 @@ def main(
         )
         measured = measure(model_dir, new_tokens, repeats, num_threads=num_threads)
     tok_s = {str(b): v for b, v in measured["tok_s"].items()}
-    targets = TARGETS if tiny else {}
+    det_tok_s = {str(b): v for b, v in measured["det_tok_s"].items()}
+    det_ratio = {str(b): v for b, v in measured["det_ratio"].items()}
+    # The ratio is judged on any model; absolute tokens/s only on the tiny one.
+    targets = TARGETS if tiny else {"engine_det_ratio_b8": TARGETS["engine_det_ratio_b8"]}
+    values = {f"engine_tok_s_b{b}": v for b, v in tok_s.items()}
+    values.update({f"engine_det_ratio_b{b}": v for b, v in det_ratio.items()})
     result: dict[str, Any] = {
         "bench": "engine",
         "timestamp": timestamp(),
@@ -177,9 +221,12 @@ def main(
         "repeats": repeats,
         "num_threads": num_threads,
         "tok_s": tok_s,
+        "det_tok_s": det_tok_s,
+        "det_ratio": det_ratio,
         "runs": {str(b): v for b, v in measured["runs"].items()},
+        "det_runs": {str(b): v for b, v in measured["det_runs"].items()},
         "targets": targets_json(targets),
-        "verdicts": verdicts(targets, {f"engine_tok_s_b{b}": v for b, v in tok_s.items()}),
+        "verdicts": verdicts(targets, values),
         "machine": {**machine, "loadavg_after": loadavg()},
     }
     print_table("belayer bench engine (medians)", rows(result))

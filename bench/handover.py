@@ -16,7 +16,11 @@ the prompt in baseline mode) and a correctness check (the caller's tokens equal 
 uninterrupted run, each delivered once). Also: failure-free throughput at batch 8 with the
 shadow running vs SIGSTOPped on the same node, interleaved (the target), and against a baseline
 node (informational: separate runs), and the idle shadow's CPU share (/proc utime + stime over
-a few idle seconds). Every node is stopped with ``belayer down``, whatever happens.
+a few idle seconds). Finally sampled-resume exactness in both engine modes: seeded sampled
+requests, each with a greedy neighbour in flight, through a SIGKILL of the main worker, counted
+exact when they end with the tokens of an uninterrupted run (made alone) — on the belayer node
+(``--deterministic``) and on a second belayer node with ``--no-deterministic``. Every node is
+stopped with ``belayer down``, whatever happens.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ AB_TOKENS = 384
 """Tokens per request in the shadow on/off comparison: long batches average out scheduling noise."""
 AB_PAIRS = 7
 IDLE_WINDOW_S = 5.0
+SAMPLED_ROUNDS = 5
+"""Sampled requests put through a SIGKILL per engine mode."""
+SAMPLED_TOKENS = 160
 _TICK = os.sysconf("SC_CLK_TCK")
 
 TARGETS: dict[str, Target] = {
@@ -73,8 +80,10 @@ TARGETS: dict[str, Target] = {
     "speedup_first_token": (">=", 10.0),
     "regenerated_tokens": ("<=", 0.0),
     "throughput_overhead": ("<=", 0.02),
+    "sampled_exact_det": (">=", 1.0),
 }
-"""Metric → (comparison, bound); fractions for the overhead (0.02 = 2 %)."""
+"""Metric → (comparison, bound); fractions for the overhead (0.02 = 2 %) and for the share of
+sampled resumes that are exact in deterministic mode (1.0: all of them)."""
 
 
 def progress(message: str) -> None:
@@ -143,13 +152,15 @@ async def main_pid(nc: Any) -> int:
     return next(e.worker_pid for e in st.engines if e.id == ENGINE)
 
 
-def request(rid: str, n: int, offset: int = 0) -> Any:
+def request(rid: str, n: int, offset: int = 0, seed: int | None = None) -> Any:
+    """Greedy, or sampled at temperature 1 with ``seed``; exactly ``n`` tokens."""
     from schemas.serving import GenerateRequest, SamplingParams
 
+    temperature = 0.0 if seed is None else 1.0
     return GenerateRequest(
         request_id=rid,
         prompt_token_ids=[(11 * j + 7 * offset + 3) % 4096 for j in range(16)],
-        sampling=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+        sampling=SamplingParams(temperature=temperature, seed=seed, max_tokens=n, ignore_eos=True),
     )
 
 
@@ -281,6 +292,80 @@ async def one_failure(
     return row
 
 
+async def one_sampled_resume(nc: Any, events: Events, i: int) -> dict[str, Any]:
+    """One seeded sampled request streaming next to a longer greedy neighbour, the main worker
+    SIGKILLed once the client holds ``KILL_AFTER`` tokens, against the request run alone."""
+    from services.router.client import generate
+
+    tag, seed = uuid.uuid4().hex[:8], 1000 + i
+    reference = await generate(nc, request(f"sr-ref-{tag}", SAMPLED_TOKENS, i, seed), timeout=120)
+    await events.wait("shadow_ready", after=events.last_handover, timeout=60)
+    pid = await main_pid(nc)
+    count = 0
+    held = asyncio.Event()
+
+    def on_delta(d: Any) -> None:
+        nonlocal count
+        count += len(d.token_ids)
+        if count >= KILL_AFTER:
+            held.set()
+
+    neighbour = asyncio.create_task(
+        generate(nc, request(f"sr-n-{tag}", SAMPLED_TOKENS + 40, i + 50), timeout=180)
+    )
+    task = asyncio.create_task(
+        generate(nc, request(f"sr-{tag}", SAMPLED_TOKENS, i, seed), on_delta=on_delta, timeout=180)
+    )
+    await asyncio.wait_for(held.wait(), 60)
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    done = await events.wait("handover_complete", after=t_kill, timeout=60, old_pid=pid)
+    events.last_handover = done.ts
+    result, _ = await asyncio.gather(task, neighbour)
+    pairs = zip(result.token_ids, reference.token_ids, strict=False)
+    diff = next((j for j, (a, b) in enumerate(pairs) if a != b), None)
+    return {
+        "exact": result.token_ids == reference.token_ids,
+        # Bitwise-equal logprobs: the logits were the same, not merely close enough to sample
+        # the same token (a far more sensitive test of the continuation).
+        "logprobs_exact": result.logprobs == reference.logprobs,
+        "first_diff": diff,
+        "resumes": result.resumes,
+    }
+
+
+async def sampled_resumes(nc: Any, events: Events, rounds: int) -> dict[str, Any]:
+    """``rounds`` of :func:`one_sampled_resume`: how many end exactly as the request alone."""
+    rows = []
+    for i in range(rounds):
+        row = await one_sampled_resume(nc, events, i)
+        diff = row["first_diff"]
+        progress(
+            f"  sampled resume {i + 1}/{rounds}: tokens exact {row['exact']}, "
+            f"logprobs exact {row['logprobs_exact']}"
+            + (f" (first difference at token {diff})" if diff is not None else "")
+        )
+        rows.append(row)
+    exact = sum(r["exact"] for r in rows)
+    share = exact / rounds if rounds else None
+    lp_exact = sum(r["logprobs_exact"] for r in rows)
+    return {"exact": exact, "logprobs_exact": lp_exact, "total": rounds, "share": share,
+            "rounds": rows}  # fmt: skip
+
+
+async def measure_sampled(url: str, rounds: int) -> dict[str, Any]:
+    """Sampled-resume exactness alone (the ``--no-deterministic`` node)."""
+    from common.bus import connect
+
+    nc = await connect(url, name="bench-handover")
+    try:
+        events = await Events(nc).start()
+        await events.wait("shadow_ready", after=0, timeout=60)
+        return await sampled_resumes(nc, events, rounds)
+    finally:
+        await nc.drain()
+
+
 async def measure(url: str, failures: int, *, baseline: bool) -> dict[str, Any]:
     from common.bus import connect
     from services.router.client import generate
@@ -307,7 +392,12 @@ async def measure(url: str, failures: int, *, baseline: bool) -> dict[str, Any]:
         rows = [
             await one_failure(nc, events, reference, i, baseline=baseline) for i in range(failures)
         ]
-        return {"throughput": tp, "idle_shadow": idle, "shadow_ab": ab, "failures": rows}
+        sampled = None
+        if not baseline:
+            progress(f"belayer: {SAMPLED_ROUNDS} sampled resumes, --deterministic")
+            sampled = await sampled_resumes(nc, events, SAMPLED_ROUNDS)
+        return {"throughput": tp, "idle_shadow": idle, "shadow_ab": ab, "failures": rows,
+                "sampled_resumes": sampled}  # fmt: skip
     finally:
         await nc.drain()
 
@@ -368,6 +458,15 @@ def report(result: dict[str, Any]) -> list[Row]:
                            "throughput_overhead", "%"))  # fmt: skip
     idle = b["idle_shadow"]
     rows.append(Row("idle shadow CPU share", f"{idle['share'] * 100:.2f} %"))
+    det, fast = b["sampled_resumes"], result["nondeterministic"]["sampled_resumes"]
+    rows.append(target_row("sampled resumes exact, --deterministic", det["share"],
+                           f"{det['exact']}/{det['total']}", "sampled_exact_det", "%"))  # fmt: skip
+    rows.append(
+        Row("sampled resumes exact, --no-deterministic", f"{fast['exact']}/{fast['total']}")
+    )
+    for name, sr in (("--deterministic", det), ("--no-deterministic", fast)):
+        rows.append(Row(f"  … with bitwise-equal logprobs, {name}",
+                        f"{sr['logprobs_exact']}/{sr['total']}"))  # fmt: skip
     return rows
 
 
@@ -393,7 +492,7 @@ def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> di
             run_dir = Path(tmp) / mode
             try:
                 progress(f"starting a {mode} node (1 engine)")
-                extra = ["--recovery", mode]
+                extra = ["--recovery", mode, "--deterministic"]
                 if mode == "baseline":
                     extra += ["--heartbeat-interval", str(heartbeat_s)]
                 node = up(run_dir, model_dir, *extra)
@@ -404,6 +503,17 @@ def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> di
                     stop_node(run_dir)
             measured["summary"] = summarize(measured["failures"])
             result[mode] = measured
+        run_dir = Path(tmp) / "nondeterministic"
+        try:
+            progress("starting a belayer node with --no-deterministic (1 engine)")
+            node = up(run_dir, model_dir, "--recovery", "belayer", "--no-deterministic")
+            progress(f"belayer: {SAMPLED_ROUNDS} sampled resumes, --no-deterministic")
+            sampled = asyncio.run(measure_sampled(node["nats_url"], SAMPLED_ROUNDS))
+        finally:
+            progress("stopping the --no-deterministic node: belayer down")
+            with contextlib.suppress(Exception):
+                stop_node(run_dir)
+        result["nondeterministic"] = {"sampled_resumes": sampled}
     b, base = result["belayer"]["summary"], result["baseline"]["summary"]
     bf, basef = b["first_token_s"]["p50"], base["first_token_s"]["p50"]
     result["speedup_first_token"] = basef / bf if bf and basef else None
@@ -420,6 +530,7 @@ def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> di
         "speedup_first_token": result["speedup_first_token"],
         "regenerated_tokens": b["regenerated_tokens"]["max"],
         "throughput_overhead": result["throughput_overhead"],
+        "sampled_exact_det": result["belayer"]["sampled_resumes"]["share"],
     }
     result["verdicts"] = verdicts(TARGETS, values)
     result["machine"]["loadavg_after"] = loadavg()

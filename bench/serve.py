@@ -3,11 +3,14 @@
 Measures, with the tiny model (hidden 256, 4 layers, vocab 4096):
 
 1. the engine alone, in-process (tokens/s at batch 1 and 8, greedy, ``ignore_eos``), measured
-   *before* the node starts so nothing competes for the CPU;
+   *before* the node starts so nothing competes for the CPU, in both engine modes (fast and
+   deterministic, interleaved);
 2. the full bus path (client → router → worker → router → client) on a real node started with
    the CLI in a temporary run directory: batch 1 = one request, batch 8 = eight concurrent
    requests on the one engine; tokens/s = generated tokens / wall time from submit to the last
-   result; the loss against the engine alone;
+   result; the loss against the engine alone. Two nodes, one after the other: ``belayer up
+   --deterministic`` and ``--no-deterministic``, so the cost of deterministic mode is measured
+   end to end in the same run (target: at least 50 % of the fast throughput at batch 8);
 3. attaching a worker to the weights and KV arena in shared memory (the ``attach_s`` the worker
    reports in its ``worker_ready`` event, and the same steps timed here) against a cold load
    from safetensors (read the file, build the engine);
@@ -61,10 +64,12 @@ ENGINE_ID = "e0"
 TARGETS: dict[str, Target] = {
     **engine_bench.TARGETS,
     "bus_loss_b8": ("<=", 0.10),
+    "bus_det_ratio_b8": (">=", 0.5),
     "attach_s": ("<=", 0.2),
     "up_s": ("<=", 15.0),
 }
-"""Metric → (comparison, bound). ``bus_loss_b8`` is a fraction (0.10 = 10 %)."""
+"""Metric → (comparison, bound). ``bus_loss_b8`` (fast node vs fast engine) and
+``bus_det_ratio_b8`` (deterministic node vs fast node) are fractions (0.10 = 10 %)."""
 
 
 def progress(message: str) -> None:
@@ -124,12 +129,12 @@ def belayer(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     )
 
 
-def start_node(run_dir: Path, model_dir: Path) -> dict[str, Any]:
-    """``belayer up --detach``; returns the up times and the node file."""
+def start_node(run_dir: Path, model_dir: Path, *extra: str) -> dict[str, Any]:
+    """``belayer up --detach`` (plus ``extra`` flags); returns the up times and the node file."""
     t0 = time.monotonic()
     proc = belayer(
         "up", "--detach", "--run-dir", str(run_dir), "--engines", "1", "--model", str(model_dir),
-        timeout=240,
+        *extra, timeout=240,
     )  # fmt: skip
     outside = time.monotonic() - t0
     if proc.returncode != 0:
@@ -311,7 +316,7 @@ async def measure_attach(nc: Any) -> dict[str, Any]:
 
 
 async def measure_node(
-    url: str, new_tokens: int, vocab: int, pids: dict[str, int]
+    url: str, new_tokens: int, vocab: int, pids: dict[str, int], *, attach: bool = True
 ) -> dict[str, Any]:
     from common.bus import connect
 
@@ -319,10 +324,11 @@ async def measure_node(
     try:
         progress("bus path: warming up")
         bus = await measure_bus(nc, new_tokens, vocab, pids)
+        if not attach:
+            return {"bus": bus}
         progress("attach: reading the worker's worker_ready event and timing attach here")
         reported = await worker_reported_timings(nc)
-        attach = await measure_attach(nc)
-        return {"bus": bus, "worker_reported": reported, "attach": attach}
+        return {"bus": bus, "worker_reported": reported, "attach": await measure_attach(nc)}
     finally:
         await nc.drain()
 
@@ -352,13 +358,28 @@ def row(metric: str, value: float | None, unit: str, key: str | None = None) -> 
 
 def build_rows(r: dict[str, Any]) -> list[Row]:
     eng, bus = r["engine_tok_s"], r["bus_tok_s"]
+    eng_det, bus_det = r["engine_det_tok_s"], r["bus_det_tok_s"]
     return [
         row("engine alone, batch 1", eng["1"], "tok/s", "engine_tok_s_b1"),
         row("engine alone, batch 8", eng["8"], "tok/s", "engine_tok_s_b8"),
+        row("engine alone, deterministic, batch 1", eng_det["1"], "tok/s"),
+        row("engine alone, deterministic, batch 8", eng_det["8"], "tok/s"),
+        row(
+            "engine deterministic / fast, batch 8",
+            r["engine_det_ratio"]["8"],
+            "%",
+            "engine_det_ratio_b8",
+        ),
         row("bus path, batch 1", bus["1"], "tok/s"),
         row("bus path, batch 8", bus["8"], "tok/s"),
         row("bus loss, batch 1", r["bus_loss"]["1"], "%"),
         row("bus loss, batch 8", r["bus_loss"]["8"], "%", "bus_loss_b8"),
+        row("bus path, --deterministic, batch 1", bus_det["1"], "tok/s"),
+        row("bus path, --deterministic, batch 8", bus_det["8"], "tok/s"),
+        row("bus --deterministic / fast, batch 1", r["bus_det_ratio"]["1"], "%"),
+        row(
+            "bus --deterministic / fast, batch 8", r["bus_det_ratio"]["8"], "%", "bus_det_ratio_b8"
+        ),
         row("attach from shm (worker_ready)", r["attach_s"], "s", "attach_s"),
         row("attach from shm (timed here)", r["attach_inprocess_s"], "s"),
         row("cold load (safetensors + build)", r["cold_load_s"], "s"),
@@ -374,10 +395,15 @@ def summarize(
     cold: dict[str, Any],
     up: dict[str, Any],
     node: dict[str, Any],
+    node_det: dict[str, Any],
     machine_before: dict[str, Any],
 ) -> dict[str, Any]:
+    """The result: ``node`` is the fast (``--no-deterministic``) node's measurements (bus path,
+    attach), ``node_det`` the deterministic node's bus path."""
     eng = {str(b): v for b, v in engine["tok_s"].items()}
     bus = {str(b): v for b, v in node["bus"]["tok_s"].items()}
+    eng_det = {str(b): v for b, v in engine["det_tok_s"].items()}
+    bus_det = {str(b): v for b, v in node_det["bus"]["tok_s"].items()}
     attach = node["worker_reported"].get("attach_s", node["attach"]["attach_inprocess_s"])
     result: dict[str, Any] = {
         "bench": "serve",
@@ -391,6 +417,11 @@ def summarize(
         "bus_tok_s": bus,
         "bus_over_engine": {b: ratio(bus[b], eng[b]) for b in eng},
         "bus_loss": {b: 1.0 - (ratio(bus[b], eng[b]) or 0.0) for b in eng},
+        "engine_det_tok_s": eng_det,
+        "engine_det_ratio": {b: ratio(eng_det[b], eng[b]) for b in eng},
+        "bus_det_tok_s": bus_det,
+        "bus_det_loss": {b: 1.0 - (ratio(bus_det[b], eng_det[b]) or 0.0) for b in eng},
+        "bus_det_ratio": {b: ratio(bus_det[b], bus[b]) for b in eng},
         "attach_s": attach,
         "attach_inprocess_s": node["attach"]["attach_inprocess_s"],
         "worker_reported": node["worker_reported"],
@@ -402,7 +433,9 @@ def summarize(
         "targets": targets_json(TARGETS),
         "runs": {
             "engine_tok_s": {str(b): v for b, v in engine["runs"].items()},
+            "engine_det_tok_s": {str(b): v for b, v in engine["det_runs"].items()},
             "bus": {str(b): v for b, v in node["bus"]["runs"].items()},
+            "bus_det": {str(b): v for b, v in node_det["bus"]["runs"].items()},
             "attach_inprocess_s": node["attach"]["runs"],
             "cold_load_s": cold["runs"],
         },
@@ -412,6 +445,8 @@ def summarize(
         "engine_tok_s_b1": eng["1"],
         "engine_tok_s_b8": eng["8"],
         "bus_loss_b8": result["bus_loss"]["8"],
+        "engine_det_ratio_b8": result["engine_det_ratio"]["8"],
+        "bus_det_ratio_b8": result["bus_det_ratio"]["8"],
         "attach_s": attach,
         "up_s": up["up_s"],
     }
@@ -420,7 +455,7 @@ def summarize(
 
 
 def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
-    """Run the whole benchmark (about a minute), print the table, write ``json_path``."""
+    """Run the whole benchmark (two minutes or so), print the table, write ``json_path``."""
     from model.tiny import init_tiny_model
 
     machine = {**machine_info(), "torch_threads_engine_bench": 1}
@@ -430,22 +465,38 @@ def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
     )
     with tempfile.TemporaryDirectory(prefix="belayer-bench-") as tmp:
         model_dir = init_tiny_model(Path(tmp) / "model")
-        progress(f"engine alone: {REPEATS} runs of batch 1 and 8, {new_tokens} new tokens")
+        progress(f"engine alone: {REPEATS} runs of batch 1 and 8 per mode, {new_tokens} new tokens")
         engine = measure_engine(model_dir, new_tokens)
         progress("cold load: safetensors + engine build")
         cold = measure_cold_load(model_dir)
-        run_dir = Path(tmp) / "run"
-        try:
-            progress("starting a node: belayer up --detach --engines 1")
-            up = start_node(run_dir, model_dir)
-            progress(f"node ready in {up['up_s']:.1f} s (up reported {up['up_reported_s']} s)")
-            pids = node_pids(run_dir, up["node"])
-            node = asyncio.run(measure_node(up["node"]["nats_url"], new_tokens, 4096, pids))
-        finally:
-            progress("stopping the node: belayer down")
-            with contextlib.suppress(Exception):
-                stop_node(run_dir)
-    result = summarize(new_tokens, engine, cold, up, node, machine)
+        nodes: dict[str, Any] = {}
+        for flag in ("--no-deterministic", "--deterministic"):
+            run_dir = Path(tmp) / f"run{flag}"
+            try:
+                progress(f"starting a node: belayer up --detach --engines 1 {flag}")
+                started = start_node(run_dir, model_dir, flag)
+                progress(
+                    f"node ready in {started['up_s']:.1f} s "
+                    f"(up reported {started['up_reported_s']} s)"
+                )
+                pids = node_pids(run_dir, started["node"])
+                url, fast = started["node"]["nats_url"], flag == "--no-deterministic"
+                nodes[flag] = asyncio.run(measure_node(url, new_tokens, 4096, pids, attach=fast))
+                if fast:
+                    up = started
+            finally:
+                progress("stopping the node: belayer down")
+                with contextlib.suppress(Exception):
+                    stop_node(run_dir)
+    result = summarize(
+        new_tokens,
+        engine,
+        cold,
+        up,
+        nodes["--no-deterministic"],
+        nodes["--deterministic"],
+        machine,
+    )
     print_table("belayer bench serve", build_rows(result))
     progress(f"wrote {write_json(json_path, result)}")
     return result

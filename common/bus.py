@@ -187,9 +187,15 @@ STREAMS: dict[str, dict[str, Any]] = {
         duplicate_window=120.0,
     ),
     subjects.STREAM_TRAJECTORIES: dict(
-        subjects=[f"{subjects.PREFIX}.trajectories.>"],
+        subjects=[subjects.TRAJECTORIES_ALL],
         max_age=7 * DAY,
         max_bytes=1 << 30,
+        duplicate_window=300.0,
+    ),
+    subjects.STREAM_DEADLETTER: dict(
+        subjects=[subjects.DEAD_LETTER_ALL],
+        max_age=7 * DAY,
+        max_bytes=256 << 20,
         duplicate_window=300.0,
     ),
 }
@@ -199,6 +205,8 @@ BUCKETS: dict[str, dict[str, Any]] = {
     subjects.BUCKET_ENGINE_EPOCHS: dict(history=5),
     subjects.BUCKET_REQUESTS: dict(history=1, ttl=DAY),
     subjects.BUCKET_SANDBOX_PREFIX: dict(history=5),
+    subjects.BUCKET_ROLLOUTS: dict(history=1, ttl=7 * DAY),
+    subjects.BUCKET_TRAJECTORY_PREFIX: dict(history=1, ttl=7 * DAY),
 }
 
 

@@ -125,13 +125,43 @@ def env(op: str) -> str:
 
 # --- controller / trainer -----------------------------------------------------------------
 def rollout_submit() -> str:
-    """Request: submit a rollout task to the controller."""
+    """Request: submit a rollout (``RolloutRequest``) to the controller."""
     return f"{PREFIX}.rollout.submit"
 
 
-def trajectory(trajectory_id: str) -> str:
-    """JetStream subject of one finished trajectory."""
-    return f"{PREFIX}.trajectories.{check_token(trajectory_id, 'trajectory id')}"
+def rollout_status() -> str:
+    """Request: where a rollout stands (``RolloutStatusRequest`` → ``RolloutResult``)."""
+    return f"{PREFIX}.rollout.status"
+
+
+def trajectory(rollout_id: str, trajectory_id: str) -> str:
+    """JetStream subject of one finished trajectory (stream TRAJECTORIES)."""
+    rollout = check_token(rollout_id, "rollout id")
+    return f"{PREFIX}.trajectories.{rollout}.{check_token(trajectory_id, 'trajectory id')}"
+
+
+def rollout_trajectories(rollout_id: str) -> str:
+    """Wildcard: every finished trajectory of one rollout."""
+    return f"{PREFIX}.trajectories.{check_token(rollout_id, 'rollout id')}.*"
+
+
+TRAJECTORIES_ALL = f"{PREFIX}.trajectories.>"
+"""Every finished trajectory (stream TRAJECTORIES)."""
+
+
+def trainer_status() -> str:
+    """Request: where the trainer stands (``TrainerStatusRequest`` → ``TrainerStatus``)."""
+    return f"{PREFIX}.trainer.status"
+
+
+def dead_letter(kind: str) -> str:
+    """JetStream subject of records a consumer could not use (``dead_letter("trajectories")``:
+    malformed trajectory records the trainer acked), kept in stream DEADLETTER."""
+    return f"{PREFIX}.deadletter.{check_token(kind, 'dead-letter kind')}"
+
+
+DEAD_LETTER_ALL = f"{PREFIX}.deadletter.>"
+"""Every dead letter (stream DEADLETTER)."""
 
 
 # --- events -------------------------------------------------------------------------------
@@ -159,8 +189,11 @@ STREAM_TOKENS = "TOKENS"
 STREAM_REQUESTS = "REQUESTS"
 STREAM_EVENTS = "EVENTS"
 STREAM_TRAJECTORIES = "TRAJECTORIES"
+STREAM_DEADLETTER = "DEADLETTER"
 
 BUCKET_WEIGHT_VERSION = "weight_version"
 BUCKET_ENGINE_EPOCHS = "engine_epochs"
 BUCKET_REQUESTS = "request_status"
 BUCKET_SANDBOX_PREFIX = "sandbox_prefix"
+BUCKET_ROLLOUTS = "rollouts"
+BUCKET_TRAJECTORY_PREFIX = "trajectory_prefix"

@@ -170,3 +170,43 @@ fi
 $DOCKER run --rm --network none "$IMAGE" python3 -c 'print("ok")' | grep -q ok \
   || die "sandbox image $IMAGE does not run python3"
 say "sandbox image $IMAGE ok"
+
+# --- 5. SWE workload image: the base image + pytest (workloads/swe.py) -------------------------
+# Pure-python wheels are downloaded here on the host (cached) and unpacked into the image's
+# site-packages by a `docker build --network none`: no registry, no network inside the build.
+# Rebuilt only when the base image or the pinned wheels change (label belayer.swe.key).
+SWE_IMAGE="${BELAYER_SWE_IMAGE:-belayer-swe:1}"
+SWE_WHEELS="pytest==8.3.5 pluggy==1.5.0 iniconfig==2.0.0 packaging==24.2"
+SWE_KEY="$($DOCKER image inspect -f '{{.Id}}' "$IMAGE") $SWE_WHEELS"
+if [ "$($DOCKER image inspect -f '{{index .Config.Labels "belayer.swe.key"}}' "$SWE_IMAGE" 2>/dev/null || true)" != "$SWE_KEY" ]; then
+  WHEEL_DIR="$CACHE/swe-wheels/$(echo "$SWE_WHEELS" | sha256sum | cut -c1-12)"
+  if [ ! -f "$WHEEL_DIR/.complete" ]; then
+    say "downloading pytest wheels for $SWE_IMAGE"
+    PIP_PY="$(dirname "${BASH_SOURCE[0]}")/../.venv/bin/python"
+    [ -x "$PIP_PY" ] || PIP_PY=python3
+    mkdir -p "$WHEEL_DIR"
+    # shellcheck disable=SC2086  # the pins are separate words on purpose
+    "$PIP_PY" -m pip download -q --no-deps --only-binary=:all: --dest "$WHEEL_DIR" $SWE_WHEELS \
+      || die "pip download of $SWE_WHEELS failed"
+    touch "$WHEEL_DIR/.complete"
+  fi
+  CTX=$(mktemp -d /tmp/belayer-swe-image.XXXXXX)
+  mkdir "$CTX/wheels"
+  cp "$WHEEL_DIR"/*.whl "$CTX/wheels/"
+  cat > "$CTX/Dockerfile" <<EOF
+FROM $IMAGE
+COPY wheels/ /tmp/belayer-wheels/
+RUN python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/usr/local/lib/python3.11/dist-packages') for w in sorted(glob.glob('/tmp/belayer-wheels/*.whl'))]" \\
+ && rm -rf /tmp/belayer-wheels \\
+ && python3 -m compileall -q /usr/local/lib/python3.11/dist-packages \\
+ && printf '#!/bin/sh\\nexec python3 -m pytest "\$@"\\n' > /usr/local/bin/pytest && chmod 755 /usr/local/bin/pytest
+LABEL belayer.image=swe belayer.swe.key="$SWE_KEY"
+EOF
+  say "building $SWE_IMAGE"
+  DOCKER_BUILDKIT=0 $DOCKER build --network none -q -t "$SWE_IMAGE" "$CTX" >/dev/null \
+    || { rm -rf "$CTX"; die "docker build of $SWE_IMAGE failed"; }
+  rm -rf "$CTX"
+fi
+$DOCKER run --rm --network none "$SWE_IMAGE" python3 -m pytest --version 2>&1 | grep -q "pytest 8" \
+  || die "swe image $SWE_IMAGE does not run pytest"
+say "swe image $SWE_IMAGE ok"

@@ -9,7 +9,7 @@ echo "test: ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check . >/dev/null || { echo "test: ruff format --check failed (run .venv/bin/ruff format .)"; exit 1; }
 echo "test: mypy"
-.venv/bin/mypy common schemas model services bench
+.venv/bin/mypy common schemas model workloads services bench
 echo "test: pytest"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 before=$(ls /dev/shm 2>/dev/null | grep '^belayer-' | sort || true)

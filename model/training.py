@@ -1,7 +1,7 @@
 """The generic training step and its checkpoint: shared by the GRPO trainer and the supervised
 warm start (no bus, no services: a loss callback decides what is being learnt).
 
-- :class:`OptimConfig`: AdamW hyper-parameters, gradient clipping, warm-up, the seed.
+- :class:`OptimConfig` (in :mod:`common.training_config`, importable without torch): AdamW hyper-parameters, gradient clipping, warm-up, the seed.
 - :func:`make_optimizer` / :func:`make_scheduler`: AdamW (the plain for-loop implementation,
   deterministic on CPU) and a linear warm-up then constant learning rate.
 - :func:`train_step`: one *update* over a batch already split into mini-batches of
@@ -35,41 +35,25 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from common.training_config import OptimConfig
+
+__all__ = [
+    "OptimConfig",
+    "StepStats",
+    "load_checkpoint",
+    "make_optimizer",
+    "make_scheduler",
+    "publishable_state_dict",
+    "save_checkpoint",
+    "seed_everything",
+    "train_step",
+]
+
 M = TypeVar("M")
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
 META_FILE = "meta.json"
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """How the weights are updated (AdamW) and what makes an update reproducible."""
-
-    lr: float = 1e-5
-    """Peak learning rate of AdamW."""
-    beta1: float = 0.9
-    """AdamW's first-moment decay."""
-    beta2: float = 0.999
-    """AdamW's second-moment decay."""
-    adam_eps: float = 1e-8
-    """AdamW's denominator epsilon."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay of AdamW."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm of each optimiser step to this (0: no clipping)."""
-    warmup_steps: int = 0
-    """Optimiser steps of linear learning-rate warm-up from 0 to ``lr``; constant after."""
-    seed: int = 0
-    """Seed of every random number generator the training step uses (torch, numpy, random)."""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"AdamW betas must be in [0, 1), got {self.beta1}, {self.beta2}")
-        if self.max_grad_norm < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
-            raise ValueError("max_grad_norm, warmup_steps and weight_decay must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,10 @@ class CheckpointInfo(Message, tag="CheckpointInfo.v1"):
     total_s: float
     method: str = "runc"
     """``runc`` (CRIU through runc on the Docker-managed container) or ``docker``."""
+    container_exited: bool = False
+    """The container died during the checkpoint, after the dump had completed: the checkpoint
+    is complete and ready, the sandbox is ``failed`` (restore it). A death before the dump
+    completed answers ``SandboxError`` with ``dump_completed=False`` instead."""
 
 
 class EnvRestore(Message, tag="EnvRestore.v1"):
@@ -136,6 +140,19 @@ class EnvRestore(Message, tag="EnvRestore.v1"):
     sandbox_id: SandboxId
     checkpoint_id: CheckpointIdOrEmpty = ""
     """Empty: the latest ready checkpoint."""
+
+
+class RestoreAttempt(msgspec.Struct, kw_only=True):
+    """What one ``full_restore`` did with one candidate checkpoint."""
+
+    checkpoint_id: CheckpointId
+    prefix: int
+    outcome: str
+    """``restored`` (restored into a fresh container, checked running, now the sandbox's),
+    ``quarantined`` (failed to restore now: set aside, never counted or tried again) or
+    ``skipped`` (quarantined by an earlier restore)."""
+    error: str = ""
+    """Why it failed (``quarantined``/``skipped``)."""
 
 
 class EnvRestored(Message, tag="EnvRestored.v1"):
@@ -147,8 +164,13 @@ class EnvRestored(Message, tag="EnvRestored.v1"):
     prefix: int
     duration_s: float
     method: str = "docker"
+    """``runtime`` (runc restore under containerd's shim through the ``belayer`` OCI runtime)
+    or ``docker`` (Docker's checkpoint import)."""
     fallback_from: str = ""
-    """A checkpoint that was rejected (corrupt/hostile) before this one was used."""
+    """The checkpoints (comma-separated) passed over before this one was used: rejected now or
+    quarantined by an earlier restore."""
+    candidates: list[RestoreAttempt] = []
+    """Every candidate considered, in order, with what happened to it."""
 
 
 class EnvDestroy(Message, tag="EnvDestroy.v1"):

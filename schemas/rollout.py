@@ -44,9 +44,10 @@ class FaultSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What to break: ``sandbox-kill`` (docker kill of the trajectory's container),
     ``sandbox-pause`` (docker pause: a hang), ``worker-kill`` (SIGKILL of a rollout worker),
     ``controller-kill`` (SIGKILL of the controller itself)."""
-    trigger: Literal["turn", "p", "s"]
+    trigger: Annotated[str, msgspec.Meta(pattern=r"^[a-z]{1,16}\Z")]
     """``turn``: after the ``value``-th action; ``p``: with probability ``value`` per
-    environment step; ``s``: ``value`` seconds into the rollout."""
+    environment step; ``s``: ``value`` seconds into the rollout (the controller refuses
+    triggers it does not know)."""
     value: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
     """The turn number, probability or seconds."""
     target: Annotated[int, msgspec.Meta(ge=-1)] = -1
@@ -362,6 +363,9 @@ class TrajectoryState(Message, tag="TrajectoryState.v1"):
     row: TrajectoryRow | None = None
     """The attempt's outcome once it ended."""
     started_at: float = 0.0
+    """Unix time the attempt started (its deadline counts from it, across controllers)."""
+    env_steps: int = 0
+    """Environment steps run so far, undone ones included (numbers the ``p`` draws)."""
 
 
 class RolloutState(Message, tag="RolloutState.v1"):

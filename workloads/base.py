@@ -165,7 +165,9 @@ class SandboxOps(Protocol):
         sandbox_id: str = "",
     ) -> EnvCreated: ...
 
-    async def exec(self, sandbox_id: str, command: str, timeout_s: float = 30.0) -> EnvExecResult: ...
+    async def exec(
+        self, sandbox_id: str, command: str, timeout_s: float = 30.0
+    ) -> EnvExecResult: ...
 
     async def destroy(self, sandbox_id: str) -> object: ...
 
@@ -216,7 +218,9 @@ def check_count(count: int, available: int | None = None, *, what: str = "tasks"
         raise InvalidRequest(f"{what}: count must be a positive integer", count=count)
     if available is not None and count > available:
         raise InvalidRequest(
-            f"{what}: asked for {count}, only {available} available", count=count, available=available
+            f"{what}: asked for {count}, only {available} available",
+            count=count,
+            available=available,
         )
 
 
@@ -226,3 +230,16 @@ def find_task(tasks: list[Task], task_id: str, workload: str) -> Task:
         if t.id == task_id:
             return t
     raise NotFound("unknown task id", workload=workload, task_id=task_id)
+
+
+def split_held_out(tasks: list[Task], held_out: int) -> tuple[list[Task], list[Task]]:
+    """(training, evaluation): the last ``held_out`` tasks are held out (``-1``: a tenth, at
+    least one when there are two or more). ``InvalidRequest`` if nothing is left to train on."""
+    n = len(tasks)
+    if isinstance(held_out, bool) or not isinstance(held_out, int) or held_out < -1:
+        raise InvalidRequest("held_out must be an integer >= -1", held_out=held_out)
+    if held_out == -1:
+        held_out = n // 10 if n >= 10 else (1 if n >= 2 else 0)
+    if held_out >= n:
+        raise InvalidRequest("held_out must leave training rows", held_out=held_out, rows=n)
+    return tasks[: n - held_out], tasks[n - held_out :]

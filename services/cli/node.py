@@ -28,7 +28,7 @@ from schemas.events import AnyEvent
 from schemas.node import StopNode, SupervisorStatus, SupervisorStatusRequest
 from schemas.serving import RouterStatus, StatusRequest
 from services.cli.common import fail, print_json, run, with_bus
-from services.environment.client import node_label, remove_node_sandboxes
+from services.environment.client import keep_sandboxes, node_label, remove_node_sandboxes
 from services.supervisor.config import SupervisorConfig
 from services.supervisor.service import remove_shm_files
 
@@ -219,14 +219,21 @@ def down(
         None, "--run-dir", help="Run directory of the node. Default: $BELAYER_HOME or ./.belayer."
     ),
     timeout: float = typer.Option(30.0, help="Seconds to wait for a graceful stop before killing."),
+    keep: bool = typer.Option(
+        False,
+        "--keep-sandboxes",
+        help="Keep the sandboxes (containers, checkpoints) for the next `belayer up` of this "
+        "run directory to adopt.",
+    ),
 ) -> None:
     """Stop the node: every service, NATS, shared-memory files, sandbox containers and their
-    checkpoints. Idempotent."""
+    checkpoints (unless --keep-sandboxes). Idempotent."""
     paths = run_paths(run_dir)
     node = read_node(paths)
     if node is None:
         typer.echo("no node is running here")
         return
+    keep_sandboxes(paths.root, keep)
     pid = node.supervisor_pid
 
     async def ask_stop(nc: Any) -> None:
@@ -273,6 +280,8 @@ def down(
     typer.echo(
         f"belayer node stopped (run {node.run_id}; {removed} leftover shm files{sandboxes} removed)"
     )
+    if cleanup.kept:
+        typer.echo(f"{cleanup.kept} sandboxes kept for the next `belayer up` of {paths.root}")
 
 
 def stop_process(pid: int, timeout: float) -> None:

@@ -109,8 +109,24 @@ class EnvClient:
 def node_label(run_id: str) -> str:
     """The ``belayer.node`` container label of the sandboxes of the node with this run id: the
     supervisor starts the environment service with it, ``belayer down`` finds leftovers by it
-    (the run id is in the node file, so this works even after the service died)."""
+    (the run id is in the node file, so this works even after the service died). Ownership
+    across runs is the run directory's ``belayer.run`` label (``EnvConfig.run_key``)."""
     return f"node-{run_id}"
+
+
+def keep_sandboxes(run_dir: Path, keep: bool) -> bool:
+    """Before a node stops: with ``keep``, mark the run directory so that its sandboxes (and
+    their checkpoints and records) survive the stop and the next ``belayer up`` of this run
+    directory adopts them; without, clear any such mark (the stop destroys them). Returns
+    whether the run directory has an environment at all (nothing to keep otherwise)."""
+    config = EnvConfig(run_dir=run_dir)
+    if not config.env_dir.is_dir():
+        return False
+    if keep:
+        config.keep_marker.write_text("kept by belayer down --keep-sandboxes\n")
+    else:
+        config.keep_marker.unlink(missing_ok=True)
+    return True
 
 
 @dataclass(frozen=True)
@@ -123,17 +139,22 @@ class SandboxCleanup:
     """Sandbox checkpoint directories removed (with the sandbox records)."""
     error: str = ""
     """Why the node's containers could not be listed (dockerd unreachable), else empty."""
+    kept: int = 0
+    """Sandboxes left in place for the next start (``keep_sandboxes``): nothing was removed."""
 
 
 def remove_node_sandboxes(node: str, run_dir: Path) -> SandboxCleanup:
-    """Blocking. Remove every container labelled ``belayer.node=<node>``, then every sandbox's
-    checkpoint directory and record under ``run_dir`` (sandboxes do not outlive their node).
-    Call it only once the node's environment service has stopped. A run directory where no
-    environment service ever ran is left alone (no Docker call); with dockerd unreachable
-    nothing is removed and ``error`` says why."""
+    """Blocking. Remove every container labelled ``belayer.node=<node>`` or
+    ``belayer.run=<run_dir's key>``, then every sandbox's checkpoint directory and record under
+    ``run_dir`` (sandboxes do not outlive their node). Call it only once the node's environment
+    service has stopped. A run directory where no environment service ever ran is left alone
+    (no Docker call), and so is one marked by ``keep_sandboxes`` (``kept`` counts its
+    sandboxes); with dockerd unreachable nothing is removed and ``error`` says why."""
     config = EnvConfig(run_dir=run_dir, node=node)
     if not config.env_dir.is_dir():
         return SandboxCleanup()
+    if config.keep_marker.exists():
+        return SandboxCleanup(kept=len(list(config.records_dir.glob("*.json"))))
     from common.errors import SandboxError
     from services.environment.docker_ops import DockerOps
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from dataclasses import dataclass, field
@@ -41,6 +42,20 @@ class EnvConfig:
     """``runc`` (CRIU through runc on the Docker-managed container; fast), ``docker`` (Docker's
     checkpoint API; ~20× slower for memory-heavy sandboxes) or ``auto`` (runc, falling back to
     Docker when runc cannot see the container)."""
+    restore_method: Literal["auto", "runtime", "docker"] = "auto"
+    """``runtime`` (the restore container runs under the ``restore_runtime`` OCI runtime, whose
+    ``create`` is ``runc restore`` from the checkpoint's images: CRIU + ~0.2 s), ``docker``
+    (Docker's ``start --checkpoint``: images copied through containerd's content store, ~5×
+    slower for a 256 MB process) or ``auto`` (``runtime`` when dockerd has it registered, with
+    the wrapper this service ships, else ``docker``)."""
+    restore_runtime: str = "belayer"
+    """Name of the OCI runtime registered with dockerd (``deploy/install_env.sh`` installs
+    ``services/environment/belayer-runc`` and registers it)."""
+    restore_marker_dir: Path = Path("/run/belayer-restore")
+    """Where restore markers for the ``belayer`` runtime live (the wrapper's ``MARKERS``)."""
+    quarantine_keep: int = 3
+    """Quarantined checkpoints (failed to restore) kept per sandbox for inspection; older ones
+    are deleted."""
     checkpoint_timeout_s: float = 60.0
     """Default deadline of one ``full_checkpoint``."""
     restore_timeout_s: float = 120.0
@@ -90,6 +105,28 @@ class EnvConfig:
     @property
     def env_dir(self) -> Path:
         return self.run_dir / "env"
+
+    @property
+    def restore_runc_root(self) -> Path:
+        """runc's state directory for containers of the ``restore_runtime``
+        (``/run/docker/runtime-<name>/moby``, next to ``runc_root``)."""
+        return (
+            self.runc_root.parent.parent / f"runtime-{self.restore_runtime}" / self.runc_root.name
+        )
+
+    @property
+    def run_key(self) -> str:
+        """The ``belayer.run`` label of this run directory's sandboxes: stable across runs (a
+        hash of the resolved run directory), so a restarted service — or the next ``up`` of the
+        same run directory — recognises and reaps or adopts them."""
+        digest = hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()
+        return "run-" + digest[:16]
+
+    @property
+    def keep_marker(self) -> Path:
+        """Present while the sandboxes are kept for the next start (``belayer down
+        --keep-sandboxes``): a stop then keeps them instead of destroying them."""
+        return self.env_dir / "keep-sandboxes"
 
     @property
     def checkpoint_root(self) -> Path:

@@ -9,6 +9,8 @@ Checkpoint layout (one directory per checkpoint, written under a temp name, rena
         fs.tar             the container's overlay upper dir (whiteouts and xattrs kept)
         criu/              CRIU images of the process tree (runc or Docker's checkpoint)
     <checkpoint_root>/<sandbox_id>/.tmp-<checkpoint_id>/   in progress; never used, deleted
+    <checkpoint_root>/<sandbox_id>/.quarantine-<checkpoint_id>/   failed to restore once: set
+        aside for inspection, never counted, listed or tried again (deleted with the sandbox)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ MANIFEST = "manifest.json"
 FS_ARCHIVE = "fs.tar"
 CRIU_DIR = "criu"
 TMP_PREFIX = ".tmp-"
+QUARANTINE_PREFIX = ".quarantine-"
 MANIFEST_VERSION = 1
 
 
@@ -99,6 +102,9 @@ class SandboxRecord(msgspec.Struct, kw_only=True):
     checkpoint_id: str | None = None
     cooldown_until: float = 0.0
     restores: int = 0
+    verified_checkpoint_id: str | None = None
+    """The newest checkpoint that restored successfully (the last good state): pruning never
+    removes it."""
 
     @property
     def status(self) -> SandboxState:
@@ -189,11 +195,16 @@ def check_criu_files(directory: Path, manifest: Manifest) -> None:
 
 
 def restore_candidates(
-    available: list[Manifest], *, ready_checkpoint_id: str | None, requested: str | None
+    available: list[Manifest],
+    *,
+    ready_checkpoint_id: str | None,
+    requested: str | None,
+    ready_prefix: int | None = None,
 ) -> list[Manifest]:
     """Checkpoints to try, in order. A requested one alone; otherwise the ready one, then the
-    older ones by decreasing prefix (the fallback when the newest is corrupt). Checkpoints
-    newer than the ready pointer were never published and are never used."""
+    older ones by decreasing prefix (the fallback when the newest fails). When the ready one is
+    gone (quarantined after a failed restore), the ones older than its ``ready_prefix``.
+    Checkpoints newer than the ready pointer were never published and are never used."""
     if requested:
         chosen = [m for m in available if m.checkpoint_id == requested]
         return chosen
@@ -202,8 +213,17 @@ def restore_candidates(
         return []
     ready = next((m for m in ordered if m.checkpoint_id == ready_checkpoint_id), None)
     if ready is None:
-        return []
+        if ready_prefix is None:
+            return []
+        return [m for m in ordered if m.prefix < ready_prefix]
     return [ready] + [m for m in ordered if m.prefix < ready.prefix]
+
+
+def prune_plan(available: list[Manifest], keep: int, protected: set[str]) -> list[str]:
+    """Checkpoint ids to delete: all but the newest ``keep`` (at least 1) and the
+    ``protected`` ones (the ready one, the last one that restored)."""
+    ordered = sorted(available, key=lambda m: (m.prefix, m.created_at), reverse=True)
+    return [m.checkpoint_id for m in ordered[max(1, keep) :] if m.checkpoint_id not in protected]
 
 
 def to_jsonable(record: SandboxRecord) -> dict[str, Any]:

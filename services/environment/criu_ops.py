@@ -173,6 +173,30 @@ def runc_knows(root: Path, container_id: str) -> bool:
     return (root / container_id / "state.json").exists()
 
 
+def process_alive(pid: int) -> bool:
+    """``pid`` exists and is neither a zombie nor dead (``/proc/<pid>/stat``)."""
+    if pid <= 0:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(") ", 1)[-1][:1] not in ("Z", "X", "x")
+
+
+def criu_errors(log: Path, limit: int = 3) -> str:
+    """The last ``limit`` ``Error (…)`` lines of a CRIU log, joined (empty if none/unreadable)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - (1 << 20)))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line.split(") ", 1)[-1].strip() for line in lines if "Error (" in line]
+    return " | ".join(errors[-limit:])[:1000]
+
+
 # --- files ------------------------------------------------------------------------------------
 def dir_files(directory: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}

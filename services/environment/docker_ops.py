@@ -23,7 +23,7 @@ import docker
 import docker.errors
 import requests.exceptions
 
-from common.errors import NotFound, SandboxError
+from common.errors import Conflict, NotFound, SandboxError
 from services.environment.config import EnvConfig
 from services.environment.core import Limits
 
@@ -31,6 +31,8 @@ T = TypeVar("T")
 
 LABEL_SANDBOX = "belayer.sandbox"
 LABEL_NODE = "belayer.node"
+LABEL_RUN = "belayer.run"
+"""Stable owner label (``EnvConfig.run_key``, from the run directory): the same in every run."""
 # PID 1 of every sandbox: a shell that reaps orphans and exits on SIGTERM.
 INIT_COMMAND = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1000 & wait $!; done"]
 RACE_MARKERS = ("already exists", "content sha256")
@@ -54,6 +56,12 @@ def translate(op: str, **ctx: Any) -> Iterator[None]:
     except docker.errors.NotFound as exc:
         raise NotFound(f"{op}: no such container or image", error=_explain(exc), **ctx) from None
     except docker.errors.APIError as exc:
+        if exc.status_code == 409 and "is paused" in _explain(exc):
+            raise Conflict(
+                f"{op}: the sandbox is paused (docker pause): unpause it first",
+                state="paused",
+                **ctx,
+            ) from None
         raise SandboxError(f"{op} failed: {_explain(exc)}", **ctx) from None
     except (requests.exceptions.ConnectionError, docker.errors.DockerException, OSError) as exc:
         raise SandboxError(
@@ -95,9 +103,24 @@ class DockerOps:
         with translate("ping"):
             self.api.ping()
 
+    def reachable(self) -> bool:
+        try:
+            self.ping()
+        except SandboxError:
+            return False
+        return True
+
+    def runtimes(self) -> dict[str, dict[str, Any]]:
+        """The OCI runtimes dockerd has registered (name → ``{"path": …}``)."""
+        with translate("info"):
+            return dict(self.api.info().get("Runtimes") or {})
+
     # --- lifecycle ----------------------------------------------------------------------
-    def create(self, sandbox_id: str, image: str, limits: Limits) -> str:
-        """Create (not start) a locked-down container; returns its id."""
+    def create(
+        self, sandbox_id: str, image: str, limits: Limits, runtime: str | None = None
+    ) -> str:
+        """Create (not start) a locked-down container (under ``runtime``, default: dockerd's);
+        returns its id."""
         host_config = self.api.create_host_config(
             network_mode="none",
             cap_drop=["ALL"],
@@ -108,6 +131,7 @@ class DockerOps:
             nano_cpus=int(limits.cpus * 1e9),
             log_config={"Type": "none", "Config": {}},
             ipc_mode="private",
+            runtime=runtime,
         )
         with translate("create", sandbox_id=sandbox_id, image=image):
             resp = self.api.create_container(
@@ -115,7 +139,11 @@ class DockerOps:
                 command=INIT_COMMAND,
                 hostname="sandbox",
                 working_dir="/root",
-                labels={LABEL_SANDBOX: sandbox_id, LABEL_NODE: self.config.node},
+                labels={
+                    LABEL_SANDBOX: sandbox_id,
+                    LABEL_NODE: self.config.node,
+                    LABEL_RUN: self.config.run_key,
+                },
                 host_config=host_config,
                 network_disabled=True,
             )
@@ -205,12 +233,15 @@ class DockerOps:
             self.api.put_archive(container_id, "/", buf.getvalue())
 
     def labelled(self) -> list[tuple[str, str]]:
-        """``(container id, sandbox id)`` of every container of this node labelled as Belayer's."""
-        with translate("list"):
-            items = self.api.containers(
-                all=True, filters={"label": [f"{LABEL_NODE}={self.config.node}"]}
-            )
-        return [(c["Id"], c.get("Labels", {}).get(LABEL_SANDBOX, "")) for c in items]
+        """``(container id, sandbox id)`` of every sandbox container of this run directory
+        (``belayer.run``, the same in every run) or of this node (``belayer.node``)."""
+        found: dict[str, str] = {}
+        for label in (f"{LABEL_RUN}={self.config.run_key}", f"{LABEL_NODE}={self.config.node}"):
+            with translate("list"):
+                items = self.api.containers(all=True, filters={"label": [label]})
+            for c in items:
+                found[c["Id"]] = c.get("Labels", {}).get(LABEL_SANDBOX, "")
+        return list(found.items())
 
     # --- Docker's own checkpoint API (the fallback path) --------------------------------
     def checkpoint_create(self, container_id: str, name: str, directory: str) -> None:

@@ -5,11 +5,17 @@ with a JetStream KV bucket and stream). Invariants it keeps:
 
 * exec and checkpoint of one sandbox exclude each other (one asyncio lock per sandbox);
 * a checkpoint is captured while the container's cgroup is frozen (files, then processes),
-  written under ``.tmp-<id>`` (``snapshot.capture``), fsynced, renamed whole, and only then published by a
-  compare-and-set of the ready pointer; any failure deletes the directory;
-* restore always uses a fresh container; a rejected checkpoint falls back to the previous one;
-* a graceful stop (``close``) destroys every sandbox: sandboxes do not outlive their node (a
-  killed service's sandboxes are re-adopted by its restart).
+  written under ``.tmp-<id>`` (``snapshot.capture``), fsynced, renamed whole, and only then
+  published by a compare-and-set of the ready pointer; any failure deletes the directory;
+* a sandbox Docker has paused stays paused through a checkpoint, and exec on it is a
+  ``Conflict``; a container that dies during a checkpoint is ``failed``, never ``running``, and
+  the answer says whether the dump completed first;
+* restore always uses a fresh container, verified running before the old one is given up; a
+  checkpoint that fails to restore is quarantined and the previous one tried
+  (``restore.full_restore``); pruning keeps the last checkpoint that restored;
+* start-up and stop are in ``lifecycle``: adoption of earlier sandboxes, reaping of what no
+  sandbox owns, and a graceful stop that destroys every sandbox (or keeps them for the next
+  start after ``belayer down --keep-sandboxes``).
 """
 
 from __future__ import annotations
@@ -34,13 +40,16 @@ from common.errors import (
 )
 from common.logging import get_logger
 from schemas.env import CheckpointInfo, ReadyPointer, SandboxInfo
-from services.environment import core, snapshot
+from services.environment import core, lifecycle, snapshot
 from services.environment import criu_ops as ops
 from services.environment.config import EnvConfig
 from services.environment.core import Manifest, SandboxRecord, SandboxState
 from services.environment.docker_ops import DockerOps, ExecOutput
+from services.environment.restore import Restored, full_restore, quarantined
 
 log = get_logger(component="env.manager")
+WRAPPER = Path(__file__).with_name("belayer-runc")
+"""The ``belayer`` OCI runtime this service ships (``deploy/install_env.sh`` installs it)."""
 
 
 class ReadyStore(Protocol):
@@ -62,39 +71,39 @@ class SandboxManager:
         self.docker = docker or DockerOps(config)
         self.records: dict[str, SandboxRecord] = {}
         self.locks: dict[str, asyncio.Lock] = {}
+        self._restore_method: str | None = None
+        self._freezers: dict[str, Path | None] = {}
+        """Container id → its freezer control file (looked up once per container)."""
 
-    # --- start-up -----------------------------------------------------------------------
+    # --- start-up and stop (``lifecycle``) ------------------------------------------------
     async def adopt(self) -> None:
-        """Re-adopt persisted sandboxes, thaw containers a killed service left frozen, delete
-        partial checkpoint directories, reap labelled containers no sandbox owns."""
-        self.config.checkpoint_root.mkdir(parents=True, exist_ok=True)
-        for tmp in self.config.checkpoint_root.glob(f"*/{core.TMP_PREFIX}*"):
-            log.warning("partial_checkpoint_removed", path=str(tmp))
-            ops.remove_tree(tmp)
-        for rec in core.load_records(self.config.records_dir):
-            self.records[rec.id] = rec
-            self.locks[rec.id] = asyncio.Lock()
-        owned = {r.container_id for r in self.records.values()}
-        for cid, sid in await asyncio.to_thread(self.docker.labelled):
-            if cid not in owned:
-                log.info("orphan_container_reaped", container_id=cid[:12], sandbox_id=sid)
-                await asyncio.to_thread(self.docker.remove, cid)
-        for rec in self.records.values():
-            rec.state = SandboxState.RUNNING.value
-            if not await self._running(rec):
-                rec.state = SandboxState.FAILED.value
-            else:
-                pid = int(self.docker.inspect(rec.container_id)["State"]["Pid"])
-                control = ops.freezer_path(pid)
-                if control is not None and ops.is_frozen(control):
-                    ops.thaw(control)
-                    log.warning("frozen_container_thawed", sandbox_id=rec.id)
-            ptr, _ = await self.store.get(rec.id)
-            rec.ready_prefix = ptr.prefix if ptr else None
-            rec.checkpoint_id = ptr.checkpoint_id if ptr else None
-            self._save(rec)
+        """See ``lifecycle.adopt``."""
+        await lifecycle.adopt(self)
 
-    async def _running(self, rec: SandboxRecord) -> bool:
+    async def close(self) -> None:
+        """See ``lifecycle.close``."""
+        await lifecycle.close(self)
+
+    async def destroy_all(self) -> int:
+        """See ``lifecycle.destroy_all``."""
+        return await lifecycle.destroy_all(self)
+
+    async def restore_method(self) -> str:
+        """How restores start the fresh container (``snapshot.restore_method``; decided once)."""
+        if self._restore_method is None:
+            method = await asyncio.to_thread(
+                snapshot.restore_method, self.config, self.docker, WRAPPER
+            )
+            if method == "docker":
+                log.warning(
+                    "restore_runtime_unavailable",
+                    runtime=self.config.restore_runtime,
+                    hint="deploy/install_env.sh registers it; restores use Docker's slower path",
+                )
+            self._restore_method = method
+        return self._restore_method
+
+    async def running(self, rec: SandboxRecord) -> bool:
         try:
             info = await asyncio.to_thread(self.docker.inspect, rec.container_id)
         except NotFound:
@@ -123,7 +132,7 @@ class SandboxManager:
         finally:
             lock.release()
 
-    def _save(self, rec: SandboxRecord) -> None:
+    def save(self, rec: SandboxRecord) -> None:
         core.save_record(self.config.records_dir, rec)
 
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -166,18 +175,18 @@ class SandboxManager:
         )
         self.records[sid] = rec
         self.locks[sid] = asyncio.Lock()
-        self._save(rec)
+        self.save(rec)
         log.info("sandbox_created", sandbox_id=sid, container_id=cid[:12], image=image)
         return rec
 
     async def destroy(self, sandbox_id: str) -> None:
         rec = self.get(sandbox_id)
         async with self._locked(rec, self.config.lock_wait_s):
-            await self._remove(rec)
+            await self.remove(rec)
         self.locks.pop(rec.id, None)
         log.info("sandbox_destroyed", sandbox_id=sandbox_id)
 
-    async def _remove(self, rec: SandboxRecord) -> None:
+    async def remove(self, rec: SandboxRecord) -> None:
         """Container, checkpoints, ready pointer, record — in that order (a failure to remove
         the container keeps everything else, so the sandbox can still be found)."""
         await asyncio.to_thread(self.docker.remove, rec.container_id)
@@ -190,7 +199,7 @@ class SandboxManager:
     def sandboxes(self) -> list[SandboxInfo]:
         out = []
         for rec in self.records.values():
-            n = len(self._manifests(rec.id))
+            n = len(self.manifests(rec.id))
             out.append(
                 SandboxInfo(
                     id=rec.id,
@@ -212,7 +221,11 @@ class SandboxManager:
             raise InvalidRequest("trajectory_id is required", field="trajectory_id")
         removed = 0
         for rec in list(self.records.values()):
-            for m in self._manifests(rec.id):
+            for q in quarantined(self.sandbox_dir(rec.id)):
+                with contextlib.suppress(CheckpointInvalid):
+                    if core.read_manifest(q).trajectory_id == trajectory_id:
+                        ops.remove_tree(q)
+            for m in self.manifests(rec.id):
                 if m.trajectory_id == trajectory_id:
                     async with self._locked(rec, self.config.lock_wait_s):
                         ops.remove_tree(self.sandbox_dir(rec.id) / m.checkpoint_id)
@@ -220,7 +233,7 @@ class SandboxManager:
                         if rec.checkpoint_id == m.checkpoint_id:
                             await self.store.delete(rec.id)
                             rec.ready_prefix = rec.checkpoint_id = None
-                            self._save(rec)
+                            self.save(rec)
         return removed
 
     # --- exec -----------------------------------------------------------------------------
@@ -237,6 +250,7 @@ class SandboxManager:
                 raise SandboxError(
                     "sandbox's container is dead: full_restore it", sandbox_id=rec.id
                 )
+            await self._not_frozen(rec)
             try:
                 out = await asyncio.to_thread(
                     self.docker.exec,
@@ -247,9 +261,9 @@ class SandboxManager:
                     workdir=workdir,
                 )
             except (SandboxError, NotFound):
-                if not await self._running(rec):
+                if not await self.running(rec):
                     rec.move(SandboxState.FAILED)
-                    self._save(rec)
+                    self.save(rec)
                     raise SandboxError(
                         "sandbox's container is dead: full_restore it", sandbox_id=rec.id
                     ) from None
@@ -262,6 +276,31 @@ class SandboxManager:
                 stdout_tail=out.stdout[-2000:].decode(errors="replace"),
             )
         return out
+
+    async def _not_frozen(self, rec: SandboxRecord) -> None:
+        """Exec into a frozen cgroup would hang until its timeout: a sandbox Docker paused is a
+        ``Conflict``; a freeze a killed service left behind (Docker does not know of it) is
+        thawed. Outside a checkpoint (the lock is held) nothing else freezes a sandbox."""
+        cid = rec.container_id
+        if cid not in self._freezers:
+            try:
+                pid = int((await asyncio.to_thread(self.docker.inspect, cid))["State"]["Pid"])
+            except NotFound:
+                return
+            live = {r.container_id for r in self.records.values()}
+            self._freezers = {c: f for c, f in self._freezers.items() if c in live}
+            self._freezers[cid] = ops.freezer_path(pid)
+        control = self._freezers[cid]
+        if control is None or not ops.is_frozen(control):
+            return
+        if (await asyncio.to_thread(self.docker.inspect, cid))["State"].get("Paused"):
+            raise Conflict(
+                "the sandbox is paused (docker pause): unpause it before exec",
+                sandbox_id=rec.id,
+                state="paused",
+            )
+        ops.thaw(control)
+        log.warning("frozen_container_thawed", sandbox_id=rec.id)
 
     # --- full_checkpoint ------------------------------------------------------------------
     async def checkpoint(
@@ -293,29 +332,19 @@ class SandboxManager:
             tmp = self.sandbox_dir(rec.id) / f"{core.TMP_PREFIX}{ck_id}"
             final = self.sandbox_dir(rec.id) / ck_id
             rec.move(SandboxState.CHECKPOINTING)
+            progress = snapshot.Progress()
             try:
                 tmp.mkdir(parents=True)
                 start = time.monotonic()
-                try:
-                    manifest = await asyncio.wait_for(
-                        snapshot.capture(
-                            self.docker, self.config, rec, tmp, ck_id, prefix, trajectory_id
-                        ),
-                        timeout,
-                    )
-                except TimeoutError:
-                    rec.cooldown_until = time.time() + self.config.cooldown_s
-                    raise Timeout(
-                        "checkpoint ran past its deadline; checkpointing disabled for a cooldown",
-                        sandbox_id=rec.id,
-                        timeout_s=timeout,
-                        cooldown_s=self.config.cooldown_s,
-                    ) from None
+                manifest = await self._capture(
+                    rec, tmp, ck_id, prefix, trajectory_id, timeout, progress
+                )
+                exited = not await snapshot.container_alive(self.docker, rec.container_id)
                 tmp.rename(final)
                 if self.config.fsync:
                     ops.fsync_dir(final.parent)
                 manifest.durations["total_s"] = time.monotonic() - start
-                info = snapshot.checkpoint_info(manifest)
+                info = snapshot.checkpoint_info(manifest, container_exited=exited)
                 pointer = ReadyPointer(
                     sandbox_id=rec.id,
                     prefix=prefix,
@@ -332,10 +361,11 @@ class SandboxManager:
                 ops.remove_tree(tmp)
                 if rec.status is SandboxState.CHECKPOINTING:
                     rec.move(SandboxState.RUNNING)
+                self.save(rec)
                 raise
-            rec.move(SandboxState.RUNNING)
+            rec.move(SandboxState.FAILED if exited else SandboxState.RUNNING)
             rec.ready_prefix, rec.checkpoint_id = prefix, ck_id
-            self._save(rec)
+            self.save(rec)
             self._prune(rec)
         await self.store.announce(info)
         log.info(
@@ -345,17 +375,62 @@ class SandboxManager:
             checkpoint_id=ck_id,
             total_s=round(info.total_s, 4),
             method=info.method,
+            container_exited=exited,
         )
         return info
 
-    def _prune(self, rec: SandboxRecord) -> None:
-        keep = max(1, self.config.keep_checkpoints)
-        manifests = sorted(self._manifests(rec.id), key=lambda m: m.prefix, reverse=True)
-        for m in manifests[keep:]:
-            if m.checkpoint_id != rec.checkpoint_id:
-                ops.remove_tree(self.sandbox_dir(rec.id) / m.checkpoint_id)
+    async def _capture(
+        self,
+        rec: SandboxRecord,
+        tmp: Path,
+        ck_id: str,
+        prefix: int,
+        trajectory_id: str,
+        timeout: float,
+        progress: snapshot.Progress,
+    ) -> Manifest:
+        """``snapshot.capture`` under the deadline; a container found dead after a failure makes
+        the sandbox ``failed`` and the error say whether the dump had completed."""
+        try:
+            return await asyncio.wait_for(
+                snapshot.capture(
+                    self.docker, self.config, rec, tmp, ck_id, prefix, trajectory_id, progress
+                ),
+                timeout,
+            )
+        except TimeoutError:
+            rec.cooldown_until = time.time() + self.config.cooldown_s
+            raise Timeout(
+                "checkpoint ran past its deadline; checkpointing disabled for a cooldown",
+                sandbox_id=rec.id,
+                timeout_s=timeout,
+                cooldown_s=self.config.cooldown_s,
+            ) from None
+        except BelayerError as exc:
+            if rec.status is not SandboxState.CHECKPOINTING or await snapshot.container_alive(
+                self.docker, rec.container_id
+            ):
+                raise
+            rec.move(SandboxState.FAILED)
+            when = "after" if progress.dumped else "before"
+            raise SandboxError(
+                f"the sandbox's container died during the checkpoint, {when} the dump completed "
+                "(the checkpoint is dropped; full_restore the sandbox)",
+                sandbox_id=rec.id,
+                dump_completed=progress.dumped,
+                error=str(exc),
+            ) from None
 
-    def _manifests(self, sandbox_id: str) -> list[Manifest]:
+    def _prune(self, rec: SandboxRecord) -> None:
+        """Keep ``keep_checkpoints`` (quarantined ones do not count), the ready one and the
+        last one that restored."""
+        protected = {c for c in (rec.checkpoint_id, rec.verified_checkpoint_id) if c}
+        plan = core.prune_plan(self.manifests(rec.id), self.config.keep_checkpoints, protected)
+        for ck in plan:
+            ops.remove_tree(self.sandbox_dir(rec.id) / ck)
+
+    def manifests(self, sandbox_id: str) -> list[Manifest]:
+        """The manifests of a sandbox's checkpoints (not the partial or quarantined ones)."""
         out: list[Manifest] = []
         base = self.sandbox_dir(sandbox_id)
         if not base.is_dir():
@@ -370,95 +445,19 @@ class SandboxManager:
         return out
 
     # --- full_restore ---------------------------------------------------------------------
-    async def restore(
-        self, sandbox_id: str, checkpoint_id: str = ""
-    ) -> tuple[SandboxRecord, Manifest, float, str]:
-        """Returns (record, manifest used, seconds, rejected checkpoint id or "")."""
+    async def restore(self, sandbox_id: str, checkpoint_id: str = "") -> Restored:
+        """See ``restore.full_restore``."""
         rec = self.get(sandbox_id)
         if checkpoint_id:
             self._check_owner(rec.id, checkpoint_id)
-        start = time.monotonic()
         async with self._locked(rec, self.config.lock_wait_s):
-            ptr, rev = await self.store.get(rec.id)
-            candidates = core.restore_candidates(
-                self._manifests(rec.id),
-                ready_checkpoint_id=ptr.checkpoint_id if ptr else None,
-                requested=checkpoint_id or None,
-            )
-            if not candidates:
-                raise NotFound(
-                    "no ready checkpoint to restore",
-                    sandbox_id=rec.id,
-                    checkpoint_id=checkpoint_id or None,
-                )
-            old_state = rec.status
-            rec.move(SandboxState.RESTORING)
-            await asyncio.to_thread(self.docker.remove, rec.container_id)
-            rejected: list[str] = []
-            errors: list[BelayerError] = []
-            for m in candidates:
-                try:
-                    cid = await asyncio.wait_for(
-                        snapshot.restore_one(
-                            self.docker,
-                            self.config,
-                            rec,
-                            self.sandbox_dir(rec.id) / m.checkpoint_id,
-                            m,
-                        ),
-                        self.config.restore_timeout_s,
-                    )
-                except (BelayerError, TimeoutError) as exc:
-                    err = (
-                        exc
-                        if isinstance(exc, BelayerError)
-                        else Timeout("restore ran past its deadline")
-                    )
-                    log.warning(
-                        "checkpoint_rejected",
-                        sandbox_id=rec.id,
-                        checkpoint_id=m.checkpoint_id,
-                        error=str(err),
-                    )
-                    rejected.append(m.checkpoint_id)
-                    errors.append(err)
-                    if checkpoint_id:
-                        break
-                    continue
-                rec.container_id = cid
-                rec.move(SandboxState.RUNNING)
-                rec.restores += 1
-                if ptr is None or m.checkpoint_id != ptr.checkpoint_id:
-                    pointer = ReadyPointer(
-                        sandbox_id=rec.id,
-                        prefix=m.prefix,
-                        checkpoint_id=m.checkpoint_id,
-                        trajectory_id=m.trajectory_id,
-                        ts=time.time(),
-                    )
-                    if ptr is None or m.prefix <= ptr.prefix:
-                        with contextlib.suppress(Conflict):
-                            await self.store.advance(pointer, rev)
-                rec.ready_prefix, rec.checkpoint_id = m.prefix, m.checkpoint_id
-                self._save(rec)
-                for bad, err in zip(rejected, errors, strict=True):
-                    if isinstance(err, CheckpointInvalid):
-                        ops.remove_tree(self.sandbox_dir(rec.id) / bad)
-                return rec, m, time.monotonic() - start, ",".join(rejected)
-            rec.state = SandboxState.FAILED.value
-            _ = old_state
-            self._save(rec)
-            first = errors[0]
-            if not any(isinstance(e, CheckpointInvalid) for e in errors):
-                raise first
-            raise CheckpointInvalid(
-                "no usable checkpoint: " + "; ".join(str(e) for e in errors),
-                sandbox_id=rec.id,
-                rejected=",".join(rejected),
-            )
+            return await full_restore(self, rec, checkpoint_id)
 
     def _check_owner(self, sandbox_id: str, checkpoint_id: str) -> None:
-        if not (self.sandbox_dir(sandbox_id) / checkpoint_id).is_dir():
+        base = self.sandbox_dir(sandbox_id)
+        if (base / f"{core.QUARANTINE_PREFIX}{checkpoint_id}").is_dir():
+            return  # ours, refused as quarantined by the restore
+        if not (base / checkpoint_id).is_dir():
             for other in self.config.checkpoint_root.glob(f"*/{checkpoint_id}"):
                 raise Conflict(
                     "checkpoint belongs to another sandbox",
@@ -472,45 +471,3 @@ class SandboxManager:
         """Chaos helper: ``docker kill`` the sandbox's container."""
         rec = self.get(sandbox_id)
         await asyncio.to_thread(self.docker.kill, rec.container_id)
-
-    async def close(self) -> None:
-        """Graceful stop (after the server stopped taking requests): wait, bounded by one
-        ``lock_wait_s`` in all, for in-flight operations, then destroy every sandbox and reap
-        whatever else of this node is left — a stopped service leaves no container and no
-        checkpoint directory behind (sandboxes do not outlive their node)."""
-        deadline = time.monotonic() + self.config.lock_wait_s
-        for lock in list(self.locks.values()):
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(lock.acquire(), max(0.0, deadline - time.monotonic()))
-                lock.release()
-        await self.destroy_all()
-
-    async def destroy_all(self) -> int:
-        """Destroy every sandbox (a busy one too: its operation is abandoned), then remove this
-        node's labelled containers and the checkpoint directories no sandbox owns. Returns how
-        many sandboxes were destroyed; a failure (dockerd unreachable) is logged and leaves the
-        failed sandbox's record for the next start to adopt."""
-        destroyed = 0
-        for rec in list(self.records.values()):
-            if rec.status in (SandboxState.CHECKPOINTING, SandboxState.RESTORING):
-                rec.move(SandboxState.FAILED)  # its operation ran past the drain and is dropped
-            try:
-                await self._remove(rec)
-            except BelayerError as exc:
-                log.warning("sandbox_destroy_failed", sandbox_id=rec.id, error=str(exc))
-                continue
-            self.locks.pop(rec.id, None)
-            destroyed += 1
-            log.info("sandbox_destroyed", sandbox_id=rec.id, reason="shutdown")
-        try:
-            for cid, sid in await asyncio.to_thread(self.docker.labelled):
-                if not any(r.container_id == cid for r in self.records.values()):
-                    log.info("orphan_container_reaped", container_id=cid[:12], sandbox_id=sid)
-                    await asyncio.to_thread(self.docker.remove, cid)
-        except SandboxError as exc:
-            log.warning("orphan_reap_failed", error=str(exc))
-        if self.config.checkpoint_root.is_dir():
-            for d in self.config.checkpoint_root.iterdir():
-                if d.name not in self.records:
-                    ops.remove_tree(d)
-        return destroyed

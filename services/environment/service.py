@@ -157,15 +157,16 @@ class EnvironmentService:
         )
 
     async def on_restore(self, req: EnvRestore, _msg: Msg) -> EnvRestored:
-        rec, m, seconds, rejected = await self.manager.restore(req.sandbox_id, req.checkpoint_id)
+        r = await self.manager.restore(req.sandbox_id, req.checkpoint_id)
         return EnvRestored(
-            sandbox_id=rec.id,
-            container_id=rec.container_id,
-            checkpoint_id=m.checkpoint_id,
-            prefix=m.prefix,
-            duration_s=seconds,
-            method="docker",
-            fallback_from=rejected,
+            sandbox_id=r.record.id,
+            container_id=r.record.container_id,
+            checkpoint_id=r.manifest.checkpoint_id,
+            prefix=r.manifest.prefix,
+            duration_s=r.seconds,
+            method=r.method,
+            fallback_from=r.fallback_from,
+            candidates=r.attempts,
         )
 
     async def on_destroy(self, req: EnvDestroy, _msg: Msg) -> Ok:

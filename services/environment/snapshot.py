@@ -1,15 +1,17 @@
 """One checkpoint's I/O, apart from the manager's orchestration (locks, pointers, fallback):
 ``capture`` freezes a container and writes its file-system layer and process images into a
-checkpoint directory; ``restore_one`` validates one checkpoint and rebuilds a fresh container
-from it."""
+checkpoint directory; ``restore_one`` validates one checkpoint, rebuilds a fresh container
+from it and checks that it runs."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
 import time
 from pathlib import Path
 
-from common.errors import CheckpointInvalid, SandboxError
+from common.errors import BelayerError, CheckpointInvalid, NotFound, SandboxError
 from schemas.env import CheckpointInfo
 from services.environment import core
 from services.environment import criu_ops as ops
@@ -17,6 +19,16 @@ from services.environment.archive import validate_archive
 from services.environment.config import EnvConfig
 from services.environment.core import Manifest, SandboxRecord, SandboxState
 from services.environment.docker_ops import DockerOps
+
+
+class Progress:
+    """How far one ``capture`` got (read by the caller when it fails)."""
+
+    def __init__(self) -> None:
+        self.dumped = False
+        """The process dump completed."""
+        self.pid = 0
+        """The container's init pid (host view) when the capture started."""
 
 
 async def capture(
@@ -27,15 +39,21 @@ async def capture(
     ck_id: str,
     prefix: int,
     trajectory_id: str,
+    progress: Progress,
 ) -> Manifest:
-    """Freeze → archive the upper dir → dump processes → thaw → hash → manifest → fsync."""
+    """Freeze → archive the upper dir → dump processes → back to the previous freeze state →
+    hash → manifest → fsync. A sandbox Docker has paused (``docker pause``) stays paused (thawing
+    it behind Docker's back would wedge it: exec says "is paused", unpause is refused); any other
+    frozen cgroup is a freeze a killed service left behind, and is thawed."""
     info = await asyncio.to_thread(docker.inspect, rec.container_id)
     if not info["State"]["Running"]:
         rec.move(SandboxState.FAILED)
         raise SandboxError("sandbox's container is not running", sandbox_id=rec.id)
     pid = int(info["State"]["Pid"])
+    progress.pid = pid
+    paused = bool(info["State"].get("Paused"))
     upper = str(info["GraphDriver"]["Data"]["UpperDir"])
-    method = checkpoint_method(config, rec.container_id)
+    method, root = checkpoint_method(config, rec.container_id)
     control = ops.freezer_path(pid)
     if control is None:
         raise SandboxError("cannot find the container's freezer cgroup", sandbox_id=rec.id)
@@ -48,7 +66,7 @@ async def capture(
         if method == "runc":
             await ops.runc_checkpoint(
                 config.runc_bin,
-                config.runc_root,
+                root,
                 rec.container_id,
                 tmp / core.CRIU_DIR,
                 tmp / "work",
@@ -58,9 +76,11 @@ async def capture(
             await asyncio.to_thread(
                 docker.checkpoint_create, rec.container_id, core.CRIU_DIR, str(tmp)
             )
+        progress.dumped = True
         t3 = time.monotonic()
     finally:
-        ops.thaw(control)
+        if not paused:
+            ops.thaw(control)
     t4 = time.monotonic()
     ops.remove_tree(tmp / "work")
     manifest = Manifest(
@@ -84,49 +104,137 @@ async def capture(
     return manifest
 
 
-def checkpoint_method(config: EnvConfig, container_id: str) -> str:
-    """``runc`` (CRIU through runc on the Docker-managed container) when runc knows the
-    container, else Docker's checkpoint API (or whatever the config forces)."""
+def checkpoint_method(config: EnvConfig, container_id: str) -> tuple[str, Path]:
+    """``("runc", runc root)`` (CRIU through runc on the Docker-managed container) when runc
+    knows the container — under the default runtime or the restore runtime — else Docker's
+    checkpoint API (or whatever the config forces)."""
     m = config.checkpoint_method
     if m == "docker":
-        return "docker"
-    if ops.runc_knows(config.runc_root, container_id):
-        return "runc"
+        return "docker", config.runc_root
+    for root in (config.runc_root, config.restore_runc_root):
+        if ops.runc_knows(root, container_id):
+            return "runc", root
     if m == "runc":
         raise SandboxError("runc does not know the container", runc_root=str(config.runc_root))
-    return "docker"
+    return "docker", config.runc_root
 
 
-async def restore_one(
-    docker: DockerOps, config: EnvConfig, rec: SandboxRecord, d: Path, m: Manifest
-) -> str:
-    """Validate one checkpoint, then fresh container ← layer ← processes."""
+async def container_alive(docker: DockerOps, container_id: str) -> bool:
+    """Docker says running and its init process (host pid) is alive, not a zombie."""
+    try:
+        info = await asyncio.to_thread(docker.inspect, container_id)
+    except NotFound:
+        return False
+    state = info["State"]
+    return bool(state.get("Running")) and ops.process_alive(int(state.get("Pid") or 0))
+
+
+class NotTheCheckpoint(Exception):
+    """A restore step failed for a reason outside the checkpoint (dockerd unreachable, no fresh
+    container could be made): the checkpoint is not to blame and stays a candidate."""
+
+    def __init__(self, error: BelayerError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def validate(config: EnvConfig, rec: SandboxRecord, d: Path, m: Manifest) -> None:
+    """Everything about one checkpoint that can be checked without restoring it: manifest
+    (version, owner, name), CRIU image sizes, archive members and checksum. Blocking."""
     if m.method == "unreadable":
         raise CheckpointInvalid("checkpoint manifest is corrupt", checkpoint_id=m.checkpoint_id)
     core.check_manifest(m, sandbox_id=rec.id, checkpoint_id=d.name)
     core.check_criu_files(d, m)
     archive = d / core.FS_ARCHIVE
     validate_archive(archive, config.archive_limits)
-    digest = await asyncio.to_thread(ops.sha256_file, archive)
-    if digest != m.fs_sha256:
+    if ops.sha256_file(archive) != m.fs_sha256:
         raise CheckpointInvalid(
             "file-system archive checksum mismatch", checkpoint_id=m.checkpoint_id
         )
-    cid = await asyncio.to_thread(docker.create, rec.id, m.image or rec.image, rec.limits)
+
+
+async def restore_one(
+    docker: DockerOps, config: EnvConfig, rec: SandboxRecord, d: Path, m: Manifest, method: str
+) -> str:
+    """Validate one checkpoint, then fresh container ← layer ← processes, then check that the
+    new container runs. Returns the new container's id; on any failure the new container is
+    removed (the sandbox's current container is untouched). ``NotTheCheckpoint`` when the
+    failure is not the checkpoint's (no fresh container, dockerd unreachable)."""
+    await asyncio.to_thread(validate, config, rec, d, m)
+    runtime = config.restore_runtime if method == "runtime" else None
+    try:
+        cid = await asyncio.to_thread(
+            docker.create, rec.id, m.image or rec.image, rec.limits, runtime
+        )
+    except BelayerError as exc:
+        raise NotTheCheckpoint(exc) from None
     try:
         upper = await asyncio.to_thread(docker.upper_dir, cid)
-        await ops.install_layer(archive, upper, timeout=120.0)
+        await ops.install_layer(d / core.FS_ARCHIVE, upper, timeout=120.0)
         cdir = Path(await asyncio.to_thread(docker.container_dir, cid))
-        name = "belayer-" + m.checkpoint_id[-16:]
-        ops.link_or_copy_tree(d / core.CRIU_DIR, cdir / "checkpoints" / name)
-        await asyncio.to_thread(docker.start, cid, name)
-    except BaseException:
-        await asyncio.to_thread(docker.remove, cid)
+        images = cdir / "checkpoints" / ("belayer-" + m.checkpoint_id[-16:])
+        ops.link_or_copy_tree(d / core.CRIU_DIR, images)
+        if method == "runtime":
+            await asyncio.to_thread(start_restoring, docker, config, cid, images)
+        else:
+            await asyncio.to_thread(docker.start, cid, images.name)
+        if not await container_alive(docker, cid):
+            raise SandboxError(
+                "the restored container is not running", checkpoint_id=m.checkpoint_id
+            )
+    except BaseException as exc:
+        with contextlib.suppress(BelayerError):
+            await asyncio.to_thread(docker.remove, cid)
+        if isinstance(exc, BelayerError) and not await asyncio.to_thread(docker.reachable):
+            raise NotTheCheckpoint(exc) from None
         raise
     return cid
 
 
-def checkpoint_info(m: Manifest) -> CheckpointInfo:
+def start_restoring(docker: DockerOps, config: EnvConfig, cid: str, images: Path) -> None:
+    """``docker start`` a container of the restore runtime with a restore marker: the runtime's
+    ``create`` is ``runc restore`` from ``images``. Blocking; the marker files go either way."""
+    markers = config.restore_marker_dir
+    work = markers / f"{cid}.work"
+    (markers / f"{cid}.restore").write_text(f"{images}\n")
+    try:
+        docker.start(cid)
+    except SandboxError as exc:
+        errors = ops.criu_errors(work / "restore.log")
+        message = exc.message.split("\nlog file:", 1)[0]  # the log goes with the work dir
+        raise SandboxError(
+            f"{message}{'; criu: ' + errors if errors else ''}", **exc.data
+        ) from None
+    finally:
+        for name in (f"{cid}.restore", f"{cid}.restored"):
+            (markers / name).unlink(missing_ok=True)
+        ops.remove_tree(work)
+
+
+def restore_method(config: EnvConfig, docker: DockerOps, shipped: Path) -> str:
+    """``runtime`` when dockerd has ``restore_runtime`` registered and its binary is the wrapper
+    this service ships (``shipped``; a stale or foreign one is not trusted), else ``docker``.
+    ``restore_method="runtime"`` makes a missing runtime an error."""
+    if config.restore_method == "docker":
+        return "docker"
+    entry = docker.runtimes().get(config.restore_runtime) or {}
+    path = shutil.which(str(entry.get("path", ""))) if entry else None
+    try:
+        same = path is not None and Path(path).read_bytes() == shipped.read_bytes()
+    except OSError:
+        same = False
+    if same:
+        config.restore_marker_dir.mkdir(parents=True, exist_ok=True)
+        return "runtime"
+    if config.restore_method == "runtime":
+        raise SandboxError(
+            "the restore runtime is not registered with dockerd (run deploy/install_env.sh)",
+            runtime=config.restore_runtime,
+        )
+    return "docker"
+
+
+def checkpoint_info(m: Manifest, *, container_exited: bool = False) -> CheckpointInfo:
     d = m.durations
     return CheckpointInfo(
         sandbox_id=m.sandbox_id,
@@ -140,6 +248,7 @@ def checkpoint_info(m: Manifest) -> CheckpointInfo:
         dump_s=d.get("dump_s", 0.0),
         total_s=d.get("total_s", 0.0),
         method=m.method,
+        container_exited=container_exited,
     )
 
 

@@ -568,21 +568,13 @@ class RouterCore:
         """Rebuild one request from the durable log after a router restart: finished requests
         become replayable results; unfinished ones become active with their logged tokens held
         (they are placed once engines register)."""
-        chunks = sorted(chunks, key=lambda c: c.chunk_index)
         req = RequestState(request_id, list(prompt_ids), sampling, identity=identity)
         if inbox:
             req.subscribers[inbox] = True
-        for c in chunks:
-            if c.start != len(req.tokens):
-                break  # a gap: keep the contiguous prefix only
-            req.tokens += c.token_ids
-            req.logprobs += c.logprobs
-            req.versions += c.weight_versions
-            req.chunk_index = c.chunk_index + 1
-            req.logged = len(req.tokens)
-            if c.final:
-                self._finish(req, c.finish_reason or "stop")
-                return
+        final = req.replay(chunks)
+        if final is not None:
+            self._finish(req, final)
+            return
         req.router_restarts = 1
         self.active[request_id] = req
         self.pending.append(request_id)

@@ -146,6 +146,21 @@ class RequestState:
     """Digest of the request as the caller sent it (``request_identity``): a resubmission of
     the same id must match it."""
 
+    def replay(self, chunks: list[TokenLogChunk]) -> str | None:
+        """Take the tokens of the durable log back (the contiguous prefix of ``chunks``); the
+        finish reason if the log says the request finished, else None."""
+        for c in sorted(chunks, key=lambda c: c.chunk_index):
+            if c.start != len(self.tokens):
+                break  # a gap: keep the contiguous prefix only
+            self.tokens += c.token_ids
+            self.logprobs += c.logprobs
+            self.versions += c.weight_versions
+            self.chunk_index = c.chunk_index + 1
+            self.logged = len(self.tokens)
+            if c.final:
+                return c.finish_reason or "stop"
+        return None
+
     def engine_request(self, *, baseline: bool) -> EngineRequest:
         """The request as a worker gets it: prompt + every token held (token-level resume),
         or — ``baseline`` — the prompt alone: the caller already has the held tokens, so the

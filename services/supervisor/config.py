@@ -12,6 +12,7 @@ from common.config import RunPaths
 from services.environment.client import EnvConfig
 from services.kv.client import KvArenaConfig
 from services.router.client import RouterConfig
+from services.trainer.client import TrainerConfig
 from services.weights.client import WeightStoreConfig
 from services.worker.client import WorkerConfig
 
@@ -33,6 +34,8 @@ class SupervisorConfig:
     """Rollout engines on this node (one main worker each, plus a shadow in belayer mode)."""
     environment: bool = False
     """Also run the environment (sandbox) service; needs dockerd + CRIU (deploy/setup.sh)."""
+    training: bool = False
+    """Also run the GRPO trainer (``trainer``), started once the engines serve."""
     restart_backoff_s: float = 0.5
     """First restart delay of a crashed service; doubles up to ``restart_backoff_max_s``."""
     restart_backoff_max_s: float = 10.0
@@ -56,6 +59,9 @@ class SupervisorConfig:
     """Every rollout worker and shadow of the node (``limits``: the router's are used)."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """The environment service (with ``environment`` on)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The GRPO trainer (with ``training`` on); its checkpoints go under ``<run dir>/trainer``
+    unless ``checkpoint_dir`` is set, and it trains deterministically when the workers do."""
 
     def __post_init__(self) -> None:
         if self.engines < 1:

@@ -26,6 +26,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import nats.errors
 from nats.aio.msg import Msg
 
 from common import events, subjects
@@ -151,7 +152,7 @@ class Engines:
                 if slot.main is child and not slot.retired:
                     await self._promote_if_confirmed(slot)  # in case its event was missed
                 if slot.main is not child or slot.retired:
-                    return  # the shadow took over (this child is retired), or the engine is
+                    return  # the shadow took over (this child is retired) or the engine retired
             # No handover in time: restart the main worker cold, with backoff.
             await asyncio.sleep(child.backoff.next_delay(ran))
             if slot.main is not child or slot.retired or self.sup.stop_requested.is_set():
@@ -242,7 +243,11 @@ class Engines:
         if shadow is None or shadow.pid is None or not shadow.alive:
             return
         info = await self._router_view(slot.engine_id)
-        claimed, _ = await current_epoch(self.sup.nc.jetstream(), slot.engine_id)
+        try:
+            claimed, _ = await current_epoch(self.sup.nc.jetstream(), slot.engine_id)
+        except (nats.errors.Error, TimeoutError) as exc:  # JetStream unavailable: not now
+            log.warning("epoch_read_failed", engine=slot.engine_id, error=repr(exc))
+            claimed = -1
         if (
             info is None
             or info.worker_pid != shadow.pid

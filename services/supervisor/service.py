@@ -32,16 +32,20 @@ from schemas.base import Ok
 from schemas.events import EventBase, NodeReady, ServiceExited, ServiceRestarted
 from schemas.node import ProcInfo, StopNode, SupervisorStatus, SupervisorStatusRequest
 from schemas.serving import RouterStatus, StatusRequest
+from schemas.trainer import TrainerStatus, TrainerStatusRequest
 from schemas.weights import ArenaDesc, KvGet, WeightManifest, WeightsGet
 from services.environment.client import node_label, remove_node_sandboxes
 from services.supervisor.backoff import Backoff
 from services.supervisor.config import SupervisorConfig
 from services.supervisor.engines import Engines
 from services.supervisor.procs import Child
+from services.trainer.client import TrainerConfig
 
 ENV_STOP_TIMEOUT_S = 30.0
 """The environment service's graceful stop destroys every sandbox: it gets longer than the
 others before SIGKILL (whatever it leaves then is removed by ``remove_node_sandboxes``)."""
+TRAINER_STOP_TIMEOUT_S = 60.0
+"""A stopping trainer first finishes the update it is running (checkpoint and acks included)."""
 
 log = get_logger(service="supervisor")
 
@@ -115,6 +119,18 @@ class Supervisor(Service[SupervisorConfig]):
         )
         return self._py(f"services.{kind}", config)
 
+    def trainer_config(self) -> TrainerConfig:
+        """The trainer's config with what only the node knows filled in."""
+        c = self.config
+        default_dir = c.trainer.checkpoint_dir == TrainerConfig().checkpoint_dir
+        return dataclasses.replace(
+            c.trainer,
+            run_id=self.run_id,
+            checkpoint_dir=self.paths.root / "trainer" if default_dir else c.trainer.checkpoint_dir,
+            deterministic=c.trainer.deterministic or c.worker.engine.deterministic,
+            log_file=str(self._log_file("trainer")),
+        )
+
     # --- start ------------------------------------------------------------------------------
     async def open(self) -> None:
         self.paths.logs.mkdir(parents=True, exist_ok=True)
@@ -168,6 +184,12 @@ class Supervisor(Service[SupervisorConfig]):
             )  # fmt: skip
         await self.engines.start_all()
         await self._wait_engines()
+        if c.training:
+            await self._start_and_wait(
+                self._child("trainer", self._py("services.trainer", self.trainer_config()),
+                    stop_timeout=TRAINER_STOP_TIMEOUT_S),
+                lambda nc: request(nc, subjects.trainer_status(), TrainerStatusRequest(), TrainerStatus, timeout=1),
+            )  # fmt: skip
         self.watchers = [
             asyncio.create_task(self.watch(child), name=f"watch_{child.name}")
             for child in self.children.values()

@@ -128,7 +128,9 @@ def grpo_loss(
     elif importance_sampling_level == "sequence":
         log_weights = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     else:
-        raise ValueError(f"importance_sampling_level must be token or sequence, got {importance_sampling_level!r}")
+        raise ValueError(
+            f"importance_sampling_level must be token or sequence, got {importance_sampling_level!r}"
+        )
     ratio = torch.exp(log_weights)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
@@ -314,7 +316,9 @@ class Batcher:
             (max(s.stream_seq for s in g.values()), gid)
             for gid, g in self.groups.items()
             if len(g) == self.group_size
-            and all(s.newest_version <= version and not self.is_stale(s, version) for s in g.values())
+            and all(
+                s.newest_version <= version and not self.is_stale(s, version) for s in g.values()
+            )
         ]
         return [gid for _, gid in sorted(done)]
 

@@ -124,13 +124,15 @@ def make_config(tmp_path: Path, **kw: object) -> EnvConfig:
     return EnvConfig(run_dir=tmp_path / "run", node=node, lock_wait_s=20.0, **kw)  # type: ignore[arg-type]
 
 
-@pytest_asyncio.fixture
-async def env(nc, js, nats_server, tmp_path: Path) -> AsyncIterator[EnvHarness]:  # type: ignore[no-untyped-def]
-    """A running environment service; teardown destroys every sandbox and checks that no
-    container and no checkpoint directory is left behind."""
+@contextlib.asynccontextmanager
+async def running_env(
+    nc, nats_url: str, tmp_path: Path, **config: object
+) -> AsyncIterator[EnvHarness]:  # type: ignore[no-untyped-def]
+    """A running environment service (``make_config`` with ``config``); on exit every sandbox
+    is destroyed and no container and no checkpoint directory may be left behind."""
     docker_client = require_docker()
-    config = make_config(tmp_path, nats_url=nats_server.url)
-    harness = EnvHarness(config, EnvClient(nc, timeout=60))
+    cfg = make_config(tmp_path, nats_url=nats_url, **config)
+    harness = EnvHarness(cfg, EnvClient(nc, timeout=60))
     await harness.start()
     try:
         yield harness
@@ -140,9 +142,17 @@ async def env(nc, js, nats_server, tmp_path: Path) -> AsyncIterator[EnvHarness]:
                 with contextlib.suppress(Exception):
                     await harness.client.destroy(sb.id)
         await harness.shutdown()
-        left = leftover_containers(docker_client, config.node)
+        left = leftover_containers(docker_client, cfg.node)
         for cid in left:
             docker_client.api.remove_container(cid, force=True)
-        leftover_dirs = [p for p in config.checkpoint_root.glob("*/*")]
+        leftover_dirs = [p for p in cfg.checkpoint_root.glob("*/*")]
         assert not left, f"containers left behind: {left}"
         assert not leftover_dirs, f"checkpoint dirs left behind: {leftover_dirs}"
+
+
+@pytest_asyncio.fixture
+async def env(nc, js, nats_server, tmp_path: Path) -> AsyncIterator[EnvHarness]:  # type: ignore[no-untyped-def]
+    """A running environment service; teardown destroys every sandbox and checks that no
+    container and no checkpoint directory is left behind."""
+    async with running_env(nc, nats_server.url, tmp_path) as harness:
+        yield harness

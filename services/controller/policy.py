@@ -1,0 +1,298 @@
+"""Checkpoint policies, the risk-aware one being Algorithm 1 of the paper. Pure: no clock, no I/O.
+
+After each environment step t the controller asks whether a ``full_checkpoint`` is worth it.
+``risk-aware`` (the default):
+
+    benefit  = p_t · C_t        p_t = 1 − exp(−λ·d_t)   (or a fixed injected probability)
+    visible  = c_t · (1 − q(x; c_t))
+    q(x; c)  = P(T ≥ x + c | T ≥ x)   for the LLM-response time T (empirical, online)
+    checkpoint  ⇔  benefit > visible   (and not inside a timeout cooldown)
+
+``C_t`` is the regeneration cost (LLM + env seconds) accumulated since the last ready
+checkpoint; ``c_t`` the estimated checkpoint cost (an EWMA of measured checkpoints, starting
+from a configured prior); ``x`` how long the current LLM response has already been running
+(0 when the decision is taken right after the step, before the next request). λ is configured,
+or estimated as observed failures / observed exposure seconds.
+
+The others, for comparison: ``never``; ``always`` (after every step); ``interval:N`` (every N
+steps); ``young-daly`` (whenever C_t reaches the Young/Daly interval √(2·c·MTBF), MTBF = 1/λ).
+Every policy but ``never`` honours the cooldown after a checkpoint timed out.
+
+The statistics (response times, checkpoint costs, failures, exposure) describe the node, not
+one trajectory: ``PolicyStats`` is shared by every trajectory's ``CheckpointPolicy``, which
+keeps only what is at risk in its own sandbox.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+PolicyKind = Literal["risk-aware", "always", "never", "interval", "young-daly"]
+KINDS: tuple[str, ...] = ("risk-aware", "always", "never", "interval", "young-daly")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the checkpoint policy."""
+
+    failure_rate: float | None = None
+    """λ in failures per second of exposure; None: estimate from observed failures."""
+    fixed_probability: float | None = None
+    """If set, p_t for every step (failure-injection experiments); overrides λ."""
+    prior_failure_rate: float = 1e-3
+    """λ used until a failure has been observed (and as a one-failure prior weight)."""
+    prior_checkpoint_cost_s: float = 0.3
+    """c_t before any checkpoint has been measured."""
+    cost_ewma_alpha: float = 0.3
+    """Weight of the newest measurement in the checkpoint-cost EWMA."""
+    response_window: int = 256
+    """How many recent LLM-response times the empirical q(x; c) uses."""
+    min_responses: int = 2
+    """Below this many observed responses q is 0 (no bubble assumed: conservative)."""
+    cooldown_s: float = 20.0
+    """Checkpointing stays disabled this long after a checkpoint timed out."""
+    kind: PolicyKind = "risk-aware"
+    """Which policy decides (see the module docstring)."""
+    interval: int = 1
+    """``interval``: checkpoint every this many environment steps."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown checkpoint policy {self.kind!r} (one of {', '.join(KINDS)})")
+        if self.interval < 1:
+            raise ValueError(f"interval must be >= 1, got {self.interval}")
+
+    @property
+    def name(self) -> str:
+        """The policy as ``parse_policy`` reads it (``interval:3``)."""
+        return f"interval:{self.interval}" if self.kind == "interval" else self.kind
+
+
+def parse_policy(text: str) -> tuple[PolicyKind, int]:
+    """``never|always|risk-aware|interval:N|young-daly`` → (kind, interval). Raises
+    ``ValueError`` naming the accepted forms."""
+    name, _, arg = text.strip().partition(":")
+    forms = "never, always, risk-aware, interval:N (N ≥ 1), young-daly"
+    if name == "interval":
+        if not arg.isdigit() or int(arg) < 1:
+            raise ValueError(f"policy {text!r}: interval needs a whole number N ≥ 1 ({forms})")
+        return "interval", int(arg)
+    if arg or name not in KINDS:
+        raise ValueError(f"unknown checkpoint policy {text!r} (one of: {forms})")
+    return name, 1  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The policy's answer with every term, for logs and tests."""
+
+    checkpoint: bool
+    reason: str
+    p: float
+    regen_cost_s: float
+    benefit: float
+    checkpoint_cost_s: float
+    q: float
+    visible_cost: float
+
+
+@dataclass
+class PolicyStats:
+    """Online estimates shared by the trajectories of one controller."""
+
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+    exposure_s: float = 0.0
+    failures: int = 0
+    _cost_s: float | None = None
+    _responses: deque[float] = field(default_factory=deque)
+    _sorted: list[float] = field(default_factory=list)
+
+    def observe_exposure(self, env_s: float) -> None:
+        self.exposure_s += max(0.0, env_s)
+
+    def observe_response(self, seconds: float) -> None:
+        """One complete LLM-response time T (feeds q)."""
+        if seconds < 0 or math.isnan(seconds):
+            return
+        self._responses.append(seconds)
+        bisect.insort(self._sorted, seconds)
+        if len(self._responses) > self.config.response_window:
+            old = self._responses.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+    def observe_checkpoint_cost(self, seconds: float) -> None:
+        a = self.config.cost_ewma_alpha
+        self._cost_s = seconds if self._cost_s is None else a * seconds + (1 - a) * self._cost_s
+
+    def observe_failure(self) -> None:
+        self.failures += 1
+
+    @property
+    def failure_rate(self) -> float:
+        """λ: configured, else (failures + 1) / (exposure + 1/λ0), a prior worth one failure."""
+        if self.config.failure_rate is not None:
+            return self.config.failure_rate
+        prior = self.config.prior_failure_rate
+        return (self.failures + 1) / (self.exposure_s + 1.0 / prior)
+
+    @property
+    def checkpoint_cost_s(self) -> float:
+        """c_t: EWMA of measured checkpoint costs (or the prior)."""
+        return self.config.prior_checkpoint_cost_s if self._cost_s is None else self._cost_s
+
+    @property
+    def responses(self) -> int:
+        return len(self._sorted)
+
+    def survival(self, t: float) -> float:
+        """Empirical P(T ≥ t)."""
+        n = len(self._sorted)
+        if n == 0:
+            return 0.0
+        return (n - bisect.bisect_left(self._sorted, t)) / n
+
+    def q(self, elapsed_s: float, cost_s: float) -> float:
+        """q(x; c) = P(T ≥ x + c | T ≥ x); 0 with too little data or when x exceeds all data."""
+        if len(self._sorted) < self.config.min_responses:
+            return 0.0
+        alive = self.survival(elapsed_s)
+        if alive <= 0.0:
+            return 0.0
+        return min(1.0, self.survival(elapsed_s + cost_s) / alive)
+
+
+@dataclass
+class CheckpointPolicy:
+    """The policy of one trajectory (one sandbox): what is at risk since its last ready
+    checkpoint, its cooldown, and the shared ``stats``."""
+
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+    stats: PolicyStats | None = None
+    """Shared estimates; None: a private ``PolicyStats`` with this config."""
+    regen_cost_s: float = 0.0
+    steps_since_checkpoint: int = 0
+    cooldown_until: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.stats is None:
+            self.stats = PolicyStats(self.config)
+
+    @property
+    def _stats(self) -> PolicyStats:
+        assert self.stats is not None
+        return self.stats
+
+    # --- observations -------------------------------------------------------------------
+    def observe_step(self, env_s: float, llm_s: float = 0.0) -> None:
+        """A step finished: its env and LLM seconds are now at risk until the next checkpoint."""
+        env_s, llm_s = max(0.0, env_s), max(0.0, llm_s)
+        self.regen_cost_s += env_s + llm_s
+        self.steps_since_checkpoint += 1
+        self._stats.observe_exposure(env_s)
+
+    def observe_response(self, seconds: float) -> None:
+        """One complete LLM-response time T (feeds q)."""
+        self._stats.observe_response(seconds)
+
+    def observe_checkpoint(self, seconds: float) -> None:
+        """A checkpoint became ready after ``seconds``: update c_t, reset C_t."""
+        self._stats.observe_checkpoint_cost(seconds)
+        self.regen_cost_s = 0.0
+        self.steps_since_checkpoint = 0
+
+    def observe_restore(self) -> None:
+        """The sandbox and context went back to a ready prefix (or L_0): nothing after it is
+        at risk any more."""
+        self.regen_cost_s = 0.0
+        self.steps_since_checkpoint = 0
+
+    def observe_failure(self) -> None:
+        """A sandbox failure happened (feeds the λ estimate)."""
+        self._stats.observe_failure()
+
+    def observe_timeout(self, now: float) -> None:
+        """A checkpoint timed out: disable checkpointing for the cooldown."""
+        self.cooldown_until = now + self.config.cooldown_s
+
+    # --- estimates ----------------------------------------------------------------------
+    @property
+    def exposure_s(self) -> float:
+        return self._stats.exposure_s
+
+    @property
+    def failures(self) -> int:
+        return self._stats.failures
+
+    @property
+    def failure_rate(self) -> float:
+        return self._stats.failure_rate
+
+    @property
+    def checkpoint_cost_s(self) -> float:
+        return self._stats.checkpoint_cost_s
+
+    def probability(self, step_s: float) -> float:
+        """p_t for a step of ``step_s`` seconds."""
+        if self.config.fixed_probability is not None:
+            return min(1.0, max(0.0, self.config.fixed_probability))
+        return 1.0 - math.exp(-self.failure_rate * max(0.0, step_s))
+
+    def survival(self, t: float) -> float:
+        return self._stats.survival(t)
+
+    def q(self, elapsed_s: float, cost_s: float) -> float:
+        return self._stats.q(elapsed_s, cost_s)
+
+    def young_daly_interval_s(self, step_s: float) -> float:
+        """√(2·c·MTBF) with MTBF = 1/λ (λ from a fixed per-step probability: −ln(1−p)/d_t)."""
+        p = self.config.fixed_probability
+        if p is not None:
+            if p <= 0.0:
+                return math.inf
+            rate = -math.log(max(1e-12, 1.0 - min(p, 1.0 - 1e-12))) / max(step_s, 1e-3)
+        else:
+            rate = self.failure_rate
+        if rate <= 0.0:
+            return math.inf
+        return math.sqrt(2.0 * self.checkpoint_cost_s / rate)
+
+    # --- the decision -------------------------------------------------------------------
+    def decide(self, *, step_s: float, elapsed_s: float = 0.0, now: float = 0.0) -> Decision:
+        """Checkpoint now? ``step_s`` is d_t, ``elapsed_s`` is x, ``now`` the clock (only
+        compared with the cooldown)."""
+        p = self.probability(step_s)
+        benefit = p * self.regen_cost_s
+        c = self.checkpoint_cost_s
+        q = self.q(elapsed_s, c)
+        visible = c * (1.0 - q)
+
+        def answer(take: bool, reason: str) -> Decision:
+            return Decision(take, reason, p, self.regen_cost_s, benefit, c, q, visible)
+
+        kind = self.config.kind
+        if kind == "never":
+            return answer(False, "policy_never")
+        if now < self.cooldown_until:
+            return answer(False, "cooldown")
+        if self.regen_cost_s <= 0.0 and self.steps_since_checkpoint == 0:
+            return answer(False, "nothing_at_risk")
+        if kind == "always":
+            return answer(True, "policy_always")
+        if kind == "interval":
+            due = self.steps_since_checkpoint >= self.config.interval
+            return answer(due, "interval_reached" if due else "interval_not_reached")
+        if kind == "young-daly":
+            due = self.regen_cost_s >= self.young_daly_interval_s(step_s)
+            return answer(
+                due, "young_daly_interval_reached" if due else "below_young_daly_interval"
+            )
+        if self.regen_cost_s <= 0.0:
+            return answer(False, "nothing_at_risk")
+        take = benefit > visible
+        return answer(
+            take, "benefit_exceeds_visible_cost" if take else "visible_cost_exceeds_benefit"
+        )

@@ -1,0 +1,321 @@
+"""The controller on the bus: ``belayer.rollout.submit`` (validate a rollout request — workload,
+tasks, policy, injections, images — then run it) and ``belayer.rollout.status``; at start it
+adopts every rollout a previous incarnation left running, resuming each in-flight trajectory
+from its durable ready prefix (KV ``trajectory_prefix``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+
+from common import events, subjects
+from common.codec import decode, encode
+from common.errors import BelayerError, BusUnavailable, Conflict, InvalidRequest, NotFound
+from common.logging import get_logger
+from common.service import Service, run_service
+from model.chat import ChatFormat
+from model.tokenizer import load_tokenizer
+from schemas.events import RolloutStarted, TrajectoriesAdopted
+from schemas.rollout import (
+    RolloutAccepted,
+    RolloutRequest,
+    RolloutResult,
+    RolloutState,
+    RolloutStatusRequest,
+    Trajectory,
+    TrajectoryRow,
+    TrajectoryState,
+)
+from services.controller.config import ControllerConfig
+from services.controller.inject import SANDBOX_KINDS, check_specs
+from services.controller.injector import Injector
+from services.controller.policy import parse_policy
+from services.controller.rollout import RolloutRun
+from services.controller.store import StateStore
+from services.controller.summary import summarize
+from services.environment.client import EnvClient
+from workloads.base import Task, Workload
+from workloads.registry import load_workload
+
+log = get_logger(service="controller")
+
+MAX_ROLLOUT_ID = 64
+"""Rollout ids leave room for the slot, attempt and generation suffixes of the ids made of them."""
+
+
+def trajectory_id(rollout_id: str, slot: int, attempt: int) -> str:
+    return f"{rollout_id}-s{slot}-a{attempt}"
+
+
+def row_of(record: Trajectory) -> TrajectoryRow:
+    """The status row of a published trajectory."""
+    rec = record.recovery
+    return TrajectoryRow(
+        trajectory_id=record.trajectory_id, task_id=record.task_id, slot=record.slot,
+        attempt=record.attempt, state="finished", finish_reason=record.finish_reason,
+        reward=record.reward, turns=record.turns, restores=rec.restores,
+        restarts_from_scratch=rec.restarts_from_scratch, checkpoints=rec.checkpoints,
+        sandbox_failures=rec.sandbox_failures, detail=record.detail[:300],
+    )  # fmt: skip
+
+
+class Controller(Service[ControllerConfig]):
+    """Rollouts in flight by id; each a ``RolloutRun`` task."""
+
+    name = "controller"
+
+    async def setup(self) -> None:
+        cfg = self.config
+        if not cfg.model_dir:
+            raise InvalidRequest("the controller needs --model-dir (the node's model)")
+        self.store = StateStore(self.js)
+        self.env = EnvClient(self.nc, timeout=cfg.env_timeout_s)
+        self.injector = Injector(self.nc, self.env, docker_url=cfg.docker_url)
+        tokenizer = await asyncio.to_thread(load_tokenizer, Path(cfg.model_dir))
+        self.chat = ChatFormat(tokenizer)
+        self.limit = asyncio.Semaphore(cfg.max_trajectories)
+        self.runs: dict[str, RolloutRun] = {}
+        self.mains: set[asyncio.Task[None]] = set()
+        self.workloads: dict[tuple[str, str], Workload] = {}
+        self.submit_lock = asyncio.Lock()
+        await self.adopt_all()
+        await self.server.serve(
+            subjects.rollout_submit(), RolloutRequest, self.on_submit, concurrent=True
+        )
+        await self.server.serve(
+            subjects.rollout_status(), RolloutStatusRequest, self.on_status, concurrent=True
+        )
+
+    async def drain(self) -> None:
+        """Stop taking requests, then stop the rollouts: their durable state stays ``running``
+        for the next incarnation to adopt."""
+        await self.server.drain(timeout=self.drain_timeout_s)
+        for task in list(self.mains):
+            task.cancel()
+        for run in self.runs.values():
+            await run.stop()
+        for task in list(self.mains):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def start(self, run: RolloutRun, adopted: dict[int, TrajectoryState]) -> None:
+        self.runs[run.rollout_id] = run
+        task = asyncio.create_task(self._main(run, adopted), name=f"rollout_{run.rollout_id}")
+        self.mains.add(task)
+        task.add_done_callback(self.mains.discard)
+
+    async def _main(self, run: RolloutRun, adopted: dict[int, TrajectoryState]) -> None:
+        try:
+            await run.main(adopted)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug in one rollout must not stop the controller
+            log.exception("rollout_crashed", rollout_id=run.rollout_id)
+
+    def make_run(self, state: RolloutState, tasks: list[Task], workload: Workload) -> RolloutRun:
+        return RolloutRun(
+            state=state, tasks=tasks, workload=workload, config=self.config, nc=self.nc,
+            js=self.js, env=self.env, chat=self.chat, store=self.store, injector=self.injector,
+            limit=self.limit, incarnation=state.incarnations,
+        )  # fmt: skip
+
+    # --- validation -----------------------------------------------------------------------
+    async def workload_of(self, req: RolloutRequest) -> Workload:
+        key = (req.workload, req.dataset)
+        if key not in self.workloads:
+            options: dict[str, Any] = {"path": req.dataset} if req.dataset else {}
+            try:
+                self.workloads[key] = await asyncio.to_thread(
+                    load_workload, req.workload, **options
+                )
+            except BelayerError:
+                raise
+            except Exception as exc:  # a reader's own error on a bad file
+                raise InvalidRequest(
+                    f"cannot load workload {req.workload!r}: {exc}", field="$.dataset"
+                ) from None
+        return self.workloads[key]
+
+    async def tasks_of(self, req: RolloutRequest, workload: Workload) -> list[Task]:
+        if req.task_ids:
+            return [workload.task(t) for t in req.task_ids]
+        return await asyncio.to_thread(workload.tasks, req.tasks, req.seed)
+
+    async def validate(self, req: RolloutRequest) -> tuple[Workload, list[Task]]:
+        """Everything a rollout needs, checked before any sandbox starts."""
+        try:
+            parse_policy(req.policy)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), field="$.policy") from None
+        workload = await self.workload_of(req)
+        tasks = await self.tasks_of(req, workload)
+        try:
+            check_specs(req.inject, len(tasks) * req.n)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), field="$.inject") from None
+        sandboxed = [t for t in tasks if t.sandbox is not None]
+        if not sandboxed and any(s.kind in SANDBOX_KINDS for s in req.inject):
+            raise InvalidRequest(
+                f"workload {req.workload!r} runs no sandbox: nothing for a sandbox injection",
+                field="$.inject",
+            )
+        if sandboxed:
+            try:
+                await self.env.list()
+            except BusUnavailable:
+                raise BusUnavailable(
+                    "the environment service is not running (start the node with Docker usable, "
+                    "or `belayer up --environment`)"
+                ) from None
+            from workloads.swe import require_image
+
+            for image in sorted({t.sandbox.image for t in sandboxed if t.sandbox}):
+                await asyncio.to_thread(require_image, image)
+        return workload, tasks
+
+    # --- handlers -------------------------------------------------------------------------
+    async def on_submit(self, req: RolloutRequest, _msg: Msg) -> RolloutAccepted:
+        rid = req.rollout_id or f"r{uuid.uuid4().hex[:12]}"
+        if len(rid) > MAX_ROLLOUT_ID:
+            raise InvalidRequest(f"rollout_id longer than {MAX_ROLLOUT_ID}", field="$.rollout_id")
+        req = msgspec.structs.replace(req, rollout_id=rid)
+        async with self.submit_lock:
+            existing = (
+                self.runs[rid].state if rid in self.runs else await self.store.get_rollout(rid)
+            )
+            if existing is not None:
+                if encode(existing.request) != encode(req):
+                    raise Conflict("rollout id reused with another request", field="$.rollout_id")
+                return RolloutAccepted(
+                    rollout_id=rid, trajectories=len(existing.task_ids) * req.n,
+                    task_ids=existing.task_ids, existing=True,
+                )  # fmt: skip
+            workload, tasks = await self.validate(req)
+            slots = len(tasks) * req.n
+            state = RolloutState(
+                request=req, task_ids=[t.id for t in tasks], accepted_at=time.time(),
+                attempts=[0] * slots,
+            )  # fmt: skip
+            await self.store.put_rollout(rid, state)
+            self.start(self.make_run(state, tasks, workload), {})
+        await events.publish(
+            self.js,
+            RolloutStarted(
+                rollout_id=rid, workload=req.workload, trajectories=slots, policy=req.policy
+            ),
+        )
+        log.info("rollout_started", rollout_id=rid, workload=req.workload, trajectories=slots)
+        return RolloutAccepted(rollout_id=rid, trajectories=slots, task_ids=state.task_ids)
+
+    async def on_status(self, req: RolloutStatusRequest, _msg: Msg) -> RolloutResult:
+        run = self.runs.get(req.rollout_id)
+        if run is not None:
+            return RolloutResult(
+                rollout_id=run.rollout_id, state=run.state.state, summary=run.summary(),
+                rows=run.all_rows(), workload=run.request.workload,
+            )  # fmt: skip
+        state = await self.store.get_rollout(req.rollout_id)
+        if state is None:
+            raise NotFound("unknown rollout", rollout_id=req.rollout_id)
+        rows, logs = await self.history(state)
+        summary = state.summary or summarize(
+            state, len(state.task_ids) * state.request.n, rows.values(), logs, now=time.time()
+        )
+        return RolloutResult(
+            rollout_id=req.rollout_id, state=state.state, summary=summary,
+            rows=[rows[k] for k in sorted(rows)], workload=state.request.workload,
+        )  # fmt: skip
+
+    # --- adoption -------------------------------------------------------------------------
+    async def history(
+        self, state: RolloutState
+    ) -> tuple[dict[tuple[int, int], TrajectoryRow], list[Any]]:
+        rows: dict[tuple[int, int], TrajectoryRow] = {}
+        logs: list[Any] = []
+        rid = state.request.rollout_id
+        for slot, last in enumerate(state.attempts):
+            for attempt in range(last + 1):
+                st = await self.store.get_trajectory(trajectory_id(rid, slot, attempt))
+                if st is not None and st.row is not None:
+                    rows[(slot, attempt)] = st.row
+                    logs.append((st.recovery, st.timings))
+        return rows, logs
+
+    async def published(self, rollout_id: str, tid: str) -> Trajectory | None:
+        """The trajectory as published to TRAJECTORIES, if it was."""
+        try:
+            msg = await self.js.get_last_msg(
+                subjects.STREAM_TRAJECTORIES, subjects.trajectory(rollout_id, tid)
+            )
+        except nats.js.errors.NotFoundError:
+            return None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusUnavailable(f"cannot read TRAJECTORIES: {exc!r}") from None
+        try:
+            return decode(msg.data or b"", Trajectory)
+        except BelayerError:
+            return None
+
+    async def adopt_all(self) -> None:
+        for rid in await self.store.rollout_ids():
+            state = await self.store.get_rollout(rid)
+            if state is None or state.state != "running":
+                continue
+            try:
+                await self.adopt(state)
+            except BelayerError as exc:
+                log.error("adopt_failed", rollout_id=rid, code=exc.code, error=str(exc))
+
+    async def adopt(self, state: RolloutState) -> None:
+        rid = state.request.rollout_id
+        workload = await self.workload_of(state.request)
+        tasks = [workload.task(t) for t in state.task_ids]
+        state.incarnations += 1
+        run = self.make_run(state, tasks, workload)
+        adopted: dict[int, TrajectoryState] = {}
+        for slot, last in enumerate(state.attempts):
+            for attempt in range(last + 1):
+                tid = trajectory_id(rid, slot, attempt)
+                st = await self.store.get_trajectory(tid)
+                if st is None:
+                    continue
+                if st.status != "running" and st.row is not None:
+                    run.rows[(slot, attempt)] = st.row
+                    run.logs[(slot, attempt)] = (st.recovery, st.timings)
+                    continue
+                record = await self.published(rid, tid)
+                if record is not None:  # published just before the old controller died
+                    row = row_of(record)
+                    run.rows[(slot, attempt)] = row
+                    run.logs[(slot, attempt)] = (record.recovery, record.timings)
+                    st = msgspec.structs.replace(st, status="finished", row=row)
+                    await self.store.put_trajectory(st)
+                    continue
+                adopted[slot] = st
+        await run.adopted()
+        await events.publish(
+            self.js,
+            TrajectoriesAdopted(
+                rollout_id=rid,
+                trajectory_ids=[a.trajectory_id for a in adopted.values()],
+                incarnation=state.incarnations,
+            ),
+        )
+        log.info("rollout_adopted", rollout_id=rid, trajectories=len(adopted))
+        self.start(run, adopted)
+
+
+async def run(
+    config: ControllerConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
+) -> None:
+    """Serve rollouts until ``stop`` (see ``Controller``)."""
+    await run_service(Controller(config), stop=stop, ready=ready)

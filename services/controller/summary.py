@@ -1,0 +1,58 @@
+"""A rollout's counts from its attempts (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from schemas.rollout import RecoveryLog, RolloutState, RolloutSummary, Timings, TrajectoryRow
+
+
+def summarize(
+    state: RolloutState,
+    slots: int,
+    rows: Iterable[TrajectoryRow],
+    logs: Iterable[tuple[RecoveryLog, Timings]],
+    *,
+    now: float,
+) -> RolloutSummary:
+    """Counts over every attempt so far: ``rows`` (one per attempt, running ones included) and
+    their recovery logs and timings; wall time up to ``now`` or the rollout's end."""
+    rows = list(rows)
+    finished = [r for r in rows if r.state == "finished"]
+    done_slots = {r.slot for r in finished}
+    failed_attempts = [r for r in rows if r.state == "failed"]
+    per_slot: dict[int, int] = {}
+    for r in failed_attempts:
+        per_slot[r.slot] = per_slot.get(r.slot, 0) + 1
+    out = RolloutSummary(
+        trajectories=slots,
+        trajectories_completed=len(done_slots),
+        trajectories_failed=len(failed_attempts),
+        slots_failed=sum(
+            1
+            for slot, n in per_slot.items()
+            if slot not in done_slots and n >= state.request.max_attempts
+        ),
+        running=sum(1 for r in rows if r.state == "running"),
+        restored=sum(1 for r in finished if r.restores or r.restarts_from_scratch),
+        mean_reward=sum(r.reward for r in finished) / len(finished) if finished else 0.0,
+        failures_injected=state.failures_injected,
+        failures_recovered=state.failures_recovered,
+        controller_restarts=max(0, state.incarnations - 1),
+        rollout_s=round((state.finished_at or now) - state.accepted_at, 3),
+    )
+    for rec, tim in logs:
+        out.env_failures += rec.sandbox_failures
+        out.env_restores += rec.restores
+        out.restarts_from_scratch += rec.restarts_from_scratch
+        out.restarts_from_scratch_with_checkpoint += rec.restarts_from_scratch_with_checkpoint
+        out.checkpoints += rec.checkpoints
+        out.checkpoint_failures += rec.checkpoint_failures
+        out.engine_handovers += rec.engine_handovers
+        out.visible_checkpoint_s += tim.visible_checkpoint_s
+        out.checkpoint_s += tim.checkpoint_s
+        out.llm_s += tim.llm_s
+        out.env_s += tim.env_s
+    for name in ("visible_checkpoint_s", "checkpoint_s", "llm_s", "env_s", "mean_reward"):
+        setattr(out, name, round(getattr(out, name), 4))
+    return out

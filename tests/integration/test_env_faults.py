@@ -1,0 +1,152 @@
+# ruff: noqa: F811  (the `env` fixture is imported from env_helpers; pytest injects it by name)
+"""Unlucky fault sequences on real dockerd + CRIU: checkpoints that pass validation but fail
+inside CRIU (quarantined, never lose the last good state), paused sandboxes, containers that
+die during a checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from common.errors import BelayerError, Conflict, SandboxError
+from schemas.env import EnvRestored, SandboxLimits
+from services.environment.client import EnvClient
+from tests.integration.env_helpers import (  # noqa: F401
+    BUMP,
+    COUNTER,
+    START_COUNTER,
+    EnvHarness,
+    env,
+    require_docker,
+    running_env,
+)
+
+pytestmark = [pytest.mark.docker]
+
+
+async def _info(c: EnvClient, sid: str):  # type: ignore[no-untyped-def]
+    (sb,) = [s for s in (await c.list()).sandboxes if s.id == sid]
+    return sb
+
+
+def _break_in_criu(env: EnvHarness, sid: str, checkpoint_id: str) -> None:
+    """Make a checkpoint that passes every validation (sizes, checksums, archive) and fails
+    inside CRIU: its inventory image keeps its size, its bytes are garbage."""
+    inventory = env.config.checkpoint_root / sid / checkpoint_id / "criu" / "inventory.img"
+    inventory.write_bytes(b"\xff" * inventory.stat().st_size)
+
+
+def _outcomes(r: EnvRestored) -> list[tuple[str, str]]:
+    return [(a.checkpoint_id, a.outcome) for a in r.candidates]
+
+
+@pytest.mark.timeout(300)
+async def test_failed_restores_are_quarantined_and_never_lose_the_last_good_state(
+    nc, nats_server, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    async with running_env(nc, nats_server.url, tmp_path, keep_checkpoints=2) as env:
+        c, dk = env.client, require_docker()
+        sid = (await c.create(files={"/root/counter.py": COUNTER})).sandbox_id
+        assert (await c.exec(sid, START_COUNTER)).exit_code == 0
+        assert (await c.exec(sid, BUMP)).stdout.strip() == "1"
+        k1 = (await c.checkpoint(sid, 1)).checkpoint_id
+        assert (await c.exec(sid, BUMP)).stdout.strip() == "2"
+        k2 = (await c.checkpoint(sid, 2)).checkpoint_id
+        _break_in_criu(env, sid, k2)
+
+        dk.api.kill((await _info(c, sid)).container_id)
+        r = await c.restore(sid)
+        assert (r.checkpoint_id, r.fallback_from) == (k1, k2)
+        assert _outcomes(r) == [(k2, "quarantined"), (k1, "restored")]
+        assert "criu" in r.candidates[0].error.lower()
+        assert (await _info(c, sid)).checkpoints == 1  # the quarantined one does not count
+        assert (await c.exec(sid, BUMP)).stdout.strip() == "2"  # the state of k1
+
+        # a newer checkpoint that is bad too: pruning (keep 2) must not take k1 …
+        k3 = (await c.checkpoint(sid, 3)).checkpoint_id
+        _break_in_criu(env, sid, k3)
+        assert (env.config.checkpoint_root / sid / k1).is_dir()
+        dk.api.kill((await _info(c, sid)).container_id)
+        r = await c.restore(sid)
+        # … and k2 is not tried again
+        assert _outcomes(r) == [(k3, "quarantined"), (k1, "restored")]
+        assert (await c.exec(sid, BUMP)).stdout.strip() == "2"
+
+        # k1 restored last: two newer good checkpoints (keep 2) still leave it in place
+        await c.checkpoint(sid, 4)
+        k5 = (await c.checkpoint(sid, 5)).checkpoint_id
+        assert (env.config.checkpoint_root / sid / k1).is_dir()
+        assert (await _info(c, sid)).checkpoints == 3
+
+        # a restore whose every candidate fails keeps the running container: nothing is lost
+        before = (await _info(c, sid)).container_id
+        _break_in_criu(env, sid, k5)
+        with pytest.raises(BelayerError) as failed:
+            await c.restore(sid, k5)
+        assert failed.value.data["candidates"] == f"{k5}:quarantined"
+        after = await _info(c, sid)
+        assert (after.state, after.container_id) == ("running", before)
+        assert (await c.exec(sid, BUMP)).stdout.strip() == "3"
+        with pytest.raises(BelayerError, match="quarantined"):
+            await c.restore(sid, k5)  # not retried, even on request
+
+
+@pytest.mark.timeout(180)
+async def test_checkpoint_of_a_paused_sandbox_keeps_it_paused_and_usable(env) -> None:  # type: ignore[no-untyped-def]
+    c, dk = env.client, require_docker()
+    sid = (await c.create(files={"/root/counter.py": COUNTER})).sandbox_id
+    assert (await c.exec(sid, START_COUNTER)).exit_code == 0
+    assert (await c.exec(sid, BUMP)).stdout.strip() == "1"
+    cid = (await _info(c, sid)).container_id
+    dk.api.pause(cid)
+    k1 = await c.checkpoint(sid, 1)
+    assert k1.prefix == 1
+    assert dk.api.inspect_container(cid)["State"]["Paused"]  # still paused, as Docker says
+    with pytest.raises(Conflict, match="paused"):
+        await c.exec(sid, "true")
+    dk.api.unpause(cid)  # refused ("not paused") when the checkpoint thawed it behind Docker
+    assert (await c.exec(sid, BUMP)).stdout.strip() == "2"
+    dk.api.kill(cid)
+    r = await c.restore(sid)
+    assert r.checkpoint_id == k1.checkpoint_id
+    assert (await c.exec(sid, BUMP)).stdout.strip() == "2"  # the counter at k1, running
+
+
+@pytest.mark.timeout(240)
+async def test_container_dying_during_a_checkpoint_is_failed_not_running(env) -> None:  # type: ignore[no-untyped-def]
+    c, dk = env.client, require_docker()
+    sid = (await c.create(limits=SandboxLimits(memory_mb=768))).sandbox_id
+    await c.exec(
+        sid,
+        'echo one > /root/f; nohup python3 -c "import signal\n'
+        "b=bytearray(384<<20)\nfor i in range(0,len(b),4096): b[i]=1\n"
+        'signal.pause()" >/dev/null 2>&1 & sleep 2.5',
+    )
+    first = await c.checkpoint(sid, 1)
+    cid = (await _info(c, sid)).container_id
+    pending = asyncio.create_task(c.checkpoint(sid, 2))
+    base = env.config.checkpoint_root / sid
+    for _ in range(4000):  # until the checkpoint is in progress (bounded)
+        if any(p.name.startswith(".tmp-") for p in base.iterdir()):
+            break
+        await asyncio.sleep(0.002)
+    else:
+        raise AssertionError("checkpoint never started")
+    await asyncio.to_thread(dk.api.kill, cid)
+    try:
+        info = await pending
+    except SandboxError as exc:  # died before the dump completed: no checkpoint, says so
+        assert exc.data["dump_completed"] is False
+        assert "before the dump completed" in str(exc)
+    else:  # the dump completed first: a ready checkpoint, and the answer says it died
+        assert info.container_exited
+    assert (await _info(c, sid)).state == "failed"
+    with pytest.raises(SandboxError, match="dead"):
+        await c.exec(sid, "true")
+    r = await c.restore(sid)  # the dump of prefix 2, if complete and restorable, else prefix 1
+    assert r.prefix in (1, 2) and r.candidates[-1].outcome == "restored"
+    assert r.prefix == 2 or r.checkpoint_id == first.checkpoint_id
+    assert (await c.exec(sid, "cat /root/f")).stdout.strip() == "one"
+    assert (await _info(c, sid)).state == "running"

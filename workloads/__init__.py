@@ -1,0 +1,67 @@
+"""Task libraries the controller loads by name (docs/workloads.md): ``math`` (reasoning-gym),
+``dapo`` (DAPO-Math-17k-style files), ``swe`` (bundled bug-fix repositories) and ``swe-gym``
+(SWE-Gym / SWE-bench instance files). Layer: imports schemas/, common/ and model/ only."""
+
+from workloads.actions import (
+    FINISH_COMMAND,
+    Action,
+    AnswerAction,
+    BashAction,
+    InvalidAction,
+    SubmitAction,
+    format_action,
+    format_answer,
+    format_observation,
+    invalid_action_observation,
+    parse_action,
+    parse_answer,
+    sandbox_command,
+)
+from workloads.base import (
+    AnswerCheck,
+    ChatMessage,
+    HiddenTests,
+    Outcome,
+    SandboxHandle,
+    SandboxOps,
+    SandboxSpec,
+    Score,
+    Task,
+    TaskLimits,
+    Workload,
+)
+from workloads.registry import load_workload, register_workload, workload_names
+from workloads.scoring import score, score_answer, score_tests
+
+__all__ = [
+    "FINISH_COMMAND",
+    "Action",
+    "AnswerAction",
+    "AnswerCheck",
+    "BashAction",
+    "ChatMessage",
+    "HiddenTests",
+    "InvalidAction",
+    "Outcome",
+    "SandboxHandle",
+    "SandboxOps",
+    "SandboxSpec",
+    "Score",
+    "SubmitAction",
+    "Task",
+    "TaskLimits",
+    "Workload",
+    "format_action",
+    "format_answer",
+    "format_observation",
+    "invalid_action_observation",
+    "load_workload",
+    "parse_action",
+    "parse_answer",
+    "register_workload",
+    "sandbox_command",
+    "score",
+    "score_answer",
+    "score_tests",
+    "workload_names",
+]
