@@ -95,7 +95,7 @@ def progress(message: str) -> None:
 def up(run_dir: Path, model_dir: Path, *args: str) -> dict[str, Any]:
     proc = belayer(
         "up", "--detach", "--run-dir", str(run_dir), "--engines", "1", "--model", str(model_dir),
-        "--failure-window", "0", *args, timeout=240,
+        "--failure-window", "0", "--no-environment", *args, timeout=240,
     )  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"belayer up failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

@@ -134,7 +134,7 @@ def start_node(run_dir: Path, model_dir: Path, *extra: str) -> dict[str, Any]:
     t0 = time.monotonic()
     proc = belayer(
         "up", "--detach", "--run-dir", str(run_dir), "--engines", "1", "--model", str(model_dir),
-        *extra, timeout=240,
+        "--no-environment", *extra, timeout=240,
     )  # fmt: skip
     outside = time.monotonic() - t0
     if proc.returncode != 0:

@@ -33,7 +33,7 @@ class EventBase(Message, kw_only=True):
     ts: float = msgspec.field(default_factory=time.time)
     """Unix time (seconds) when the event was built, just before it was published."""
     source: str
-    """Who published it: ``router``, ``supervisor``, ``weights``, ``kv``,
+    """Who published it: ``router``, ``supervisor``, ``weights``, ``kv``, ``controller``,
     ``environment:<node>``, ``worker:<engine_id>`` (a main worker) or ``shadow:<engine_id>``."""
 
 

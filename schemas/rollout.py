@@ -319,6 +319,8 @@ class Trajectory(Message, tag="Trajectory.v1"):
     policy: str = ""
     detail: str = ""
     """Why it finished (the answer found, the limit hit)."""
+    temperature: float = 1.0
+    """Sampling temperature of its responses (the log-probabilities are at it)."""
 
 
 # --- durable controller state (KV) ----------------------------------------------------------

@@ -13,6 +13,7 @@ import typer
 
 from services.cli import generate as generate_cmd
 from services.cli import node as node_cmds
+from services.cli import rollout as rollout_cmd
 from services.cli.common import OneLineErrors
 
 app = typer.Typer(
@@ -29,6 +30,7 @@ app.command()(node_cmds.down)
 app.command()(node_cmds.status)
 app.command()(node_cmds.events)
 app.command()(generate_cmd.generate)
+app.command()(rollout_cmd.rollout)
 
 model_app = typer.Typer(
     help="Model directories (Hugging Face layout: config.json + safetensors + tokenizer).",

@@ -58,6 +58,20 @@ def pid_alive(pid: int | None) -> bool:
         return False
 
 
+def docker_usable(timeout: float = 3.0) -> bool:
+    """Whether dockerd answers on its socket (then ``up`` runs the environment service)."""
+    try:
+        import docker
+
+        client = docker.DockerClient(version="auto", timeout=int(max(1, timeout)))
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # no SDK, no socket, no daemon: no sandboxes
+        return False
+
+
 def up(
     engines: int = typer.Option(
         NODE_DEFAULTS.engines, "--engines", "-n", min=1, help="Rollout engines to start."
@@ -87,10 +101,11 @@ def up(
         "--run-dir",
         help="Run directory (node file, logs, NATS store). Default: $BELAYER_HOME or ./.belayer.",
     ),
-    environment: bool = typer.Option(
-        NODE_DEFAULTS.environment,
+    environment: bool | None = typer.Option(
+        None,
         "--environment/--no-environment",
-        help="Also run the sandbox service (needs dockerd + CRIU from deploy/setup.sh).",
+        help="Run the sandbox service (needs dockerd + CRIU from deploy/setup.sh). Default: on "
+        "when dockerd answers.",
     ),
     token_log_chunk: int = typer.Option(
         NODE_DEFAULTS.router.token_log_chunk,
@@ -154,7 +169,7 @@ def up(
         nats_url=nats_url,
         model_dir=str(Path(model).resolve()) if model else "",
         engines=engines,
-        environment=environment,
+        environment=docker_usable() if environment is None else environment,
         handover_timeout_s=handover_timeout,
         ready_timeout_s=timeout,
         router=dataclasses.replace(

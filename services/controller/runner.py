@@ -449,6 +449,7 @@ class TrajectoryRunner:
             weight_versions=c.weight_versions, reward=f.reward, turns=c.turn,
             finish_reason=f.reason, actions=c.actions, timings=c.timings, recovery=c.recovery,
             seed=c.sample_seed, policy=c.policy.config.name, detail=f.detail,
+            temperature=self.run.request.sampling.temperature,
         )  # fmt: skip
 
     async def end(self) -> TrajectoryRow:

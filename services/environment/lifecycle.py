@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from common.errors import BelayerError, SandboxError
 from common.logging import get_logger
-from services.environment import core
+from services.environment import core, snapshot
 from services.environment import criu_ops as ops
 from services.environment.core import SandboxState
 
@@ -71,6 +71,7 @@ async def reap(mgr: SandboxManager) -> None:
         if cid not in owned:
             log.info("orphan_container_reaped", container_id=cid[:12], sandbox_id=sid)
             await asyncio.to_thread(mgr.docker.remove, cid)
+            snapshot.clear_markers(mgr.config, cid)
     reap_dirs(mgr)
 
 

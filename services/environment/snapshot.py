@@ -206,9 +206,15 @@ def start_restoring(docker: DockerOps, config: EnvConfig, cid: str, images: Path
             f"{message}{'; criu: ' + errors if errors else ''}", **exc.data
         ) from None
     finally:
-        for name in (f"{cid}.restore", f"{cid}.restored"):
-            (markers / name).unlink(missing_ok=True)
-        ops.remove_tree(work)
+        clear_markers(config, cid)
+
+
+def clear_markers(config: EnvConfig, cid: str) -> None:
+    """Remove a container's restore marker files (a killed service can leave them)."""
+    markers = config.restore_marker_dir
+    for name in (f"{cid}.restore", f"{cid}.restored"):
+        (markers / name).unlink(missing_ok=True)
+    ops.remove_tree(markers / f"{cid}.work")
 
 
 def restore_method(config: EnvConfig, docker: DockerOps, shipped: Path) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from common.config import RunPaths
+from services.controller.client import ControllerConfig
 from services.environment.client import EnvConfig
 from services.kv.client import KvArenaConfig
 from services.router.client import RouterConfig
@@ -59,6 +60,9 @@ class SupervisorConfig:
     """Every rollout worker and shadow of the node (``limits``: the router's are used)."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """The environment service (with ``environment`` on)."""
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    """The controller (agentic rollouts), started on every node after the engines; it gets
+    the node's model directory (its tokenizer) and prompt limit."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The GRPO trainer (with ``training`` on); its checkpoints go under ``<run dir>/trainer``
     unless ``checkpoint_dir`` is set, and it trains deterministically when the workers do."""

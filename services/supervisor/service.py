@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from common import events, subjects
 from common.bus import request
 from common.config import SHM_DIR, RunPaths, config_argv, shm_prefix
-from common.errors import BelayerError, Timeout
+from common.errors import BelayerError, NotFound, Timeout
 from common.guard import isolated
 from common.logging import get_logger
 from common.natsserver import NatsServer, start_nats_server
@@ -184,6 +184,12 @@ class Supervisor(Service[SupervisorConfig]):
             )  # fmt: skip
         await self.engines.start_all()
         await self._wait_engines()
+        await self._start_and_wait(
+            self._child("controller", self._py("services.controller", dataclasses.replace(
+                c.controller, model_dir=str(model), log_file=str(self._log_file("controller")),
+                max_prompt_tokens=c.router.limits.max_prompt_tokens))),
+            self._controller_probe,
+        )  # fmt: skip
         if c.training:
             await self._start_and_wait(
                 self._child("trainer", self._py("services.trainer", self.trainer_config()),
@@ -206,6 +212,18 @@ class Supervisor(Service[SupervisorConfig]):
         from schemas.env import EnvList, EnvListing
 
         return await request(nc, subjects.env("list"), EnvList(), EnvListing, timeout=2)
+
+    async def _controller_probe(self, nc: NATS) -> Any:
+        """The controller answers ``rollout.status`` (``not_found`` for a probe id: it is up)."""
+        from schemas.rollout import RolloutResult, RolloutStatusRequest
+
+        try:
+            return await request(
+                nc, subjects.rollout_status(), RolloutStatusRequest(rollout_id="probe"),
+                RolloutResult, timeout=2,
+            )  # fmt: skip
+        except NotFound:
+            return None
 
     async def _start_and_wait(self, child: Child, probe: Callable[[NATS], Awaitable[Any]]) -> None:
         await child.start()

@@ -63,6 +63,8 @@ class Node:
 
 
 def start_node(run_dir: Path, *args: str) -> Node:
+    if "--environment" not in args and "--no-environment" not in args:
+        args = (*args, "--no-environment")  # `up` runs it whenever dockerd answers: ask for it
     cli("up", "--detach", *args, run_dir=run_dir, timeout=180)
     info = json.loads((run_dir / "node.json").read_text())
     return Node(run_dir=run_dir, nats_url=info["nats_url"], run_id=info["run_id"])

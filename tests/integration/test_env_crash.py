@@ -112,3 +112,73 @@ async def test_service_killed_mid_checkpoint_keeps_previous_pointer(
                     p.kill()
         for cid in leftover_containers(docker_client, node):
             docker_client.api.remove_container(cid, force=True)
+
+
+@pytest.mark.timeout(240)
+async def test_a_restart_reaps_what_earlier_runs_of_the_run_dir_left(
+    nc, nats_server, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Run 1 (node label A) is SIGKILLed in the middle of a restore: the restore's fresh
+    container has no record. Run 2 of the same run directory has another node label (a node
+    gets a new one on every `belayer up`), yet reaps that container and the checkpoint
+    directory of a sandbox that has no record, and keeps (adopts) the sandbox it knows."""
+    docker_client = require_docker()
+    run_dir = tmp_path / "run"
+    nodes = ["run1-" + secrets.token_hex(4), "run2-" + secrets.token_hex(4)]
+    c = EnvClient(nc, timeout=60)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(_spawn(nats_server.url, run_dir, nodes[0], tmp_path / "env1.log"))
+        await _wait_ready(c, procs[0])
+        sid = (await c.create(limits=SandboxLimits(memory_mb=768))).sandbox_id
+        await c.exec(
+            sid,
+            "head -c 200000000 /dev/urandom > /root/layer.bin; "
+            'nohup python3 -c "import signal\nb=bytearray(256<<20)\n'
+            'for i in range(0,len(b),4096): b[i]=1\nsignal.pause()" >/dev/null 2>&1 & sleep 2',
+            timeout_s=60,
+        )
+        await c.checkpoint(sid, 1)
+        (original,) = [s.container_id for s in (await c.list()).sandboxes]
+        docker_client.api.kill(original)
+        pending = asyncio.create_task(c.restore(sid))
+
+        def fresh() -> list[str]:
+            return [cid for cid in leftover_containers(docker_client, nodes[0]) if cid != original]
+
+        for _ in range(3000):  # until the restore's fresh container exists (bounded)
+            if fresh():
+                break
+            await asyncio.sleep(0.005)
+        else:
+            raise AssertionError("the restore never created a container")
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(10)
+        with contextlib.suppress(BelayerError):
+            await pending
+        interrupted = fresh()
+        stray = run_dir / "env" / "checkpoints" / "sb-gone" / "sb-gone-k000001-abcdef"
+        stray.mkdir(parents=True)  # a sandbox whose record is gone (its destroy was cut short)
+
+        procs.append(_spawn(nats_server.url, run_dir, nodes[1], tmp_path / "env2.log"))
+        await _wait_ready(c, procs[1])
+        listing = (await c.list()).sandboxes
+        assert [s.id for s in listing] == [sid]
+        labelled = {cid for n in nodes for cid in leftover_containers(docker_client, n)}
+        assert labelled <= {listing[0].container_id}, f"not reaped: {labelled} ({interrupted})"
+        assert not stray.parent.exists()
+        r = await c.restore(sid)
+        assert r.prefix == 1
+        assert (await c.exec(sid, "ls -s /root/layer.bin")).exit_code == 0
+        await c.destroy(sid)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        for n in nodes:
+            for cid in leftover_containers(docker_client, n):
+                docker_client.api.remove_container(cid, force=True)

@@ -209,3 +209,31 @@ def test_stale_tokens_without_their_weights_are_counted_unchecked(
     state = new_state(cfg, load_safetensors(model_dir), 2, OPTIM)  # trainer at v2, rollouts v1
     res = grpo_step(state, rollouts, group_size=GROUP, grpo=GRPO, optim=OPTIM, pad_id=0)
     assert res.unchecked_tokens == res.model_tokens and res.logprob_diff_max == 0.0
+
+
+# --- the journal: checkpoints and plans -----------------------------------------------------------
+def test_plans_after_a_checkpoint_are_the_contiguous_run_and_prune_keeps_what_replay_needs(
+    tmp_path: Path,
+) -> None:
+    from services.trainer import journal
+
+    for step in (0, 1, 2, 3):
+        d = journal.checkpoint_path(tmp_path, step)
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text("{}")
+    (tmp_path / "step-00000004.tmp-99").mkdir()  # an interrupted save
+    for step in (2, 3, 4, 5, 7):
+        journal.write_plan(tmp_path, journal.Plan(step, step, (f"t{step}",)))
+    assert journal.latest_checkpoint(tmp_path) == (3, journal.checkpoint_path(tmp_path, 3))
+    assert [p.step for p in journal.plans_after(tmp_path, 3)] == [4, 5]  # 7: after a gap
+    assert journal.read_plan(journal.plan_path(tmp_path, 4)).trajectory_ids == ("t4",)
+    journal.prune(tmp_path, keep=2)
+    assert [s for s, _ in journal.checkpoints(tmp_path)] == [2, 3]
+    assert not (tmp_path / "step-00000004.tmp-99").exists()
+    left = sorted(p.name for p in (tmp_path / journal.PLANS).iterdir())
+    assert left == [
+        "step-00000003.json",
+        "step-00000004.json",
+        "step-00000005.json",
+        "step-00000007.json",
+    ]

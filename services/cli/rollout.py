@@ -1,0 +1,172 @@
+"""``belayer rollout``: run agentic trajectories of a workload on the running node's controller,
+with optional failure injection; progress while it runs, a table (or a JSON summary) at the end."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import msgspec
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from schemas.rollout import RolloutRequest, RolloutResult
+from schemas.serving import SamplingParams
+from services.cli.common import checked, fail, finite, print_json, run, with_bus
+from services.controller.client import parse_inject, parse_policy, submit, wait
+
+
+def summary_json(result: RolloutResult, request: RolloutRequest) -> dict[str, Any]:
+    """What ``--json`` prints: the counts (``RolloutSummary``) and what was asked."""
+    out: dict[str, Any] = {
+        "rollout_id": result.rollout_id,
+        "workload": result.workload,
+        "policy": request.policy,
+        "inject": [s.text for s in request.inject],
+        "n": request.n,
+    }
+    out.update(msgspec.structs.asdict(result.summary))
+    out["trajectories"] = [msgspec.structs.asdict(r) for r in result.rows]
+    return out
+
+
+def table(result: RolloutResult) -> Table:
+    t = Table(title=f"rollout {result.rollout_id} ({result.workload})")
+    for col in ("trajectory", "task", "try", "state", "finish", "reward", "turns", "restores",
+                "scratch", "ckpts", "sandbox fails"):  # fmt: skip
+        t.add_column(
+            col, justify="right" if col not in ("trajectory", "task", "state", "finish") else "left"
+        )
+    for r in result.rows:
+        t.add_row(
+            r.trajectory_id, r.task_id, str(r.attempt), r.state, r.finish_reason or "",
+            f"{r.reward:.2f}", str(r.turns), str(r.restores), str(r.restarts_from_scratch),
+            str(r.checkpoints), str(r.sandbox_failures),
+        )  # fmt: skip
+    return t
+
+
+def rollout(
+    workload: str = typer.Argument(
+        ..., help="Workload: math, swe (also dapo, swe-gym with --dataset)."
+    ),
+    tasks: int = typer.Option(4, "--tasks", min=1, max=100_000, help="How many tasks."),
+    n: int = typer.Option(1, "--n", min=1, max=1024, help="Samples per task (the GRPO group)."),
+    policy: str = typer.Option(
+        "risk-aware",
+        "--policy",
+        help="Checkpoints: never, always, risk-aware, interval:N, young-daly.",
+    ),
+    inject: str = typer.Option(
+        "",
+        "--inject",
+        help="Failures to inject, comma-separated KIND@WHEN: KIND sandbox-kill, sandbox-pause, "
+        "worker-kill, controller-kill; WHEN turn=T (after the T-th action; turn=T/i: of "
+        "trajectory #i), p=P (per environment step), s=SECONDS (into the rollout). "
+        "E.g. sandbox-kill@turn=3,worker-kill@s=5.",
+    ),
+    task_id: list[str] = typer.Option([], "--task-id", help="Run these tasks (repeatable)."),
+    dataset: str = typer.Option("", "--dataset", help="Dataset file for the workload's loader."),
+    max_turns: int = typer.Option(
+        20, "--max-turns", min=1, max=1000, help="LLM turns per trajectory."
+    ),
+    deadline: float = typer.Option(
+        900.0,
+        "--deadline",
+        min=0.001,
+        max=86_400.0,
+        callback=finite,
+        help="Seconds one trajectory may take.",
+    ),
+    temperature: float = typer.Option(
+        1.0, "--temperature", min=0.0, max=100.0, callback=finite, help="Sampling temperature."
+    ),
+    max_tokens: int = typer.Option(
+        256, "--max-tokens", min=1, max=100_000, help="Tokens per response."
+    ),
+    seed: int = typer.Option(0, "--seed", min=-(2**63), max=2**63 - 1, help="Root seed."),
+    failure_rate: float | None = typer.Option(
+        None,
+        "--failure-rate",
+        min=0.0,
+        callback=finite,
+        help="λ for the policy (failures per second); default: estimated, or the injected p.",
+    ),
+    concurrency: int = typer.Option(
+        0,
+        "--concurrency",
+        min=0,
+        max=4096,
+        help="Trajectories at once (0: the controller's default).",
+    ),
+    max_attempts: int = typer.Option(
+        3, "--max-attempts", min=1, max=100, help="Attempts per slot."
+    ),
+    rollout_id: str = typer.Option(
+        "", "--rollout-id", help="Caller-chosen id (resubmitting it is idempotent)."
+    ),
+    timeout: float = typer.Option(
+        3600.0, "--timeout", min=1.0, callback=finite, help="Seconds to wait for the rollout."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    nats_url: str = typer.Option("", "--nats-url", help="NATS URL (default: the running node's)."),
+) -> None:
+    """Run agentic rollouts on the node: each trajectory alternates LLM turns with actions in its
+    sandbox; sandbox failures are recovered by restoring the latest ready checkpoint together
+    with the matching LLM context."""
+    try:
+        faults = parse_inject(inject)
+    except ValueError as exc:
+        fail(f"--inject: {exc}", 2)
+    try:
+        parse_policy(policy)
+    except ValueError as exc:
+        fail(f"--policy: {exc}", 2)
+    req = checked(
+        RolloutRequest(
+            workload=workload, rollout_id=rollout_id, task_ids=list(task_id), tasks=tasks,
+            dataset=dataset, n=n,
+            sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
+            seed=seed, max_turns=max_turns, deadline_s=deadline, policy=policy,
+            failure_rate=failure_rate, inject=faults, concurrency=concurrency,
+            max_attempts=max_attempts,
+        )
+    )  # fmt: skip
+    console = Console(file=sys.stderr)
+    shown: list[tuple[int, ...]] = []
+
+    def progress(result: RolloutResult) -> None:
+        s = result.summary
+        counts = (s.trajectories_completed, s.trajectories_failed, s.restored, s.running)
+        if shown and shown[-1] == counts:
+            return
+        shown.append(counts)
+        console.print(
+            f"[bold]{result.rollout_id}[/]: done {s.trajectories_completed}/{s.trajectories}, "
+            f"failed attempts {s.trajectories_failed}, restored {s.restored}, running {s.running}, "
+            f"sandbox failures {s.env_failures}, injected {s.failures_injected}"
+        )
+
+    async def go(nc: Any) -> RolloutResult:
+        accepted = await submit(nc, req)
+        console.print(
+            f"rollout {accepted.rollout_id}: {accepted.trajectories} trajectories "
+            f"({len(accepted.task_ids)} tasks × {req.n})"
+            + (" (already submitted)" if accepted.existing else "")
+        )
+        return await wait(nc, accepted.rollout_id, timeout=timeout, on_progress=progress)
+
+    result = run(with_bus(nats_url or None, go, name="cli-rollout"))
+    if json_out:
+        print_json(summary_json(result, req))
+        return
+    Console().print(table(result))
+    s = result.summary
+    typer.echo(
+        f"completed {s.trajectories_completed}/{s.trajectories}, failed attempts "
+        f"{s.trajectories_failed}, mean reward {s.mean_reward:.3f}, sandbox failures "
+        f"{s.env_failures}, restores {s.env_restores}, restarts from scratch "
+        f"{s.restarts_from_scratch}, checkpoints {s.checkpoints} (visible {s.visible_checkpoint_s:.2f} s "
+        f"of {s.rollout_s:.1f} s), injected {s.failures_injected}, recovered {s.failures_recovered}"
+    )
