@@ -1,18 +1,23 @@
 """``belayer bench env``: full_checkpoint / full_restore latency against sandbox memory and
-writable-layer size, next to raw ``criu dump`` + tar on the same container and a fresh
-container from the base image (the restart-from-scratch baseline); plus kill/restore
+writable-layer size, next to raw ``criu dump`` + tar on the same container, raw untar +
+``runc restore`` of the same checkpoint into a bare bundle (no Docker, no containerd), and a
+fresh container from the base image (the restart-from-scratch baseline); plus kill/restore
 consistency cycles. Runs the real manager with a real nats-server (KV compare-and-set).
 
 Targets: the small sandbox (an idle python process, 2 MB layer) checkpoints within 300 ms and
 restores within 600 ms; the largest process measured (256 MB, 64 MB with ``quick``)
-checkpoints within 1.5× raw criu + tar; no kill/restore cycle comes back inconsistent.
+checkpoints within 1.5× raw criu + tar and restores within 2× raw untar + runc restore; no
+kill/restore cycle comes back inconsistent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -57,10 +62,19 @@ TARGETS: dict[str, Target] = {
     "checkpoint_small_ms": ("<=", 300.0),
     "restore_small_ms": ("<=", 600.0),
     "checkpoint_over_raw": ("<=", 1.5),
+    "restore_over_raw": ("<=", 2.0),
     "inconsistent_restores": ("<=", 0.0),
 }
-"""Metric → (comparison, bound). ``checkpoint_over_raw`` is judged on the configuration with
-the largest process and a 2 MB layer; ``inconsistent_restores`` only when cycles run."""
+"""Metric → (comparison, bound). ``checkpoint_over_raw`` and ``restore_over_raw`` are judged on
+the configuration with the largest process and a 2 MB layer; ``inconsistent_restores`` only
+when cycles run."""
+BUNDLES = (
+    "/run/docker/containerd/daemon/io.containerd.runtime.v2.task/moby",
+    "/run/containerd/io.containerd.runtime.v2.task/moby",
+)
+"""Where containerd keeps the OCI bundle (``config.json``) of a running Docker container."""
+RAW_RUNC_ROOT = Path("/run/belayer-bench-raw")
+"""runc state of the raw restores (on /run, like Docker's)."""
 
 
 def _median(xs: list[float]) -> float:
@@ -109,6 +123,74 @@ async def _raw_dump(mgr: SandboxManager, container_id: str, workdir: Path) -> fl
     return dt
 
 
+class RawRestore:
+    """Raw restore baseline: untar the layer into a fresh overlay upper dir and ``runc restore``
+    the CRIU images into a bare bundle made from the sandbox container's own OCI config (its
+    init layer and bind-mounted files copied, its own cgroup, no Docker hooks). What a restore
+    costs without Docker and containerd. Blocking (run it in a thread)."""
+
+    def __init__(self, mgr: SandboxManager, container_id: str, workdir: Path) -> None:
+        info = mgr.docker.inspect(container_id)
+        bundles = [Path(b) / container_id for b in BUNDLES if (Path(b) / container_id).is_dir()]
+        assert bundles, f"no OCI bundle of the running container {container_id[:12]}"
+        self.spec: dict[str, Any] = json.loads((bundles[0] / "config.json").read_text())
+        self.spec.pop("hooks", None)  # Docker's network hook: not for a bare bundle
+        self.dir = workdir / f"raw-template-{time.monotonic_ns()}"
+        self.dir.mkdir(parents=True)
+        lowers = info["GraphDriver"]["Data"]["LowerDir"].split(":")
+        subprocess.run(["cp", "-a", lowers[0], str(self.dir / "init")], check=True)
+        cdir = mgr.docker.container_dir(container_id)
+        for m in self.spec["mounts"]:
+            if m["source"].startswith(cdir):
+                dst = self.dir / Path(m["source"]).name
+                shutil.copy2(m["source"], dst)
+                m["source"] = str(dst)
+        self.lower = ":".join([str(self.dir / "init"), *lowers[1:]])
+        self.n = 0
+
+    def run(self, checkpoint: Path) -> float:
+        """One timed raw restore of ``checkpoint`` (then killed and cleaned up)."""
+        self.n += 1
+        r, name = self.dir / f"r{self.n}", f"belayer-raw-{os.getpid()}-{self.n}"
+        for sub in ("upper", "work", "merged", "bundle"):
+            (r / sub).mkdir(parents=True)
+        ops.link_or_copy_tree(checkpoint / core.CRIU_DIR, r / "images")
+        spec = json.loads(json.dumps(self.spec))
+        spec["root"] = {"path": str(r / "merged")}
+        spec["linux"]["cgroupsPath"] = f"/{name}"
+        (r / "bundle" / "config.json").write_text(json.dumps(spec))
+        runc = ["runc", "--root", str(RAW_RUNC_ROOT)]
+        mount = f"lowerdir={self.lower},upperdir={r / 'upper'},workdir={r / 'work'}"
+        steps = [
+            ["tar", "-C", str(r / "upper"), *ops.TAR_EXTRACT, "-xf", str(checkpoint / core.FS_ARCHIVE)],
+            ["mount", "-t", "overlay", "overlay", "-o", mount, str(r / "merged")],
+            # CRIU copies the root mount's sharing from its parent: shared, like Docker's rootfs
+            ["mount", "--make-shared", str(r / "merged")],
+            [*runc, "restore", "--detach", "--image-path", str(r / "images"),
+             "--work-path", str(r / "criu-work"), "--bundle", str(r / "bundle"), name],
+        ]  # fmt: skip
+        os.sync()
+        t0 = time.monotonic()
+        try:
+            with open(r / "steps.log", "wb") as out:  # the restored tree keeps its stdio open
+                for argv in steps:
+                    code = subprocess.run(
+                        argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=120
+                    ).returncode
+                    if code != 0:
+                        log = (r / "steps.log").read_text()[-500:]
+                        raise RuntimeError(f"raw restore: {argv[0]} failed ({code}): {log}")
+            return time.monotonic() - t0
+        finally:
+            for argv in ([*runc, "kill", name, "KILL"], [*runc, "delete", "-f", name],
+                         ["umount", str(r / "merged")]):  # fmt: skip
+                subprocess.run(argv, capture_output=True, check=False, timeout=60)
+            ops.remove_tree(r)
+
+    def close(self) -> None:
+        ops.remove_tree(self.dir)
+
+
 async def _config_run(
     mgr: SandboxManager, mem_mb: int, layer_mb: int, repeats: int, workdir: Path
 ) -> dict[str, Any]:
@@ -120,7 +202,8 @@ async def _config_run(
         if layer_mb:
             await mgr.exec(rec.id, f"head -c {layer_mb << 20} /dev/urandom > /root/layer.bin", 120)
         await mgr.exec(rec.id, HOLDER.format(mb=mem_mb, wait=0.5 + mem_mb / 200), 60)
-        ck, rs, raw = [], [], []
+        ck, rs, raw, raw_rs = [], [], [], []
+        raw_restore = RawRestore(mgr, rec.container_id, workdir)
         for i in range(repeats):
             # Each timed dump starts from a clean page cache (``sync``): otherwise whichever
             # runs second pays for writing back the first one's hundreds of MB, and the
@@ -136,8 +219,14 @@ async def _config_run(
                 await asyncio.to_thread(os.sync)
                 raw.append(await _raw_dump(mgr, rec.container_id, workdir))
             await mgr.kill(rec.id)
-            _, _, secs, _ = await mgr.restore(rec.id)
-            rs.append(secs)
+            checkpoint = mgr.sandbox_dir(rec.id) / info.checkpoint_id
+            if i % 2:  # alternate which restore reads the checkpoint first
+                raw_rs.append(await asyncio.to_thread(raw_restore.run, checkpoint))
+            await asyncio.to_thread(os.sync)
+            restored = await mgr.restore(rec.id)
+            rs.append(restored.seconds)
+            if not i % 2:
+                raw_rs.append(await asyncio.to_thread(raw_restore.run, checkpoint))
         return {
             "memory_mb": mem_mb,
             "layer_mb": layer_mb,
@@ -149,8 +238,12 @@ async def _config_run(
             "fs_bytes": info.fs_bytes,
             "criu_bytes": info.criu_bytes,
             "method": info.method,
+            "raw_restore_untar_ms": round(_median(raw_rs) * 1000, 1),
+            "restore_over_raw": round(_median(rs) / _median(raw_rs), 2),
+            "restore_method": restored.method,
         }
     finally:
+        raw_restore.close()
         await mgr.destroy(rec.id)
 
 
@@ -246,6 +339,7 @@ def judged(measured: dict[str, Any]) -> dict[str, float]:
     biggest = _ratio_config(measured["rows"])
     if biggest is not None:
         values["checkpoint_over_raw"] = biggest["checkpoint_over_raw"]
+        values["restore_over_raw"] = biggest["restore_over_raw"]
     if "consistency" in measured:
         values["inconsistent_restores"] = measured["consistency"]["inconsistent"]
     return values
@@ -282,10 +376,17 @@ def table(result: dict[str, Any]) -> list[Row]:
                 "x",
             ),
             row(
-                "  full_restore",
+                f"  full_restore ({r['restore_method']})",
                 f"{r['restore_ms']:.0f} ms",
                 "restore_small_ms" if small else None,
                 "ms",
+            ),
+            row("  raw untar + runc restore", f"{r['raw_restore_untar_ms']:.0f} ms"),
+            row(
+                "  restore / raw",
+                f"{r['restore_over_raw']:.2f}x",
+                "restore_over_raw" if ratio_judged else None,
+                "x",
             ),
         ]
     out.append(row("fresh container from the base image", f"{result['fresh_container_ms']:.0f} ms"))

@@ -7,6 +7,10 @@ only ever catch Belayer errors.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
+import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -20,8 +24,16 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 
 from common import subjects
+from common.auth import BusConfig, inbox_prefix, public_key_of, read_seed, redact
 from common.codec import decode, encode, error_reply, raise_error
-from common.errors import BelayerError, BusUnavailable, Timeout
+from common.errors import (
+    BelayerError,
+    BusUnavailable,
+    Overloaded,
+    ResourceLimit,
+    Timeout,
+    Unauthorized,
+)
 from common.logging import get_logger
 from schemas.base import ErrorReply, Message
 
@@ -30,28 +42,132 @@ R = TypeVar("R")
 log = get_logger(component="bus")
 
 
-async def connect(url: str, *, name: str, timeout: float = 5.0, reconnect: bool = True) -> NATS:
-    """Connect to NATS or raise ``BusUnavailable`` (with the URL) within ``timeout`` seconds."""
+async def connect(
+    url: str,
+    *,
+    name: str,
+    bus: BusConfig | None = None,
+    timeout: float = 5.0,
+    reconnect: bool = True,
+) -> NATS:
+    """Connect to NATS as the identity in ``bus.creds`` (none: anonymous), over TLS when
+    ``bus`` names a CA, or raise within ``timeout`` seconds: ``Unauthorized`` for credentials
+    or TLS files that are missing, unreadable, do not match or are refused, ``BusUnavailable``
+    (with the URL) when no server answers. ``url`` may list several servers, comma-separated
+    (a cluster: the client fails over between them). Every bus connection of Belayer is made
+    here; a permission violation the server reports on it is one ``bus_permission_denied``
+    log line."""
+    bus = bus or BusConfig()
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise BusUnavailable("no NATS URL given")
+    opts: dict[str, Any] = {}
+    if bus.creds:
+        seed = read_seed(bus.creds)  # Unauthorized naming the file (never its content)
+        opts["nkeys_seed"] = str(bus.creds)
+        opts["inbox_prefix"] = inbox_prefix(public_key_of(seed))
+        del seed
+    if bus.tls_ca or bus.tls_cert or any(u.startswith("tls://") for u in servers):
+        opts["tls"] = tls_context(bus)
+    where = ",".join(servers)
+    denials = _Denials()
+
+    async def error_cb(exc: Exception) -> None:
+        subject = await _error_cb(name, exc)
+        if subject:
+            denials.report(subject)
+
     try:
-        return await asyncio.wait_for(
+        nc = await asyncio.wait_for(
             nats.connect(
-                url,
+                servers,
                 name=name,
                 connect_timeout=min(timeout, 2.0),
                 max_reconnect_attempts=-1 if reconnect else 0,
                 reconnect_time_wait=0.25,
                 allow_reconnect=reconnect,
-                error_cb=_error_cb,
+                error_cb=error_cb,
+                **opts,
             ),
             timeout,
         )
+        nc._belayer_denials = denials  # type: ignore[attr-defined]
+        return nc
+    except ssl.SSLError as exc:
+        raise Unauthorized(f"TLS with NATS at {where} failed: {exc.reason or exc}") from None
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        why = str(exc) or type(exc).__name__
-        raise BusUnavailable(f"cannot reach NATS at {url}: {why}", url=url) from None
+        why = redact(str(exc) or type(exc).__name__)
+        if "authorization violation" in why.lower() or "authentication" in why.lower():
+            raise Unauthorized(
+                f"NATS at {where} refused this connection's credentials ({why})", url=where
+            ) from None
+        raise BusUnavailable(f"cannot reach NATS at {where}: {why}", url=where) from None
 
 
-async def _error_cb(exc: Exception) -> None:
-    log.debug("nats_client_error", error=repr(exc))
+def tls_context(bus: BusConfig) -> ssl.SSLContext:
+    """The client TLS context of ``bus`` (its CA, and its certificate if it has one);
+    ``Unauthorized`` with a one-line reason for a file that is missing or does not match."""
+    try:
+        ctx = ssl.create_default_context(cafile=bus.tls_ca or None)
+        if bus.tls_cert:
+            ctx.load_cert_chain(bus.tls_cert, bus.tls_key)
+    except FileNotFoundError as exc:
+        raise Unauthorized(f"TLS file {exc.filename} does not exist") from None
+    except (ssl.SSLError, OSError) as exc:
+        files = ", ".join(f for f in (bus.tls_ca, bus.tls_cert, bus.tls_key) if f)
+        reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
+        raise Unauthorized(f"TLS files ({files}) are not usable: {reason}") from None
+    return ctx
+
+
+_PERMISSION = re.compile(r'Permissions Violation for (\w+) (?:to|from) "?([^"\s]+)"?', re.I)
+
+
+async def _error_cb(name: str, exc: Exception) -> str:
+    """Log a client error; the subject of a publish permission violation, else ``""``."""
+    text = redact(str(exc))
+    found = _PERMISSION.search(text)
+    if found:
+        log.warning(
+            "bus_permission_denied",
+            connection=name,
+            operation=found.group(1).lower(),
+            subject=found.group(2),
+            error=text,
+        )
+        return found.group(2) if found.group(1).lower() == "publish" else ""
+    log.debug("nats_client_error", connection=name, error=text)
+    return ""
+
+
+class _Denials:
+    """Publish permission violations the server reported on one connection, so a request
+    to a forbidden subject fails at once with ``Unauthorized`` instead of waiting for its
+    time-out (the server drops the message and says so only asynchronously)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, set[asyncio.Future[None]]] = {}
+
+    def report(self, subject: str) -> None:
+        for fut in self.waiting.pop(subject, set()):
+            if not fut.done():
+                fut.set_result(None)
+
+    async def race(self, subject: str, call: Awaitable[R]) -> R:
+        denied: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(subject, set()).add(denied)
+        task = asyncio.ensure_future(call)
+        try:
+            both: set[asyncio.Future[Any]] = {task, denied}
+            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            task.cancel()
+            raise Unauthorized("this identity may not publish to the subject", subject=subject)
+        finally:
+            if not task.done():
+                task.cancel()
+            self.waiting.get(subject, set()).discard(denied)
 
 
 async def request(
@@ -63,9 +179,14 @@ async def request(
     timeout: float = 5.0,
 ) -> Any:
     """Send ``msg`` and decode the reply as ``reply_type``; an ``ErrorReply`` raises its typed
-    error, no responder raises ``BusUnavailable``, silence raises ``Timeout``."""
+    error, no responder raises ``BusUnavailable``, silence raises ``Timeout``, a subject this
+    connection's identity may not publish to raises ``Unauthorized`` (the server said so)."""
+    denials: _Denials | None = getattr(nc, "_belayer_denials", None)
     try:
-        resp = await nc.request(subject, encode(msg), timeout=timeout)
+        if denials is None:
+            resp = await nc.request(subject, encode(msg), timeout=timeout)
+        else:
+            resp = await denials.race(subject, nc.request(subject, encode(msg), timeout=timeout))
     except nats.errors.NoRespondersError:
         raise BusUnavailable("no service answers on this subject", subject=subject) from None
     except nats.errors.TimeoutError:
@@ -80,11 +201,22 @@ async def request(
 
 Handler = Callable[[Any, Msg], Awaitable[Message | None]]
 
+MAX_REQUEST_BYTES = 1 << 20
+"""Default bound on one request's size (a subject may set its own, up to the server's
+``max_payload``): a larger one is refused ``resource_limit`` before a byte is decoded."""
+MAX_PENDING = 256
+"""Default bound on the requests of one subject held at once (queued and running); beyond it
+a request is refused ``overloaded`` (retryable) unread, so a flood costs neither memory nor
+the other subjects' callers their turn."""
+
 
 class Server:
     """Serves typed requests on subjects; every failure becomes an ``ErrorReply`` and a log line,
-    never a dead subscription. ``concurrent=True`` handles each message in its own task (tracked,
-    so ``drain`` can wait for them)."""
+    never a dead subscription. Before any work, a request with no reply subject is dropped (a
+    log line), one over ``max_bytes`` is refused ``resource_limit`` unread and one beyond
+    ``max_pending`` held requests of its subject is refused ``overloaded``. Handlers run in
+    tracked tasks (so ``drain`` can wait for them): in arrival order one at a time, or with
+    ``concurrent=True`` side by side."""
 
     def __init__(self, nc: NATS, *, service: str) -> None:
         self.nc = nc
@@ -92,6 +224,9 @@ class Server:
         self.subs: list[Subscription] = []
         self.tasks: set[asyncio.Task[None]] = set()
         self.log = get_logger(service=service)
+        self.shed: dict[str, int] = {}
+        """Requests refused unread per subject (too large, overloaded, no reply subject)."""
+        self._last_shed_log: dict[str, float] = {}
 
     async def serve(
         self,
@@ -101,8 +236,27 @@ class Server:
         *,
         queue: str | None = None,
         concurrent: bool = False,
+        max_bytes: int = MAX_REQUEST_BYTES,
+        max_pending: int = MAX_PENDING,
+        reply_required: bool = True,
     ) -> Subscription:
+        """Serve ``subject``. ``reply_required=False`` for a subject callers publish to
+        without waiting (``engine.<id>.abort``)."""
+        held = 0
+        turn = asyncio.Lock()
+
         async def handle(msg: Msg) -> None:
+            nonlocal held
+            try:
+                if concurrent:
+                    await answer(msg)
+                else:
+                    async with turn:  # FIFO: one at a time, in arrival order
+                        await answer(msg)
+            finally:
+                held -= 1
+
+        async def answer(msg: Msg) -> None:
             reply: Message | None
             try:
                 req = decode(msg.data, request_type)
@@ -114,15 +268,32 @@ class Server:
                 self.log.exception("request_failed", subject=subject)
                 reply = error_reply(BelayerError(f"internal error: {type(exc).__name__}: {exc}"))
             if reply is not None and msg.reply:
-                try:
-                    await self.nc.publish(msg.reply, encode(reply))
-                except nats.errors.Error as exc:
-                    self.log.warning("reply_failed", subject=subject, error=repr(exc))
+                await self._reply(subject, msg.reply, reply)
 
         async def cb(msg: Msg) -> None:
-            if not concurrent:
-                await handle(msg)
+            nonlocal held
+            if reply_required and not msg.reply:
+                self._count_shed(subject, "no_reply_subject")
                 return
+            if len(msg.data) > max_bytes:
+                self._count_shed(subject, "too_large")
+                if msg.reply:
+                    too_big = ResourceLimit(
+                        "request too large", bytes=len(msg.data), limit=max_bytes
+                    )
+                    await self._reply(subject, msg.reply, error_reply(too_big))
+                return
+            if held >= max_pending:
+                self._count_shed(subject, "overloaded")
+                if msg.reply:
+                    busy = Overloaded(
+                        "too many requests on this subject; retry later",
+                        subject=subject,
+                        limit=max_pending,
+                    )
+                    await self._reply(subject, msg.reply, error_reply(busy))
+                return
+            held += 1
             task = asyncio.create_task(handle(msg))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
@@ -134,12 +305,27 @@ class Server:
         self.subs.append(sub)
         return sub
 
+    async def _reply(self, subject: str, inbox: str, reply: Message) -> None:
+        try:
+            await self.nc.publish(inbox, encode(reply))
+        except nats.errors.Error as exc:
+            self.log.warning("reply_failed", subject=subject, error=repr(exc))
+
+    def _count_shed(self, subject: str, why: str) -> None:
+        """Count a request refused unread; log it at most once a second per subject."""
+        key = f"{subject}:{why}"
+        self.shed[key] = self.shed.get(key, 0) + 1
+        now = time.monotonic()
+        if now - self._last_shed_log.get(key, -1e9) >= 1.0:
+            self._last_shed_log[key] = now
+            self.log.warning("request_shed", subject=subject, reason=why, total=self.shed[key])
+
     async def drain(self, timeout: float = 10.0) -> None:
         """Stop taking requests and let the in-flight ones finish and reply, all within
         ``timeout``. ``sub.drain()`` unsubscribes but still hands over every message the server
-        already sent and waits until its handler returned (``unsubscribe()`` would cancel the
-        handler and drop pending messages); concurrent handlers are tracked tasks, waited for
-        after. The connection stays open (its owner drains it last). Idempotent."""
+        already sent (``unsubscribe()`` would drop pending messages); every handler is a
+        tracked task, waited for after. The connection stays open (its owner drains it last).
+        Idempotent."""
         subs, self.subs = self.subs, []
         deadline = asyncio.get_running_loop().time() + timeout
         drains = [asyncio.ensure_future(_drain_sub(sub)) for sub in subs]
@@ -210,18 +396,56 @@ BUCKETS: dict[str, dict[str, Any]] = {
 }
 
 
-async def ensure_jetstream(js: JetStreamContext) -> None:
-    """Declare every stream and KV bucket idempotently (create, or update to this config)."""
+async def ensure_jetstream(js: JetStreamContext, *, replicas: int = 1, update: bool = True) -> None:
+    """Declare every stream and KV bucket idempotently, each with ``replicas`` JetStream
+    replicas (3 on a three-server cluster). What exists is looked up first (the only
+    JetStream API call a service's identity may make on streams it does not own); what is
+    missing is created; with ``update`` (the supervisor, whose identity may) a stream whose
+    limits or replica count differ is updated to this declaration."""
     for name, params in STREAMS.items():
         config = StreamConfig(
-            name=name, storage=StorageType.FILE, retention=RetentionPolicy.LIMITS, **params
+            name=name,
+            storage=StorageType.FILE,
+            retention=RetentionPolicy.LIMITS,
+            num_replicas=replicas,
+            **params,
         )
         try:
-            await js.add_stream(config)
-        except nats.js.errors.BadRequestError:
+            info = await js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            try:
+                await js.add_stream(config)
+            except nats.js.errors.BadRequestError:  # created meanwhile by another process
+                if update:
+                    await js.update_stream(config)
+            continue
+        if update and not _stream_matches(info.config, config):
             await js.update_stream(config)
     for bucket, params in BUCKETS.items():
         try:
-            await js.key_value(bucket)
+            kv = await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
-            await js.create_key_value(KeyValueConfig(bucket=bucket, **params))
+            await js.create_key_value(KeyValueConfig(bucket=bucket, replicas=replicas, **params))
+            continue
+        if update:
+            info = await js.stream_info(f"KV_{bucket}")
+            if (info.config.num_replicas or 1) != replicas:
+                await js.update_stream(dataclasses.replace(info.config, num_replicas=replicas))
+        del kv
+
+
+def _stream_matches(have: StreamConfig, want: StreamConfig) -> bool:
+    """Whether an existing stream has the limits and replica count of this declaration."""
+
+    def limits(c: StreamConfig) -> tuple[Any, ...]:
+        unset = (None, -1, 0)
+        return (
+            sorted(c.subjects or []),
+            round(c.max_age or 0.0, 3),
+            -1 if c.max_bytes in unset else c.max_bytes,
+            -1 if c.max_msgs in unset else c.max_msgs,
+            round(c.duplicate_window or 0.0, 3),
+            c.num_replicas or 1,
+        )
+
+    return limits(have) == limits(want)

@@ -58,6 +58,11 @@ class RunPaths:
     def models(self) -> Path:
         return self.root / "models"
 
+    @property
+    def auth(self) -> Path:
+        """The node's identities (nkey seed files, mode 0600; ``common/auth.py``)."""
+        return self.root / "auth"
+
     def heartbeat_file(self, engine_id: str) -> Path:
         return self.heartbeats / f"{engine_id}.hb"
 

@@ -5,6 +5,7 @@
     │   ├── BusUnavailable            NATS unreachable / no responders / timed out
     │   ├── EngineUnavailable         no healthy engine can take the request now
     │   ├── CheckpointBusy            a checkpoint/exec holds the sandbox
+    │   ├── Overloaded                a flood: the service shed this request unread
     │   └── Timeout                   an operation ran past its deadline (the same call, later
     │                                 or with more time, may succeed)
     └── FatalError                    the call will fail the same way again
@@ -13,7 +14,8 @@
         ├── Conflict                  stale epoch, duplicate id, compare-and-set lost
         ├── ResourceLimit             oversized prompt, output cap, memory
         ├── CheckpointInvalid         corrupt or hostile checkpoint archive
-        └── SandboxError              container/CRIU/Docker failure
+        ├── SandboxError              container/CRIU/Docker failure
+        └── Unauthorized              credentials missing, unreadable or refused
 
 On the bus an error travels as ``schemas.common.ErrorReply`` (code, message, data, retryable);
 ``from_reply`` turns it back into the matching class, so callers catch typed errors.
@@ -64,6 +66,10 @@ class CheckpointBusy(RetryableError):
     code = "checkpoint_busy"
 
 
+class Overloaded(RetryableError):
+    code = "overloaded"
+
+
 class InvalidRequest(FatalError):
     code = "invalid_request"
 
@@ -92,6 +98,10 @@ class Timeout(RetryableError):
     code = "timeout"
 
 
+class Unauthorized(FatalError):
+    code = "unauthorized"
+
+
 _BY_CODE: dict[str, type[BelayerError]] = {
     cls.code: cls
     for cls in (
@@ -101,6 +111,7 @@ _BY_CODE: dict[str, type[BelayerError]] = {
         BusUnavailable,
         EngineUnavailable,
         CheckpointBusy,
+        Overloaded,
         InvalidRequest,
         NotFound,
         Conflict,
@@ -108,6 +119,7 @@ _BY_CODE: dict[str, type[BelayerError]] = {
         CheckpointInvalid,
         SandboxError,
         Timeout,
+        Unauthorized,
     )
 }
 

@@ -26,9 +26,15 @@ class ServingLimits:
     """Requests an engine holds beyond its running batch (``max_num_seqs``); a worker refuses
     more with the retryable ``engine_unavailable``, and the router keeps them itself until an
     engine has room."""
+    max_prompt_bytes: int = 65_536
+    """Longer prompt texts (UTF-8 bytes) are refused with ``resource_limit`` before they are
+    tokenized (tokenizing costs time: a 2 MiB prompt took over a second)."""
 
     def __post_init__(self) -> None:
-        if min(self.max_prompt_tokens, self.max_new_tokens) < 1 or self.max_queued < 0:
+        if (
+            min(self.max_prompt_tokens, self.max_new_tokens, self.max_prompt_bytes) < 1
+            or self.max_queued < 0
+        ):
             raise ValueError(
                 "limits must be positive (max_queued may be 0): "
                 f"{self.max_prompt_tokens}, {self.max_new_tokens}, {self.max_queued}"

@@ -4,7 +4,7 @@ A service is a ``Service`` subclass (what it serves, its loops, what it releases
 ``run_service``:
 
 1. STARTING — ``open()``: local resources that need no bus (shared memory, a nats-server);
-2. connect to ``nats_url``, declare every stream and KV bucket (``ensure_jetstream``), make
+2. connect to ``nats_url`` as the config's ``bus`` says (credentials, TLS), declare every stream and KV bucket (``ensure_jetstream``), make
    ``server``;
 3. ``setup()``: serve subjects (each is live on the server when ``serve`` returns), claim state;
 4. every ``*_loop`` coroutine method runs as a task of that name in one ``asyncio.TaskGroup``;
@@ -34,6 +34,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from common.auth import BusConfig
 from common.bus import Server, connect, ensure_jetstream
 from common.config import parse_config
 from common.errors import BelayerError
@@ -62,6 +63,9 @@ class Service(Generic[C]):
     """Logger ``service`` field and NATS connection name."""
     drain_timeout_s: float = 10.0
     """Longest wait for in-flight handlers when draining."""
+    owns_jetstream: bool = False
+    """Whether this service updates stream declarations that differ (the supervisor: its
+    identity may); others only create what is missing."""
 
     nc: NATS
     js: JetStreamContext
@@ -73,6 +77,8 @@ class Service(Generic[C]):
             self.name = name
         self.nats_url: str = getattr(config, "nats_url", "")
         """The bus ``run_service`` connects to (``open`` may set it, e.g. to a server it started)."""
+        self.bus: BusConfig = getattr(config, "bus", None) or BusConfig()
+        """Credentials, TLS and replica count for that connection (the config's ``bus``)."""
         self.status = Status.STARTING
         self.stop_requested = asyncio.Event()
         """Set to stop the service from inside (a stop request); set by the lifecycle as soon as
@@ -117,9 +123,11 @@ async def run_service(
     service.set_status(Status.STARTING)
     try:
         await service.open()
-        nc = await connect(service.nats_url, name=service.name)
+        nc = await connect(service.nats_url, name=service.name, bus=service.bus)
         service.nc, service.js = nc, nc.jetstream()
-        await ensure_jetstream(service.js)
+        await ensure_jetstream(
+            service.js, replicas=service.bus.replicas, update=service.owns_jetstream
+        )
         service.server = Server(nc, service=service.name)
         await service.setup()
         try:

@@ -38,12 +38,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from common.training_config import OptimConfig
-from model.chat import ChatFormat
+from model.chat import IM_END, IM_START, ChatFormat
 from model.config import load_model_config
 from model.loader import load_safetensors
 from model.qwen3 import Qwen3ForCausalLM
+from model.tiny import SPECIAL_TOKENS, init_tiny_model
 from model.tokenizer import load_tokenizer
 from model.train_forward import build_trainable_model, dense_hidden
 from model.training import make_optimizer, make_scheduler, seed_everything, threads, train_step
@@ -142,6 +144,11 @@ def split_transcript(
     if rest[-1][0] != "assistant":
         raise ValueError("a demonstration ends on an assistant turn")
     return list(messages[:first]), rest
+
+
+def render_text(messages: Sequence[tuple[str, str]]) -> str:
+    """The transcript as ChatML text (the text :func:`encode_demonstration`'s ids decode to)."""
+    return "".join(f"{IM_START}{role}\n{content}{IM_END}\n" for role, content in messages)
 
 
 def encode_demonstration(chat: ChatFormat, messages: Sequence[tuple[str, str]]) -> Example:
@@ -318,6 +325,48 @@ def train_sft(
     model.eval()
     result.seconds = time.perf_counter() - t0
     return result
+
+
+# --- the base model ---------------------------------------------------------------------
+def train_chat_tokenizer(texts: Sequence[str], vocab_size: int, seed: int = 0) -> Tokenizer:
+    """A byte-level BPE for the demonstrations' text: the tiny model's special tokens (same
+    ids), digits split one per token (as Qwen's tokenizer does: arithmetic stays learnable),
+    merges learnt from ``texts`` (any other text still encodes, byte by byte at worst)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    rng = random.Random(seed)
+    corpus = list(texts)
+    rng.shuffle(corpus)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def init_base_model(
+    out_dir: Path, demos: Sequence[Demonstration], tiny: dict[str, Any]
+) -> Path:
+    """A random tiny Qwen3 (``model.tiny.init_tiny_model(**tiny)``) whose tokenizer is
+    trained on the demonstrations' text (shorter sequences: a faster warm start)."""
+    root = init_tiny_model(out_dir, **tiny)
+    vocab = int(tiny.get("vocab_size", 4096))
+    texts = [render_text(d.messages) for d in demos]
+    tok = train_chat_tokenizer(texts, vocab, int(tiny.get("seed", 0)))
+    for i, name in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(name) != i:
+            raise RuntimeError(f"special token {name} got id {tok.token_to_id(name)}, not {i}")
+    tok.save(str(root / "tokenizer.json"))
+    return root
 
 
 # --- model directories and their cache --------------------------------------------------

@@ -440,7 +440,6 @@ class CheckpointReady(EventBase, tag="CheckpointReady.v1"):
     """The checkpoint (as the ``checkpoint`` request returned it)."""
 
 
-
 # --- controller (agentic rollouts) -----------------------------------------------------------
 class ControllerEvent(EventBase, kw_only=True):
     """Published by the controller, about one rollout."""
@@ -591,7 +590,6 @@ class TrajectoriesAdopted(ControllerEvent, tag="TrajectoriesAdopted.v1"):
     """The controller incarnation that adopted them (2 after the first restart)."""
 
 
-
 # --- trainer ---------------------------------------------------------------------------------
 class TrainerEvent(EventBase, kw_only=True):
     """Published by the trainer."""
@@ -689,8 +687,9 @@ class TrajectoryRefused(TrainerEvent, tag="TrajectoryRefused.v1"):
     """The trainer acked a trajectory without training on it."""
 
     kind: ClassVar[str] = "trajectory_refused"
-    trajectory_id: str
-    """Its id (as much of it as could be read; empty when unreadable)."""
+    trajectory_id: IdOrEmpty
+    """Its id (for a malformed record the last token of its subject; empty when that is not a
+    valid id)."""
     reason: str
     """`malformed` (sent to the dead-letter subject), `stale` (older than `max_staleness`
     allows), `duplicate` (its group slot is taken) or `invalid` (slot outside the group)."""
@@ -733,6 +732,7 @@ class TrainerResumed(TrainerEvent, tag="TrainerResumed.v1"):
     """Steps with a durable plan beyond the checkpoint, to redo from the same trajectories."""
     pushed: bool
     """The checkpoint's weights were pushed at resume (the push had not happened)."""
+
 
 AnyEvent = (
     NodeReady

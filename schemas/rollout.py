@@ -204,6 +204,8 @@ class ActionRecord(msgspec.Struct, kw_only=True):
     timed_out: bool = False
     """The agent's own command ran past its timeout (an ordinary observation)."""
     truncated: bool = False
+    generation: int = 0
+    """The LLM request (``<trajectory_id>-g<n>``) whose response held it."""
 
 
 class PolicyDecision(msgspec.Struct, kw_only=True):
@@ -251,6 +253,8 @@ class RecoveryEntry(msgspec.Struct, kw_only=True):
     detail: str = ""
     seconds: float = 0.0
     ts: float = 0.0
+    generation: int = 0
+    """LLM requests made so far when it happened."""
 
 
 class RecoveryLog(msgspec.Struct, kw_only=True):

@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from common.natsserver import NatsServer, start_nats_server
+from tests.model_fixtures import warm_model  # noqa: F401  (a session fixture, used by name)
 
 
 @pytest.fixture

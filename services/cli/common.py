@@ -20,8 +20,9 @@ from typer.core import TyperGroup
 
 from common.bus import connect
 from common.codec import decode, encode
+from common.config import RunPaths
 from common.errors import BelayerError, InvalidRequest
-from common.node import resolve_nats_url
+from common.node import resolve_bus
 
 T = TypeVar("T")
 M = TypeVar("M")
@@ -113,11 +114,20 @@ def _report(exc: Exception) -> int:
 
 
 async def with_bus(
-    nats_url: str | None, fn: Callable[[Any], Awaitable[T]], *, name: str = "cli"
+    nats_url: str | None,
+    fn: Callable[[Any], Awaitable[T]],
+    *,
+    name: str = "cli",
+    role: str = "client",
+    creds: str | None = None,
+    paths: RunPaths | None = None,
 ) -> T:
-    """Connect (no reconnect loops: a CLI should fail fast), run ``fn(nc)``, close."""
-    url = resolve_nats_url(nats_url)
-    nc = await connect(url, name=name, timeout=3.0, reconnect=False)
+    """Connect (no reconnect loops: a CLI should fail fast), run ``fn(nc)``, close. The
+    credentials are ``creds`` (``--creds``), else ``$BELAYER_CREDS``, else the running node's
+    identity of ``role`` (``client``; ``operator`` for sandboxes and ``down``) from its run
+    directory (``common.node.resolve_bus``)."""
+    url, bus = resolve_bus(nats_url, creds=creds, role=role, paths=paths)
+    nc = await connect(url, name=name, bus=bus, timeout=3.0, reconnect=False)
     try:
         return await fn(nc)
     finally:

@@ -25,7 +25,7 @@ def _call(nats_url: str | None, fn: Any) -> Any:
     async def go(nc: Any) -> Any:
         return await fn(EnvClient(nc))
 
-    return run(with_bus(nats_url, go, name="cli-env"))
+    return run(with_bus(nats_url, go, name="cli-env", role="operator"))
 
 
 def _out(obj: Any, as_json: bool, text: str) -> None:
@@ -97,7 +97,13 @@ def checkpoint(
 ) -> None:
     """full_checkpoint: capture files + processes at prefix k and publish it as ready."""
     r = _call(nats_url, lambda c: c.checkpoint(sandbox_id, prefix, trajectory, timeout))
-    _out(r, as_json, f"{r.checkpoint_id} prefix={r.prefix} total={r.total_s * 1000:.0f}ms")
+    died = (
+        "\nthe container died during the checkpoint (after the dump completed): the sandbox is "
+        "failed; full_restore it"
+        if r.container_exited
+        else ""
+    )
+    _out(r, as_json, f"{r.checkpoint_id} prefix={r.prefix} total={r.total_s * 1000:.0f}ms{died}")
 
 
 @env_app.command("restore")
@@ -109,11 +115,17 @@ def restore(
 ) -> None:
     """full_restore: a fresh container with the checkpoint's files and processes."""
     r = _call(nats_url, lambda c: c.restore(sandbox_id, checkpoint_id))
+    passed = "".join(
+        f"\n  {a.checkpoint_id}: {a.outcome} ({a.error})"
+        for a in r.candidates
+        if a.outcome != "restored"
+    )
     _out(
         r,
         as_json,
         f"{r.sandbox_id} restored to prefix {r.prefix} ({r.checkpoint_id}) in "
-        f"{r.duration_s * 1000:.0f}ms",
+        f"{r.duration_s * 1000:.0f}ms via {r.method}"
+        + (f"; passed over:{passed}" if passed else ""),
     )
 
 

@@ -11,7 +11,9 @@ from typing import Any
 
 import typer
 
+from services.cli import auth as auth_cmds
 from services.cli import generate as generate_cmd
+from services.cli import model as model_cmd
 from services.cli import node as node_cmds
 from services.cli import rollout as rollout_cmd
 from services.cli.common import OneLineErrors
@@ -31,6 +33,7 @@ app.command()(node_cmds.status)
 app.command()(node_cmds.events)
 app.command()(generate_cmd.generate)
 app.command()(rollout_cmd.rollout)
+app.add_typer(auth_cmds.auth_app, name="auth")
 
 model_app = typer.Typer(
     help="Model directories (Hugging Face layout: config.json + safetensors + tokenizer).",
@@ -49,14 +52,35 @@ def model_init(
     num_layers: int = typer.Option(4, help="Decoder layers."),
     vocab_size: int = typer.Option(4096, max=4096, help="Vocabulary size (≤ 4096)."),
     seed: int = typer.Option(0, help="Initialisation seed."),
+    warm_start: str | None = typer.Option(
+        None,
+        "--warm-start",
+        help="math|swe: a short supervised warm start on demonstrations (CPU, cached; "
+        "docs/workloads.md) so the model emits valid actions.",
+    ),
+    cache_dir: Path | None = typer.Option(
+        None,
+        "--cache-dir",
+        help="Cache of demonstrations and warm-started models "
+        "(default $BELAYER_CACHE_DIR or ~/.cache/belayer).",
+    ),
 ) -> None:
-    """Write a tiny random Qwen3 model with a local tokenizer (nothing is downloaded)."""
+    """Write a tiny random Qwen3 model with a local tokenizer (nothing is downloaded); with
+    --warm-start, one that acts (trained on math or SWE demonstrations)."""
     if not tiny:
         typer.echo(
             "error: only --tiny models can be made here; point --model at an existing HF directory",
             err=True,
         )
         raise typer.Exit(2)
+    if warm_start is not None:
+        from services.cli.model import init_warm_command
+
+        init_warm_command(
+            warm_start, out_dir, cache_dir, hidden_size=hidden_size, num_layers=num_layers,
+            vocab_size=vocab_size, seed=seed,
+        )  # fmt: skip
+        return
     from model.tiny import init_tiny_model
 
     path = init_tiny_model(
@@ -64,6 +88,8 @@ def model_init(
     )
     typer.echo(f"wrote tiny Qwen3 model to {path}")
 
+
+model_app.command("eval")(model_cmd.model_eval)
 
 bench_app = typer.Typer(
     help="Benchmarks: each prints a table (PASS/MISS against its targets) and writes JSON to "
@@ -167,6 +193,35 @@ def bench_engine(
     )
 
 
+@bench_app.command("policy")
+def bench_policy(
+    as_json: bool = _BENCH_JSON,
+    out: Path = _bench_out("policy"),
+    repeats: int = typer.Option(3, min=1, help="Rollouts per (policy, p) configuration."),
+    tasks: int = typer.Option(4, min=1, help="SWE tasks per rollout."),
+    n: int = typer.Option(2, min=1, help="Samples per task."),
+    model: Path | None = typer.Option(
+        None, "--model", help="Warm-started SWE model directory (default: made for the run)."
+    ),
+) -> None:
+    """Checkpoint policies under injected sandbox failures (risk-aware, always, never).
+
+    On a real node with the environment service and the warm-started tiny SWE model: SWE
+    rollouts with `sandbox-kill@p=P` for p = 0, 0.01, 0.05, `--repeats` times per policy;
+    total rollout time and critical-path checkpoint time (mean and spread). `never` is the
+    restart-from-scratch baseline. Targets: risk-aware's visible checkpoint time ≤ 2 % of
+    rollout time; its rollout-time increase at p = 0.05 ≤ ⅓ of restart-from-scratch's; no
+    restart from scratch while a ready checkpoint existed. Many minutes.
+    """
+    from bench.policy import main as bench_main
+
+    _run_bench(
+        lambda path: bench_main(path, repeats=repeats, tasks=tasks, n=n, model=model),
+        out,
+        as_json,
+    )
+
+
 def bench_env(
     as_json: bool = _BENCH_JSON,
     out: Path = _bench_out("env"),
@@ -178,7 +233,8 @@ def bench_env(
 
     With a real nats-server and the real sandbox manager (needs dockerd and CRIU): for sandboxes
     of 0/64/256 MB process memory and a 2 or 100 MB writable layer, the checkpoint and restore
-    medians next to `criu dump` + tar straight on the same container; a fresh container from
+    medians next to `criu dump` + tar straight on the same container and untar + `runc restore`
+    of the same checkpoint into a bare bundle (no Docker); a fresh container from
     the base image (the restart-from-scratch baseline); `--cycles` kill/restore rounds checked
     for consistency (files and process state equal the checkpoint's). Minutes.
     """

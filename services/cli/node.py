@@ -18,6 +18,7 @@ import typer
 
 from common import events as event_types
 from common import subjects
+from common.auth import redact
 from common.bus import request
 from common.codec import decode
 from common.config import RunPaths, config_argv
@@ -27,6 +28,7 @@ from schemas.base import Ok
 from schemas.events import AnyEvent
 from schemas.node import StopNode, SupervisorStatus, SupervisorStatusRequest
 from schemas.serving import RouterStatus, StatusRequest
+from services.cli.auth import preflight
 from services.cli.common import fail, print_json, run, with_bus
 from services.environment.client import keep_sandboxes, node_label, remove_node_sandboxes
 from services.supervisor.config import SupervisorConfig
@@ -34,6 +36,10 @@ from services.supervisor.service import remove_shm_files
 
 NODE_DEFAULTS = SupervisorConfig()
 """``belayer up``'s defaults are the supervisor's (and its services') config defaults."""
+CREDS_HELP = (
+    "Credentials (nkey seed file) for an existing, secured deployment. Default: "
+    "$BELAYER_CREDS, else the running node's client identity from its run dir."
+)
 
 
 def run_paths(run_dir: Path | None) -> RunPaths:
@@ -94,7 +100,36 @@ def up(
     nats_url: str = typer.Option(
         NODE_DEFAULTS.nats_url,
         "--nats-url",
-        help="Use an existing NATS server instead of starting one.",
+        "--join",
+        help="Join an existing NATS server or cluster (comma-separated URLs) instead of "
+        "starting one; with --creds-dir its services connect as the identities there.",
+    ),
+    creds_dir: Path | None = typer.Option(
+        None,
+        "--creds-dir",
+        help="Identity files of this node's services on an existing deployment "
+        "(`belayer auth init`). Default: generated under the run dir for a local NATS.",
+    ),
+    role: str = typer.Option(
+        NODE_DEFAULTS.role,
+        "--role",
+        help="node (every service) or env-host (only the environment service, joining a "
+        "deployment with --join).",
+    ),
+    tls_cert: Path | None = typer.Option(
+        None, "--tls-cert", help="This host's TLS certificate (PEM): the local NATS serves "
+        "TLS with it and every service presents it as its client certificate."
+    ),
+    tls_key: Path | None = typer.Option(None, "--tls-key", help="The key of --tls-cert (PEM)."),
+    tls_ca: Path | None = typer.Option(
+        None, "--tls-ca", help="CA (PEM) that signed every server's and client's certificate."
+    ),
+    replicas: int = typer.Option(
+        NODE_DEFAULTS.bus.replicas,
+        "--replicas",
+        min=1,
+        max=5,
+        help="JetStream replicas of every stream and KV bucket (3 on a three-server cluster).",
     ),
     run_dir: Path | None = typer.Option(
         None,
@@ -156,6 +191,10 @@ def up(
     """Start a Belayer node: NATS (JetStream), weight store, KV arena, router, workers."""
     if recovery not in ("belayer", "baseline"):
         fail("--recovery must be 'belayer' or 'baseline'", 2)
+    if role not in ("node", "env-host"):
+        fail("--role must be 'node' or 'env-host'", 2)
+    if role == "env-host" and not nats_url:
+        fail("--role env-host joins an existing deployment: give --join URL", 2)
     paths = run_paths(run_dir)
     node = read_node(paths)
     if node is not None and pid_alive(node.supervisor_pid):
@@ -169,7 +208,18 @@ def up(
         nats_url=nats_url,
         model_dir=str(Path(model).resolve()) if model else "",
         engines=engines,
-        environment=docker_usable() if environment is None else environment,
+        environment=(
+            True if role == "env-host" else docker_usable() if environment is None else environment
+        ),
+        creds_dir=str(creds_dir.resolve()) if creds_dir else "",
+        role="env-host" if role == "env-host" else "node",
+        bus=dataclasses.replace(
+            d.bus,
+            tls_cert=str(tls_cert.resolve()) if tls_cert else "",
+            tls_key=str(tls_key.resolve()) if tls_key else "",
+            tls_ca=str(tls_ca.resolve()) if tls_ca else "",
+            replicas=replicas,
+        ),
         handover_timeout_s=handover_timeout,
         ready_timeout_s=timeout,
         router=dataclasses.replace(
@@ -187,6 +237,7 @@ def up(
             ),
         ),
     )
+    preflight(config)  # bad credentials, TLS files or cluster URL: one line, nothing started
     argv = [sys.executable, "-m", "services.supervisor", *config_argv(config)]
     if not detach:
         typer.echo(f"starting Belayer node in the foreground ({paths.root}); Ctrl-C stops it")
@@ -217,7 +268,10 @@ def up(
         if proc.poll() is not None:
             with open(out_log, "rb") as f:
                 f.seek(offset)
-                tail = f.read().decode(errors="replace")[-3000:]
+                tail = redact(f.read().decode(errors="replace")[-3000:])
+            reason = [ln for ln in tail.splitlines() if ln.startswith("error: ")]
+            if reason:  # the supervisor's own one-line reason
+                fail(f"the node failed to start: {reason[-1].removeprefix('error: ')}")
             fail(f"the node failed to start (exit {proc.returncode}):\n{tail}")
         if time.monotonic() - t0 > timeout:
             proc.terminate()
@@ -225,7 +279,8 @@ def up(
         time.sleep(0.05)  # polling the node file the supervisor writes when ready
     typer.echo(
         f"belayer node ready in {time.monotonic() - t0:.1f}s: nats {node.nats_url}, "
-        f"engines {', '.join(node.engines)}, recovery {node.recovery}, run dir {paths.root}"
+        f"engines {', '.join(node.engines) or 'none'}, recovery {node.recovery}, "
+        f"role {node.role}, run dir {paths.root}"
     )
 
 
@@ -262,7 +317,9 @@ def down(
 
     if pid_alive(pid):
         try:
-            asyncio.run(with_bus(node.nats_url, ask_stop))
+            if node.role != "node":  # a joined host: supervisor.stop is the deployment node's
+                raise BusUnavailable("stopped by signal")
+            asyncio.run(with_bus(node.nats_url, ask_stop, role="operator", paths=paths))
         except Exception:  # fall back to a signal if the bus is gone
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -328,6 +385,7 @@ def status(
     run_dir: Path | None = typer.Option(
         None, "--run-dir", help="Run directory of the node. Default: $BELAYER_HOME or ./.belayer."
     ),
+    creds: str = typer.Option("", "--creds", help=CREDS_HELP),
 ) -> None:
     """Show engines (id, epoch, worker pid, health), requests and services. While the router
     is restarting the node shows as degraded: engines as last known, never an error."""
@@ -357,7 +415,7 @@ def status(
         epochs = {} if rs is not None else await engine_epochs(nc)
         return rs, ss, epochs
 
-    rs, ss, epochs = run(with_bus(url, query))
+    rs, ss, epochs = run(with_bus(url, query, creds=creds or None, paths=paths))
     procs: list[dict[str, Any]] = [msgspec.to_builtins(p) for p in ss.procs] if ss else []
     router_proc = next((p for p in procs if p["name"] == "router"), None)
     router = {
@@ -375,7 +433,7 @@ def status(
             for eid, ep in sorted(epochs.items())
         ]
     out = {
-        "nats_url": url,
+        "nats_url": redact(url),
         "run_id": node.run_id if node else None,
         "recovery": node.recovery if node else None,
         "state": "ready" if rs is not None else "degraded",
@@ -450,6 +508,7 @@ def events(
     duration: float = typer.Option(
         0.0, "--for", help="Stop following after this many seconds (0: until Ctrl-C)."
     ),
+    creds: str = typer.Option("", "--creds", help=CREDS_HELP),
 ) -> None:
     """Print lifecycle and recovery events (from the start of the EVENTS stream)."""
 
@@ -488,7 +547,7 @@ def events(
                 )
                 typer.echo(f"{stamp} {event_types.describe(ev)}")
 
-    run(with_bus(nats_url or None, tail))
+    run(with_bus(nats_url or None, tail, creds=creds or None))
 
 
 def print_json_line(obj: Any) -> None:

@@ -32,15 +32,15 @@ def summary_json(result: RolloutResult, request: RolloutRequest) -> dict[str, An
 
 
 def table(result: RolloutResult) -> Table:
+    """One row per attempt (trajectory ``<rollout>-s<slot>-a<try>``)."""
     t = Table(title=f"rollout {result.rollout_id} ({result.workload})")
-    for col in ("trajectory", "task", "try", "state", "finish", "reward", "turns", "restores",
-                "scratch", "ckpts", "sandbox fails"):  # fmt: skip
-        t.add_column(
-            col, justify="right" if col not in ("trajectory", "task", "state", "finish") else "left"
-        )
+    left = ("slot", "task", "state", "finish")
+    for col in ("slot", "try", "task", "state", "finish", "reward", "turns", "restores",
+                "scratch", "ckpts", "fails"):  # fmt: skip
+        t.add_column(col, justify="left" if col in left else "right")
     for r in result.rows:
         t.add_row(
-            r.trajectory_id, r.task_id, str(r.attempt), r.state, r.finish_reason or "",
+            str(r.slot), str(r.attempt), r.task_id, r.state, r.finish_reason or "",
             f"{r.reward:.2f}", str(r.turns), str(r.restores), str(r.restarts_from_scratch),
             str(r.checkpoints), str(r.sandbox_failures),
         )  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.auth import BusConfig
 from services.controller.policy import PolicyConfig
 
 
@@ -14,6 +15,8 @@ class ControllerConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"
     """The bus."""
+    bus: BusConfig = field(default_factory=BusConfig)
+    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     model_dir: str = ""
     """Model directory whose tokenizer formats the chat (the node's model)."""
     log_file: str = ""

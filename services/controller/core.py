@@ -70,6 +70,9 @@ class Limits:
     observation_chars: int
     action_timeout_s: float
     deadline_s: float
+    vocab_size: int = 0
+    """Token ids the tokenizer knows (the router refuses a prompt holding any other); a
+    response with one cannot be continued: 0 means unchecked."""
 
 
 @dataclass(frozen=True)
@@ -203,20 +206,22 @@ class TrajectoryCore:
                 detail=detail,
                 seconds=round(seconds, 6),
                 ts=now,
+                generation=self.generations,
             )
         )
 
     # --- turns --------------------------------------------------------------------------
-    def next_generation(self, now: float) -> Generate | Finish:
-        """The next LLM request, or why the attempt ends here."""
+    def next_generation(self, now: float) -> Generate | Score | Finish:
+        """The next LLM request, or why the attempt ends here: past its deadline (not scored,
+        reward 0), or out of turns or context (scored as it stands: the tests may pass)."""
         if now - self.started_at >= self.limits.deadline_s:
             return self.stop(Finish("deadline", f"ran past {self.limits.deadline_s:g} s"))
         if self.turn >= self.limits.max_turns:
-            return self.stop(Finish("max_turns", f"{self.turn} turns"))
+            return Score("max_turns", self.last_text, f"{self.turn} turns")
         context = self.context
         room = self.limits.max_context_tokens - len(context)
         if len(context) > self.limits.max_prompt_tokens or room < 1:
-            return self.stop(Finish("length", f"context of {len(context)} tokens"))
+            return Score("length", self.last_text, f"context of {len(context)} tokens")
         self.generations += 1
         return Generate(
             request_id=f"{self.trajectory_id}-g{self.generations}",
@@ -248,6 +253,11 @@ class TrajectoryCore:
         if resumes:
             self.recovery.engine_handovers += resumes
             self.log("engine_handover", now, f"request resumed {resumes}x")
+        vocab = self.limits.vocab_size
+        if vocab and any(t >= vocab for t in token_ids):
+            return Score(
+                "malformed", text, "response holds tokens outside the tokenizer's vocabulary"
+            )
         action = parse_action(text)
         if not self.has_sandbox:  # single-turn: whatever the response says is final
             if isinstance(action, AnswerAction):
@@ -294,6 +304,7 @@ class TrajectoryCore:
                 env_s=round(env_s, 6),
                 timed_out=timed_out,
                 truncated=truncated,
+                generation=self.generations,
             )
         )
         text = format_observation(

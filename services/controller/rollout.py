@@ -97,6 +97,8 @@ class RolloutRun:
         self.logs: dict[tuple[int, int], tuple[RecoveryLog, Timings]] = {}
         self.live: dict[int, TrajectoryRunner] = {}
         self.tasks_bg: set[asyncio.Task[Any]] = set()
+        self.injections: set[asyncio.Task[Any]] = set()
+        """Worker kills waiting for their engine to come back."""
         self.done = asyncio.Event()
         self.log = log.bind(rollout_id=self.rollout_id)
 
@@ -124,6 +126,8 @@ class RolloutRun:
         finally:
             for t in timers:
                 t.cancel()
+        if self.injections:  # a killed worker's engine coming back is part of the rollout
+            await asyncio.wait(set(self.injections), timeout=self.config.recovery_wait_s)
         await self.finish()
 
     async def run_slot(self, slot: int, adopted: TrajectoryState | None) -> None:
@@ -258,7 +262,7 @@ class RolloutRun:
             if runner is not None and spec.trigger != "s":
                 runner.arm_worker_kill.append(spec.text)  # at the next response's first token
             else:
-                self.spawn(self.fire_worker_kill(spec.text, runner))
+                self.kill_worker(spec.text, runner)
         elif spec.kind == "controller-kill":
             self.state.failures_injected += 1
             self.state.pending_recovery.append(f"{time.time()}|{spec.text}")
@@ -270,6 +274,11 @@ class RolloutRun:
                 )
             )  # fmt: skip
             self.injector.kill_self()
+
+    def kill_worker(self, text: str, runner: TrajectoryRunner | None) -> None:
+        task = self.spawn(self.fire_worker_kill(text, runner))
+        self.injections.add(task)
+        task.add_done_callback(self.injections.discard)
 
     async def fire_worker_kill(self, text: str, runner: TrajectoryRunner | None) -> None:
         try:
@@ -316,9 +325,11 @@ class RolloutRun:
             return
         await asyncio.sleep(max(0.0, self.state.accepted_at + spec.value - time.time()))
         if spec.kind in SANDBOX_KINDS:
-            live = [r for _, r in sorted(self.live.items()) if r.sandbox_id]
-            if not live:
-                return
+            while True:  # the first trajectory with a sandbox at or after that time
+                live = [r for _, r in sorted(self.live.items()) if r.sandbox_id]
+                if live:
+                    break
+                await asyncio.sleep(0.05)  # bounded by the rollout: the timer is cancelled with it
             self.state.fired.append(key)
             await self.save()
             await self.inject(index, msgspec.structs.replace(spec, trigger="s"), live[0])

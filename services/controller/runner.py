@@ -93,6 +93,7 @@ class TrajectoryRunner:
                 observation_chars=limits.observation_chars,
                 action_timeout_s=limits.action_timeout_s,
                 deadline_s=req.deadline_s,
+                vocab_size=run.chat.tokenizer.vocab_size,
             ),
             policy=CheckpointPolicy(run.policy_config, run.stats),
             sample_seed=run.sample_seed(self.sample),
@@ -151,6 +152,9 @@ class TrajectoryRunner:
         step = core.next_generation(time.time())
         if isinstance(step, Finish):
             return
+        if isinstance(step, Score):
+            await self.score(step)
+            return
         result = await self.generate(step)
         if result is None:
             return
@@ -182,7 +186,7 @@ class TrajectoryRunner:
         def on_delta(_d: TokenDelta) -> None:
             nonlocal first
             if first and self.arm_worker_kill:
-                self.run.spawn(self.run.fire_worker_kill(self.arm_worker_kill.pop(0), self))
+                self.run.kill_worker(self.arm_worker_kill.pop(0), self)
             first = False
 
         t0 = time.monotonic()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from common.auth import BusConfig
 from services.environment.archive import ArchiveLimits
 
 
@@ -23,6 +24,8 @@ class EnvConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"
     """The bus."""
+    bus: BusConfig = field(default_factory=BusConfig)
+    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     run_dir: Path = Path(".belayer")
     """Checkpoints live in ``<run_dir>/env/checkpoints``, sandbox records in ``<run_dir>/env/sandboxes``."""
     image: str = "belayer-sandbox:1"

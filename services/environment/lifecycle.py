@@ -95,6 +95,8 @@ async def close(mgr: SandboxManager) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(lock.acquire(), max(0.0, deadline - time.monotonic()))
             lock.release()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(mgr.settle(), max(1.0, deadline - time.monotonic()))
     if mgr.config.keep_marker.exists():
         for rec in mgr.records.values():
             if rec.status in (SandboxState.CHECKPOINTING, SandboxState.RESTORING):

@@ -72,6 +72,8 @@ class SandboxManager:
         self.records: dict[str, SandboxRecord] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self._restore_method: str | None = None
+        self._retiring: set[asyncio.Task[None]] = set()
+        """Removals of containers a restore replaced (off the restore's critical path)."""
         self._freezers: dict[str, Path | None] = {}
         """Container id → its freezer control file (looked up once per container)."""
 
@@ -102,6 +104,27 @@ class SandboxManager:
                 )
             self._restore_method = method
         return self._restore_method
+
+    def retire(self, container_id: str) -> None:
+        """Remove a container a restore replaced, in the background (``settle`` awaits it; if
+        the service dies first, the next start reaps it: it carries the run's label)."""
+
+        async def go() -> None:
+            try:
+                await asyncio.to_thread(self.docker.remove, container_id)
+            except BelayerError as exc:
+                log.warning(
+                    "old_container_remove_failed", container_id=container_id[:12], error=str(exc)
+                )
+
+        task = asyncio.create_task(go())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def settle(self) -> None:
+        """Wait for the background removals of replaced containers."""
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
 
     async def running(self, rec: SandboxRecord) -> bool:
         try:

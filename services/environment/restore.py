@@ -200,10 +200,7 @@ async def _take_over(
     rec.ready_prefix, rec.checkpoint_id = m.prefix, m.checkpoint_id
     mgr.save(rec)
     if old and old != cid:
-        try:
-            await asyncio.to_thread(mgr.docker.remove, old)
-        except BelayerError as exc:  # an orphan now: the next start reaps it (belayer.run)
-            log.warning("old_container_remove_failed", container_id=old[:12], error=str(exc))
+        mgr.retire(old)
 
 
 def quarantine(mgr: SandboxManager, rec: SandboxRecord, m: Manifest, err: BelayerError) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.auth import BusConfig
 from common.subjects import check_token
 
 
@@ -14,6 +15,8 @@ class KvArenaConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"
     """NATS server to serve ``kv.get`` / ``kv.flush`` on."""
+    bus: BusConfig = field(default_factory=BusConfig)
+    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     run_id: str = "dev"
     """Names this node's shm files (``/dev/shm/belayer-<run_id>-kv-<engine>``)."""
     model_dir: Path = Path("model")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from common.auth import BusConfig
 from common.limits import ServingLimits
 
 
@@ -14,6 +15,8 @@ class RouterConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"
     """The bus."""
+    bus: BusConfig = field(default_factory=BusConfig)
+    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     model_dir: str = ""
     """Model directory whose tokenizer the router uses for text prompts and results."""
     token_log_chunk: int = 256
@@ -30,6 +33,10 @@ class RouterConfig:
     """``baseline`` regenerates interrupted requests from scratch (for comparison)."""
     finished_cache: int = 10_000
     """Finished results kept in memory for replay to a resubmitted request id."""
+    max_requests: int = 16_384
+    """Unfinished requests the router holds at once (running, queued, waiting for an engine);
+    a new one beyond them is refused ``overloaded`` (retryable), so a flood of requests cannot
+    exhaust the router's memory."""
     submit_timeout_s: float = 2.0
     """How long a worker may take to acknowledge a submit before the engine counts as failed."""
     heartbeat_interval_s: float = 5.0

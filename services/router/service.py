@@ -32,6 +32,7 @@ from common.errors import (
     EngineUnavailable,
     InvalidRequest,
     NotFound,
+    Overloaded,
     ResourceLimit,
 )
 from common.guard import isolated
@@ -73,6 +74,10 @@ from services.router.state import (
 )
 
 M = TypeVar("M")
+
+GENERATE_OVERHEAD_BYTES = 64 * 1024
+"""A ``GenerateRequest``'s bytes besides its prompt text (ids, sampling, token ids of a
+``max_prompt_tokens`` prompt): ``router.generate`` refuses larger messages unread."""
 
 
 class Router:
@@ -200,6 +205,20 @@ class Router:
     async def on_generate(self, req: GenerateRequest, msg: Msg) -> None:
         if (req.prompt is None) == (req.prompt_token_ids is None):
             raise InvalidRequest("give exactly one of prompt / prompt_token_ids", field="$.prompt")
+        limits = self.config.limits
+        if req.prompt is not None and len(req.prompt) > limits.max_prompt_bytes // 4:
+            size = len(req.prompt.encode("utf-8", "surrogatepass"))
+            if size > limits.max_prompt_bytes:  # bounded before any tokenizing
+                raise ResourceLimit(
+                    "prompt too long", field="$.prompt", bytes=size, limit=limits.max_prompt_bytes
+                )
+        fresh_id = (
+            req.request_id not in self.core.active and req.request_id not in self.core.finished
+        )
+        if fresh_id and len(self.core.active) >= self.config.max_requests:
+            raise Overloaded(
+                "the router holds its most requests; retry later", limit=self.config.max_requests
+            )
         ids = (
             req.prompt_token_ids
             if req.prompt_token_ids is not None
@@ -515,7 +534,12 @@ class Router:
         await self.restore_from_log()
         await self.rediscover_engines()
         await self.adopt_running()
-        await self.server.serve(subjects.router_generate(), GenerateRequest, self.on_generate)
+        await self.server.serve(
+            subjects.router_generate(),
+            GenerateRequest,
+            self.on_generate,
+            max_bytes=self.config.limits.max_prompt_bytes + GENERATE_OVERHEAD_BYTES,
+        )
         await self.server.serve(subjects.router_register(), RegisterWorker, self.on_register)
         await self.server.serve(subjects.router_cancel(), CancelRequest, self.on_cancel)
         await self.server.serve(subjects.router_status(), StatusRequest, self.on_status)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from common.auth import BusConfig
 from common.config import RunPaths
 from services.controller.client import ControllerConfig
 from services.environment.client import EnvConfig
@@ -28,7 +29,19 @@ class SupervisorConfig:
     run_dir: str = ".belayer"
     """Run directory: node file, logs, NATS store, heartbeats."""
     nats_url: str = ""
-    """Use this NATS server; empty: start a local nats-server with JetStream."""
+    """Use this NATS server (or cluster: comma-separated URLs); empty: start a local
+    nats-server with JetStream, authentication on."""
+    bus: BusConfig = field(default_factory=BusConfig)
+    """The node's bus: TLS files (this host's certificate and key, the CA of its peers) and
+    the JetStream replica count, forwarded to every service; a local nats-server serves TLS
+    with the same files. Its ``creds`` is unused: identities come from ``creds_dir``."""
+    creds_dir: str = ""
+    """Identity files (``<name>.nk``) of this node's services on an existing deployment
+    (``belayer auth init``); empty: a local nats-server gets identities generated under
+    ``<run dir>/auth``, an existing server none (unauthenticated)."""
+    role: Literal["node", "env-host"] = "node"
+    """``node``: every service; ``env-host``: only the environment service, on a host that
+    joins an existing deployment (``nats_url``), whose controller it serves."""
     model_dir: str = ""
     """Hugging Face style model directory (empty: a tiny random model under the run dir)."""
     engines: int = 1
@@ -70,6 +83,8 @@ class SupervisorConfig:
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if self.role == "env-host" and not self.nats_url:
+            raise ValueError("role env-host joins an existing deployment: give nats_url")
         if self.worker.limits not in (self.router.limits, WorkerConfig().limits):
             raise ValueError(
                 "the node's limits are set once, on the router (--router-limits-…); "

@@ -20,12 +20,21 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from common import events, subjects
+from common.auth import (
+    BusConfig,
+    authorization_conf,
+    ensure_identities,
+    node_identities,
+    read_seed,
+    redact,
+    seed_file,
+)
 from common.bus import request
 from common.config import SHM_DIR, RunPaths, config_argv, shm_prefix
 from common.errors import BelayerError, NotFound, Timeout
 from common.guard import isolated
 from common.logging import get_logger
-from common.natsserver import NatsServer, start_nats_server
+from common.natsserver import NatsServer, TlsFiles, start_nats_server
 from common.node import NodeInfo
 from common.service import Service, run_service
 from schemas.base import Ok
@@ -69,6 +78,7 @@ class Supervisor(Service[SupervisorConfig]):
     node leaves in shared memory and the run directory."""
 
     name = "supervisor"
+    owns_jetstream = True
 
     def __init__(self, config: SupervisorConfig) -> None:
         super().__init__(config)
@@ -82,12 +92,21 @@ class Supervisor(Service[SupervisorConfig]):
         self.engine_ids = [f"e{i}" for i in range(config.engines)]
         self.watchers: list[asyncio.Task[None]] = []
         self.engines = Engines(self)
+        self.creds_dir: Path | None = Path(config.creds_dir) if config.creds_dir else None
 
     # --- specs ------------------------------------------------------------------------------
     def _py(self, module: str, config: Any) -> list[str]:
-        """The command line that runs ``module`` with ``config`` on this node's bus."""
-        config = dataclasses.replace(config, nats_url=self.nats_url)
+        """The command line that runs ``module`` with ``config`` on this node's bus, as the
+        identity of its role (``bus_for``)."""
+        config = dataclasses.replace(
+            config, nats_url=self.nats_url, bus=self.bus_for(identity_of(module, config))
+        )
         return [sys.executable, "-m", module, *config_argv(config)]
+
+    def bus_for(self, identity: str) -> BusConfig:
+        """The node's bus settings with ``identity``'s credentials (none without auth)."""
+        creds = str(seed_file(self.creds_dir, identity)) if self.creds_dir else ""
+        return dataclasses.replace(self.config.bus, creds=creds)
 
     def _child(self, name: str, argv: list[str], stop_timeout: float = 5.0) -> Child:
         c = self.config
@@ -138,18 +157,38 @@ class Supervisor(Service[SupervisorConfig]):
         shutil.rmtree(self.paths.heartbeats, ignore_errors=True)
         self.paths.heartbeats.mkdir(parents=True, exist_ok=True)
         if not self.nats_url:
+            # Authentication on: one identity per role (and engine), the server built with
+            # their permissions; an unauthenticated connection is refused.
+            self.creds_dir = self.paths.auth
+            identities = await asyncio.to_thread(
+                ensure_identities, self.creds_dir, node_identities(self.engine_ids)
+            )
+            bus = self.config.bus
+            tls = TlsFiles(bus.tls_cert, bus.tls_key, bus.tls_ca) if bus.tls_cert else None
             self.nats = await asyncio.to_thread(
                 start_nats_server,
                 self.paths.nats_store,
                 log_file=self.paths.logs / "nats-server.log",
+                authorization=authorization_conf(identities),
+                tls=tls,
             )
             self.nats_url = self.nats.url
+        # Every identity this node uses must be readable before anything starts (one clear
+        # error instead of services failing one by one).
+        own = "host" if self.config.role == "env-host" else "supervisor"
+        if self.creds_dir:
+            for name in self.identities():
+                read_seed(seed_file(self.creds_dir, name))
+        self.bus = self.bus_for(own)
         self.model_dir = await asyncio.to_thread(ensure_model, self.config, self.paths)
         self._write_node()
 
     async def setup(self) -> None:
         c = self.config
         server = self.server
+        if c.role == "env-host":
+            await self._setup_env_host()
+            return
         await server.serve(subjects.supervisor_status(), SupervisorStatusRequest, self._on_status)
         await server.serve(subjects.supervisor_stop(), StopNode, self._on_stop)
         model, rid = self.model_dir, self.run_id
@@ -207,6 +246,27 @@ class Supervisor(Service[SupervisorConfig]):
         self._write_node()
         await self.publish(NodeReady(engines=self.engine_ids, run_id=self.run_id))
         log.info("node_ready", nats_url=self.nats_url, engines=self.engine_ids, run_id=self.run_id)
+
+    async def _setup_env_host(self) -> None:
+        """A host that joined a deployment to run only its sandboxes: the environment service
+        (the deployment's controller calls it). This supervisor serves no ``supervisor.*``
+        subject — those are the deployment's node's; ``belayer down`` here signals it."""
+        c = self.config
+        await self._start_and_wait(
+            self._child("environment", self._py("services.environment", dataclasses.replace(
+                c.env, run_dir=self.paths.root, node=node_label(self.run_id),
+                log_file=self._log_file("environment"))),
+                stop_timeout=ENV_STOP_TIMEOUT_S),
+            self._env_probe,
+        )  # fmt: skip
+        self.watchers = [
+            asyncio.create_task(self.watch(child), name=f"watch_{child.name}")
+            for child in self.children.values()
+        ]
+        self.engine_ids = []
+        self.ready = True
+        self._write_node()
+        log.info("env_host_ready", nats_url=redact(self.nats_url), run_id=self.run_id)
 
     async def _env_probe(self, nc: NATS) -> Any:
         from schemas.env import EnvList, EnvListing
@@ -366,7 +426,36 @@ class Supervisor(Service[SupervisorConfig]):
             recovery=self.config.recovery,
             started_at=time.time(),
             ready=self.ready,
+            creds_dir=str(self.creds_dir or ""),
+            tls_ca=self.config.bus.tls_ca,
+            tls_cert=self.config.bus.tls_cert,
+            tls_key=self.config.bus.tls_key,
+            role=self.config.role,
         ).write(self.paths)
+
+    def identities(self) -> list[str]:
+        """The identity names this node's processes connect as."""
+        return node_identity_names(self.config)
+
+
+def node_identity_names(config: SupervisorConfig) -> list[str]:
+    """The identities a node's processes connect as (``<creds dir>/<name>.nk`` each)."""
+    if config.role == "env-host":
+        return ["host", "environment"]
+    names = ["supervisor", "weights", "kv", "router", "controller"]
+    names += [f"engine-e{i}" for i in range(config.engines)]
+    names += ["environment"] if config.environment else []
+    names += ["trainer"] if config.training else []
+    return names
+
+
+def identity_of(module: str, config: Any) -> str:
+    """The identity a service module runs as: its role, one per engine for the rollout
+    workers and shadows (``engine-<id>``)."""
+    role = module.rsplit(".", 1)[-1]
+    if role in ("worker", "shadow"):
+        return f"engine-{config.engine_id}"
+    return role
 
 
 def remove_shm_files(run_id: str) -> int:

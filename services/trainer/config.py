@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from common.auth import BusConfig
 from common.training_config import OptimConfig
 
 
@@ -51,6 +52,8 @@ class TrainerConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"
     """The bus."""
+    bus: BusConfig = field(default_factory=BusConfig)
+    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     run_id: str = "dev"
     """The node's run id (names the shm files of pushed weights; stamped on checkpoints)."""
     checkpoint_dir: Path = Path(".belayer/trainer")

@@ -284,7 +284,9 @@ class Batcher:
         return {s.trajectory_id for g in self.groups.values() for s in g.values()}
 
     def is_stale(self, sample: Sample, version: int) -> bool:
-        return sample.oldest_version < version - self.max_staleness
+        """Older than the bound allows (a sample without model tokens never is: it still
+        counts in its group's advantages)."""
+        return sample.model_tokens > 0 and sample.oldest_version < version - self.max_staleness
 
     def offer(self, sample: Sample, version: int) -> Verdict:
         """Take ``sample`` for a later batch at trainer version ``version``, or say why not."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from common.service import Service, run_service
 from model.config import ModelConfig, load_model_config
 from model.qwen3 import Qwen3ForCausalLM, build_model
 from model.training import publishable_state_dict, read_meta
+from schemas.base import ID_PATTERN
 from schemas.events import (
     EventBase,
     LogprobMismatch,
@@ -116,6 +118,8 @@ class TrainerService(Service[TrainerConfig]):
         self.idle.set()
         self.reference: dict[str, torch.Tensor] | None = None
         self.sub: Any = None
+        self.signature: list[list[Any]] = []
+        """Names, dtypes and shapes of the served model's tensors (stamped on checkpoints)."""
 
     # --- start ----------------------------------------------------------------------------
     async def open(self) -> None:
@@ -125,6 +129,7 @@ class TrainerService(Service[TrainerConfig]):
     async def setup(self) -> None:
         manifest = await self._store_manifest()
         self.model_cfg = await asyncio.to_thread(load_model_config, manifest.model_dir)
+        self.signature = model_signature(manifest)
         await self._restore(manifest)
         filt = self.config.subject_filter or subjects.TRAJECTORIES_ALL
         self.sub = await self.js.pull_subscribe(
@@ -165,7 +170,7 @@ class TrainerService(Service[TrainerConfig]):
             if c.grpo.beta > 0:
                 await asyncio.to_thread(_save_reference, ref_path, state)
             self.state, self.store_version = state, manifest.version
-            await self._checkpoint(manifest)
+            await self._checkpoint()
             self.log.info("trainer_started", version=manifest.version, model=manifest.model_dir)
             return
         step, path = found
@@ -176,7 +181,7 @@ class TrainerService(Service[TrainerConfig]):
                 "--resume to continue it, or choose another --checkpoint-dir",
                 checkpoint=str(path),
             )
-        if meta.get("model") != model_signature(manifest):
+        if meta.get("model") != self.signature:
             raise InvalidRequest(
                 f"checkpoint {path} is for another model than the weight store serves "
                 f"({manifest.model_dir})",
@@ -287,6 +292,7 @@ class TrainerService(Service[TrainerConfig]):
 
     async def _dead_letter(self, msg: Msg, seq: int, exc: Exception) -> None:
         tid = msg.subject.rsplit(".", 1)[-1]
+        tid = tid if re.fullmatch(ID_PATTERN, tid) else ""
         headers = {
             "Nats-Msg-Id": f"trajectories-{seq}",
             "Belayer-Error": str(exc)[:500],
@@ -391,7 +397,7 @@ class TrainerService(Service[TrainerConfig]):
             at_end = bool(c.max_steps) and state.step >= c.max_steps
             checkpointed = state.step % c.checkpoint_every == 0 or at_end
             if checkpointed:
-                checkpoint_s = await self._checkpoint(None)
+                checkpoint_s = await self._checkpoint()
             t_push = time.perf_counter()
             if state.version > self.store_version:
                 await self._push(state)
@@ -433,13 +439,11 @@ class TrainerService(Service[TrainerConfig]):
                 out[v] = None
         return out
 
-    async def _checkpoint(self, manifest: WeightManifest | None) -> float:
+    async def _checkpoint(self) -> float:
         state = self.state
         assert state is not None
         t0 = time.perf_counter()
-        if manifest is None:
-            manifest = await fetch_manifest(self.nc, timeout=5.0)
-        meta = {"run_id": self.config.run_id, "model": model_signature(manifest)}
+        meta = {"run_id": self.config.run_id, "model": self.signature}
         path = journal.checkpoint_path(self.dir, state.step)
         await asyncio.to_thread(save_state, path, state, meta)
         await asyncio.to_thread(journal.prune, self.dir, self.config.keep_checkpoints)

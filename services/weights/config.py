@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from common.auth import BusConfig
 
 
 @dataclass(frozen=True)
@@ -12,6 +14,8 @@ class WeightStoreConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"
     """NATS server to serve ``weights.get`` / ``weights.push`` on."""
+    bus: BusConfig = field(default_factory=BusConfig)
+    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     run_id: str = "dev"
     """Names this node's shm files (``/dev/shm/belayer-<run_id>-weights-v<N>``)."""
     model_dir: Path = Path("model")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from common.auth import BusConfig
 from common.limits import ServingLimits
 from services.worker.engine.config import EngineConfig
 
@@ -15,6 +16,8 @@ class WorkerConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"
     """The bus."""
+    bus: BusConfig = field(default_factory=BusConfig)
+    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     engine_id: str = "e0"
     """The engine this worker serves (one main + one shadow per engine)."""
     role: Literal["main", "shadow"] = "main"

@@ -149,7 +149,9 @@ class Worker:
             write_identity(hb, Identity(self.pid, self.epoch, self.engine_id))
         # Step batches leave from the engine thread itself over a publish-only connection: no
         # thread hop and no event-loop turns per step (see common/fastpub.py).
-        self.publisher = FastPublisher(self.config.nats_url, name=f"worker-{self.engine_id}-steps")
+        self.publisher = FastPublisher(
+            self.config.nats_url, name=f"worker-{self.engine_id}-steps", bus=self.config.bus
+        )
         subject = subjects.router_tokens()
         publisher = self.publisher
 
@@ -178,7 +180,9 @@ class Worker:
         await self.server.serve(
             subjects.engine_generate(self.engine_id), EngineSubmit, self._on_submit
         )
-        await self.server.serve(subjects.engine_abort(self.engine_id), EngineAbort, self._on_abort)
+        await self.server.serve(  # the router publishes aborts without waiting for a reply
+            subjects.engine_abort(self.engine_id), EngineAbort, self._on_abort, reply_required=False
+        )
         await self.server.serve(subjects.engine_ping(self.engine_id), Ping, self._on_ping)
         await self.server.serve(
             subjects.engine_state(self.engine_id), EngineStateRequest, self._on_state

@@ -28,7 +28,7 @@ NODE_ARGS = ("--recovery", "baseline", "--heartbeat-interval", "1")
 
 
 async def test_baseline_detects_by_heartbeat_restarts_cold_and_regenerates(node: Node) -> None:
-    nc = await connect(node.nats_url, name="baseline")
+    nc = await connect(node.nats_url, name="baseline", bus=node.bus())
     events = await EventLog(nc).start()
     try:
         st = node.status()

@@ -27,7 +27,7 @@ N = 96
 
 
 async def test_sampled_request_keeps_its_prefix_through_a_sigkill(node: Node) -> None:
-    nc = await connect(node.nats_url, name="chaos-nondet")
+    nc = await connect(node.nats_url, name="chaos-nondet", bus=node.bus())
     events = await EventLog(nc).start()
     try:
         await events.wait_for(ShadowReady, "e0", timeout=60)

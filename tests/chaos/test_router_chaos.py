@@ -60,7 +60,7 @@ NODE_ARGS = ("--engines", "2", "--token-log-chunk", str(K), "--deterministic")
 async def bus(node: Node) -> AsyncIterator[tuple[object, EventLog]]:
     from common.bus import connect
 
-    nc = await connect(node.nats_url, name="chaos")
+    nc = await connect(node.nats_url, name="chaos", bus=node.bus())
     events = await EventLog(nc).start()
     try:
         for eid in ("e0", "e1"):

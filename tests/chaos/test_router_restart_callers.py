@@ -43,7 +43,7 @@ PROMPT = "a caller that outlives its router"
 async def nc(node: Node) -> AsyncIterator[Any]:
     from common.bus import connect
 
-    conn = await connect(node.nats_url, name="chaos-callers")
+    conn = await connect(node.nats_url, name="chaos-callers", bus=node.bus("operator"))
     try:
         yield conn
     finally:

@@ -63,7 +63,7 @@ deterministic mode (sampled requests are then compared exactly too)."""
 @pytest_asyncio.fixture
 async def bus(node: Node) -> AsyncIterator[tuple[object, EventLog]]:
     """A client and the node's event log; waits until every engine has a warm shadow."""
-    nc = await connect(node.nats_url, name="chaos")
+    nc = await connect(node.nats_url, name="chaos", bus=node.bus())
     events = await EventLog(nc).start()
     try:
         await settle(events)
@@ -264,11 +264,16 @@ async def test_both_engines_killed_at_once_both_hand_over(bus: tuple[object, Eve
     assert all(e.healthy for e in (await router_status(nc)).engines)
 
 
-async def test_stale_epoch_output_never_reaches_the_caller(bus: tuple[object, EventLog]) -> None:
+async def test_stale_epoch_output_never_reaches_the_caller(
+    node: Node, bus: tuple[object, EventLog]
+) -> None:
     """A forged StepBatch from an old epoch of the request's engine (bogus tokens, even a
     'finished') is rejected with an event; the caller sees only the real tokens. The old epoch
-    is made here (one handover from whatever epoch the test finds), so the test stands alone."""
+    is made here (one handover from whatever epoch the test finds), so the test stands alone.
+    The forger holds e0's own identity (only engines may publish step batches): a stale
+    process of the engine, not any client."""
     nc, events = bus
+    forger = await node.connect("forger", "engine-e0")
     req = greedy("stale-victim", prompt(60), 160, engine_id="e0")
     ref = await references(nc, [req])
     start = next(e for e in (await router_status(nc)).engines if e.id == "e0").epoch
@@ -300,7 +305,8 @@ async def test_stale_epoch_output_never_reaches_the_caller(bus: tuple[object, Ev
                 )
             ],
         )
-        await nc.publish(subjects.router_tokens(), encode(forged))
+        await forger.publish(subjects.router_tokens(), encode(forged))
+    await forger.drain()
     for epoch in (eng.epoch - 1, 0):
         await events.wait_for(
             StaleOutputRejected, "e0", after=t0, epoch=epoch, pid=forged_pid, timeout=10

@@ -85,8 +85,10 @@ def require_docker() -> docker.DockerClient:
 
 
 def leftover_containers(client: docker.DockerClient, node: str) -> list[str]:
+    """Containers labelled ``belayer.node=<node>`` (one list call: no per-container lookup
+    that a concurrent removal could fail)."""
     return [
-        c.id for c in client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={node}"})
+        c["Id"] for c in client.api.containers(all=True, filters={"label": f"{LABEL_NODE}={node}"})
     ]
 
 

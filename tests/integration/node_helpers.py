@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from common import subjects
-from common.bus import request
+from common.auth import BusConfig
+from common.bus import connect, request
 from common.codec import decode, encode, raise_error
 from common.config import SHM_DIR, shm_prefix
 from common.errors import BelayerError, BusUnavailable
@@ -54,6 +55,15 @@ class Node:
     run_dir: Path
     nats_url: str
     run_id: str
+
+    def bus(self, identity: str = "client") -> BusConfig:
+        """Credentials of one of the node's identities (``client``, ``operator``, a service
+        role, ``engine-e0``…) from its run directory, for a test's own connection."""
+        return BusConfig(creds=str(self.run_dir / "auth" / f"{identity}.nk"))
+
+    async def connect(self, name: str = "t", identity: str = "client") -> Any:
+        """A connection to the node's bus as ``identity``."""
+        return await connect(self.nats_url, name=name, bus=self.bus(identity))
 
     def status(self) -> dict:
         return json.loads(cli("status", "--json", run_dir=self.run_dir).stdout)

@@ -139,6 +139,38 @@ def test_down_after_the_node_died_removes_what_it_left(tmp_path: Path) -> None:
     _assert_no_sandbox_leftovers(node, root)
 
 
+@pytest.mark.timeout(500)
+def test_down_keep_sandboxes_then_up_adopts_them(tmp_path: Path) -> None:
+    """`belayer down --keep-sandboxes` leaves the sandboxes running with their checkpoints; the
+    next `belayer up` of the same run directory (a new run id, so a new node label) adopts
+    them — the process inside kept its state — and a plain `belayer down` then removes them."""
+    client = require_docker()
+    run_dir = tmp_path / "run"
+    first = start_node(run_dir, "--environment")
+    second: Node | None = None
+    try:
+        sid, root = _checkpointed_sandbox(first, tmp_path)
+        (sb,) = json.loads(env(first, "ls", "--json").stdout)
+        out = cli("down", "--keep-sandboxes", run_dir=run_dir, timeout=60).stdout
+        assert "1 sandboxes kept" in out
+        assert client.api.inspect_container(sb["container_id"])["State"]["Running"]
+        assert (root / sid / sb["checkpoint_id"]).is_dir()
+
+        second = start_node(run_dir, "--environment")
+        assert second.run_id != first.run_id
+        (adopted,) = json.loads(env(second, "ls", "--json").stdout)
+        assert (adopted["id"], adopted["container_id"]) == (sid, sb["container_id"])
+        assert adopted["ready_prefix"] == 1 and adopted["state"] == "running"
+        assert env(second, "exec", sid, BUMP).stdout.strip() == "2"  # the same process
+        client.api.kill(sb["container_id"])
+        assert json.loads(env(second, "restore", sid, "--json").stdout)["prefix"] == 1
+        assert env(second, "exec", sid, BUMP).stdout.strip() == "2"  # the counter at prefix 1
+    finally:
+        stop_node(second or first)
+    _assert_no_sandbox_leftovers(second or first, root)
+    assert not leftover_containers(client, node_label(first.run_id))
+
+
 def wait_gone(pid: int, timeout: float = 30.0) -> None:
     """Until ``pid`` no longer runs (bounded)."""
     deadline = time.monotonic() + timeout

@@ -12,6 +12,7 @@ import pytest
 
 from common.errors import BelayerError, Conflict, SandboxError
 from schemas.env import EnvRestored, SandboxLimits
+from services.environment import criu_ops as ops
 from services.environment.client import EnvClient
 from tests.integration.env_helpers import (  # noqa: F401
     BUMP,
@@ -108,6 +109,11 @@ async def test_checkpoint_of_a_paused_sandbox_keeps_it_paused_and_usable(env) ->
         await c.exec(sid, "true")
     dk.api.unpause(cid)  # refused ("not paused") when the checkpoint thawed it behind Docker
     assert (await c.exec(sid, BUMP)).stdout.strip() == "2"
+    # a freeze Docker knows nothing of (a service killed mid-checkpoint) is thawed, not hung in
+    control = ops.freezer_path(int(dk.api.inspect_container(cid)["State"]["Pid"]))
+    assert control is not None
+    await ops.freeze(control)
+    assert (await c.exec(sid, "echo thawed", timeout_s=10)).stdout.strip() == "thawed"
     dk.api.kill(cid)
     r = await c.restore(sid)
     assert r.checkpoint_id == k1.checkpoint_id

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -198,3 +199,64 @@ async def test_requests_while_dockerd_is_unreachable_get_a_clear_error(
         assert (await harness.client.list()).sandboxes == []
     finally:
         await harness.shutdown()
+
+
+@pytest.mark.timeout(180)
+async def test_a_restored_sandbox_is_an_ordinary_docker_container(env) -> None:  # type: ignore[no-untyped-def]
+    """The fast restore path (runc restore under containerd's shim, through the ``belayer``
+    runtime) leaves a container Docker manages like any other: inspect, exec, limits, kill,
+    listing, and it can be checkpointed and restored again."""
+    import docker
+
+    c = env.client
+    dk = docker.DockerClient(version="auto")
+    limits = SandboxLimits(memory_mb=200, cpus=0.5, pids=64)
+    sid = (await c.create(limits=limits)).sandbox_id
+    await c.exec(sid, "echo one > /root/f")
+    await c.checkpoint(sid, 1)
+    await env_kill(env, sid)
+    r = await c.restore(sid)
+    assert r.method == "runtime"  # deploy/install_env.sh registers the runtime
+    host = dk.api.inspect_container(r.container_id)
+    assert host["State"]["Running"] and not host["State"]["Paused"]
+    assert host["HostConfig"]["Runtime"] == env.config.restore_runtime
+    assert (host["HostConfig"]["Memory"], host["HostConfig"]["PidsLimit"]) == (200 << 20, 64)
+    # the limits hold on the restored processes' cgroups (the host's view: CRIU restores the
+    # container's own /sys/fs/cgroup mount as the whole hierarchy, on either restore path)
+    assert _cgroup_limits(int(host["State"]["Pid"])) == (200 << 20, 64, 50000)
+    listing = {s.id: s for s in (await c.list()).sandboxes}
+    assert (listing[sid].container_id, listing[sid].state) == (r.container_id, "running")
+    await c.exec(sid, "echo two > /root/f")
+    await c.checkpoint(sid, 2)  # runc finds the restored container under the runtime's root
+    await env_kill(env, sid)
+    with pytest.raises(SandboxError, match="dead"):
+        await c.exec(sid, "true")
+    again = await c.restore(sid)
+    assert again.prefix == 2 and [a.outcome for a in again.candidates] == ["restored"]
+    assert (await c.exec(sid, "cat /root/f")).stdout.strip() == "two"
+
+
+def _cgroup_limits(pid: int) -> tuple[int, int, int]:
+    """(memory bytes, pids, CPU quota in µs per 100 ms) of the cgroups ``pid`` runs in."""
+    paths: dict[str, str] = {}
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(","):
+            paths[controller] = path.lstrip("/")
+    if "memory" in paths:  # cgroup v1: one hierarchy per controller
+
+        def v1(controller: str, name: str) -> int:
+            return int(Path("/sys/fs/cgroup", controller, paths[controller], name).read_text())
+
+        return (
+            v1("memory", "memory.limit_in_bytes"),
+            v1("pids", "pids.max"),
+            v1("cpu", "cpu.cfs_quota_us"),
+        )
+    v2 = Path("/sys/fs/cgroup", paths[""])
+    quota, period = (v2 / "cpu.max").read_text().split()
+    return (
+        int((v2 / "memory.max").read_text()),
+        int((v2 / "pids.max").read_text()),
+        int(quota) * 100_000 // int(period),
+    )

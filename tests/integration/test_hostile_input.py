@@ -35,7 +35,11 @@ async def _ask(nc: object, subject: str, raw: object) -> ErrorReply:
 
 async def test_bad_engine_ids_are_refused_and_the_router_keeps_serving(node: Node) -> None:
     router_pid = node.pids()["router"]
-    nc = await connect(node.nats_url, name="t")
+    nc = await connect(node.nats_url, name="t", bus=node.bus())
+    # Registrations, failure reports and flushes come only from engines: a rogue engine
+    # process (e0's identity) sends the bad ones. (It may not write another engine's epoch
+    # key, such as the dotted id's: the server refuses that outright.)
+    peer = await connect(node.nats_url, name="peer", bus=node.bus("engine-e0"))
     try:
         # Watch the router's heartbeat pings: two rounds after the bad registrations prove its
         # loop went past them (a bad engine in its registry used to end the router process).
@@ -44,34 +48,31 @@ async def test_bad_engine_ids_are_refused_and_the_router_keeps_serving(node: Nod
         async def seen(_msg: object) -> None:
             pings.put_nowait(None)
 
-        sub = await nc.subscribe(subjects.engine_ping("e0"), cb=seen)
-        # As an attacker would, claim the epoch of the dotted id first (KV keys may hold dots).
-        epochs = await nc.jetstream().key_value(subjects.BUCKET_ENGINE_EPOCHS)
-        await epochs.put("a.b", b"1")
+        sub = await peer.subscribe(subjects.engine_ping("e0"), cb=seen)
         for bad in BAD_IDS:
             raw = {"type": "RegisterWorker.v1", "engine_id": bad, "epoch": 1, "pid": 1}
-            err = await _ask(nc, subjects.router_register(), raw)
+            err = await _ask(peer, subjects.router_register(), raw)
             assert err.code == "invalid_request", (bad, err)
             assert err.data["field"] == "$.engine_id", (bad, err)
             raw = {"type": "EngineFailed.v1", "engine_id": bad, "epoch": 1}
-            err = await _ask(nc, subjects.router_engine_failed(), raw)
+            err = await _ask(peer, subjects.router_engine_failed(), raw)
             assert (err.code, err.data["field"]) == ("invalid_request", "$.engine_id"), bad
             raw = {"type": "CancelRequest.v1", "request_id": bad}
             err = await _ask(nc, subjects.router_cancel(), raw)
             assert (err.code, err.data["field"]) == ("invalid_request", "$.request_id"), bad
             raw = {"type": "KvFlush.v1", "engine_id": bad, "epoch": 1}
-            err = await _ask(nc, subjects.kv_flush(), raw)
+            err = await _ask(peer, subjects.kv_flush(), raw)
             assert (err.code, err.data["field"]) == ("invalid_request", "$.engine_id"), bad
         while not pings.empty():
             pings.get_nowait()
         for _ in range(2):
             await asyncio.wait_for(pings.get(), 30)
         await sub.unsubscribe()
-        await epochs.purge("a.b")
         res = await asyncio.wait_for(generate(nc, greedy("after-bad-ids", n=8)), 60)
         assert len(res.token_ids) == 8
         assert node.pids()["router"] == router_pid
     finally:
+        await peer.drain()
         await nc.drain()
 
 
@@ -80,7 +81,7 @@ def _deep(depth: int) -> bytes:
 
 
 async def test_nan_huge_integers_and_deep_nesting_get_typed_errors(node: Node) -> None:
-    nc = await connect(node.nats_url, name="t")
+    nc = await connect(node.nats_url, name="t", bus=node.bus())
     try:
         base = {"type": "GenerateRequest.v1", "request_id": "hostile", "prompt": "hi"}
         cases = [

@@ -50,7 +50,7 @@ def greedy(
 
 
 async def test_generate_streams_logs_and_replays(node: Node) -> None:
-    nc = await connect(node.nats_url, name="t")
+    nc = await connect(node.nats_url, name="t", bus=node.bus("operator"))  # reads TOKENS too
     try:
         deltas: list[TokenDelta] = []
         res = await generate(nc, greedy("g1", n=40), on_delta=deltas.append)
@@ -79,7 +79,7 @@ async def test_generate_streams_logs_and_replays(node: Node) -> None:
 
 
 async def test_concurrent_requests_match_solo_runs(node: Node) -> None:
-    nc = await connect(node.nats_url, name="t")
+    nc = await connect(node.nats_url, name="t", bus=node.bus())
     try:
         solo_a = await generate(nc, greedy("solo-a", "alpha beta"))
         solo_b = await generate(nc, greedy("solo-b", "one two three four"))
@@ -99,7 +99,9 @@ async def test_concurrent_requests_match_solo_runs(node: Node) -> None:
 
 
 async def test_bad_input_gets_typed_errors_and_others_continue(node: Node) -> None:
-    nc = await connect(node.nats_url, name="t")
+    nc = await connect(node.nats_url, name="t", bus=node.bus())
+    # Registrations and failure reports may come only from engines: a stale one forges them.
+    peer = await connect(node.nats_url, name="peer", bus=node.bus("engine-e0"))
     try:
         other = asyncio.create_task(generate(nc, greedy("bystander", n=64)))
         bad = msgpack.packb(
@@ -121,7 +123,7 @@ async def test_bad_input_gets_typed_errors_and_others_continue(node: Node) -> No
         # a worker that did not win the epoch compare-and-set cannot register
         with pytest.raises(Conflict):
             await request(
-                nc,
+                peer,
                 subjects.router_register(),
                 RegisterWorker(engine_id="e0", epoch=99, pid=1),
                 RegisterReply,
@@ -129,21 +131,22 @@ async def test_bad_input_gets_typed_errors_and_others_continue(node: Node) -> No
         # a failure report for an unknown engine, or for an epoch never seen, is refused
         with pytest.raises(NotFound):
             await request(
-                nc, subjects.router_engine_failed(), EngineFailed(engine_id="e9", epoch=1), Ok
+                peer, subjects.router_engine_failed(), EngineFailed(engine_id="e9", epoch=1), Ok
             )
         with pytest.raises(Conflict):
             await request(
-                nc, subjects.router_engine_failed(), EngineFailed(engine_id="e0", epoch=99), Ok
+                peer, subjects.router_engine_failed(), EngineFailed(engine_id="e0", epoch=99), Ok
             )
         assert len((await other).token_ids) == 64
         st = node.status()
         assert all(e["healthy"] for e in st["engines"])
     finally:
+        await peer.drain()
         await nc.drain()
 
 
 async def test_killed_services_are_restarted_and_requests_resume(node: Node) -> None:
-    nc = await connect(node.nats_url, name="t")
+    nc = await connect(node.nats_url, name="t", bus=node.bus())
     try:
         reference = await generate(nc, greedy("ref", "resume me", n=300, engine_id="e1"))
         pid = {e["id"]: e["worker_pid"] for e in node.status()["engines"]}["e1"]
@@ -226,7 +229,8 @@ async def test_pushed_weights_reach_every_worker(node: Node) -> None:
 
     from services.weights.client import fetch_manifest, map_weights, push_weights
 
-    nc = await connect(node.nats_url, name="t")
+    nc = await connect(node.nats_url, name="t", bus=node.bus())
+    trainer = await connect(node.nats_url, name="t-trainer", bus=node.bus("trainer"))
     try:
         before = await generate(nc, greedy("w-before", "weights change this", n=16, engine_id="e0"))
         swapped: list[WorkerWeightsSwapped] = []
@@ -238,13 +242,13 @@ async def test_pushed_weights_reach_every_worker(node: Node) -> None:
                 all_swapped.set()
 
         await nc.subscribe(subjects.event(WorkerWeightsSwapped.kind), cb=on_swap)
-        current = await fetch_manifest(nc)
+        current = await fetch_manifest(trainer)
         gen = torch.Generator().manual_seed(0)
         new = {
             k: v + 0.05 * torch.randn(v.shape, generator=gen)
             for k, v in map_weights(current).items()
         }
-        pushed = await push_weights(nc, new, base_version=current.version, run_id=node.run_id)
+        pushed = await push_weights(trainer, new, base_version=current.version, run_id=node.run_id)
         assert pushed.version == current.version + 1
         await asyncio.wait_for(all_swapped.wait(), 60)
         assert {(e.engine_id, e.role) for e in swapped} == {
@@ -259,4 +263,5 @@ async def test_pushed_weights_reach_every_worker(node: Node) -> None:
         assert set(after.token_weight_versions) == {pushed.version}
         assert after.token_ids != before.token_ids
     finally:
+        await trainer.drain()
         await nc.drain()

@@ -96,12 +96,25 @@ def training_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 
 @pytest_asyncio.fixture
 async def bus(training_node: Node) -> AsyncIterator[tuple[object, EventLog]]:
-    nc = await connect(training_node.nats_url, name="test-trainer")
+    """The node's operator (reads every stream) and its event log."""
+    nc = await connect(
+        training_node.nats_url, name="test-trainer", bus=training_node.bus("operator")
+    )
     log = await EventLog(nc).start()
     try:
         yield nc, log
     finally:
         await log.stop()
+        await nc.drain()
+
+
+@pytest_asyncio.fixture
+async def controller_js(training_node: Node) -> AsyncIterator[object]:
+    """JetStream as the controller: only it may publish trajectories."""
+    nc = await training_node.connect("test-trajectories", "controller")
+    try:
+        yield nc.jetstream()
+    finally:
         await nc.drain()
 
 
@@ -150,7 +163,7 @@ async def all_acked(js: object) -> bool:
 
 
 async def test_a_batch_trains_pushes_and_the_workers_switch(
-    bus: tuple[object, EventLog],
+    bus: tuple[object, EventLog], controller_js: object
 ) -> None:
     nc, log = bus
     js = nc.jetstream()  # type: ignore[attr-defined]
@@ -158,8 +171,10 @@ async def test_a_batch_trains_pushes_and_the_workers_switch(
     trajs = await rollout(nc, f"ok{st.version}", st.version)
     # a malformed record on the stream: dead-lettered and acked, training goes on
     bad = subjects.trajectory("junk", "junk-1")
-    await js.publish(bad, b"\x81\xa4type\xabTrajectory.v1", headers={"Nats-Msg-Id": "junk-1"})
-    await publish(js, trajs)
+    await controller_js.publish(
+        bad, b"\x81\xa4type\xabTrajectory.v1", headers={"Nats-Msg-Id": "junk-1"}
+    )  # type: ignore[attr-defined]
+    await publish(controller_js, trajs)
 
     step = await log.wait_for(TrainStep, step=st.step + 1, timeout=120)
     assert step.version == st.version + 1 and step.samples == GROUP * GROUPS
@@ -190,7 +205,7 @@ async def test_a_batch_trains_pushes_and_the_workers_switch(
 
 
 async def test_a_trainer_killed_mid_step_resumes_and_trains_each_trajectory_once(
-    training_node: Node, bus: tuple[object, EventLog]
+    training_node: Node, bus: tuple[object, EventLog], controller_js: object
 ) -> None:
     nc, log = bus
     js = nc.jetstream()  # type: ignore[attr-defined]
@@ -199,7 +214,7 @@ async def test_a_trainer_killed_mid_step_resumes_and_trains_each_trajectory_once
     ckpt_dir = training_node.run_dir / "trainer"
     before = json.loads((journal.checkpoint_path(ckpt_dir, s0) / "meta.json").read_text())
     trajs = await rollout(nc, f"kill{v0}", v0)
-    await publish(js, trajs)
+    await publish(controller_js, trajs)
 
     started = await log.wait_for(TrainStepStarted, step=s0 + 1, replay=False, timeout=120)
     pid = (await supervisor_pids(nc))["trainer"]  # type: ignore[arg-type]

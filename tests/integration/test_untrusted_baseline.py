@@ -29,7 +29,8 @@ NODE_ARGS = ("--recovery", "baseline", "--heartbeat-interval", "1", "--failure-w
 
 
 async def test_a_forged_failure_event_restarts_nothing(node: Node) -> None:
-    nc = await connect(node.nats_url, name="forger")
+    nc = await connect(node.nats_url, name="client", bus=node.bus())
+    forger = await connect(node.nats_url, name="forger", bus=node.bus("engine-e0"))
     log = await EventLog(nc).start()
     try:
         main = (await supervisor_pids(nc))["worker-e0"]
@@ -39,7 +40,7 @@ async def test_a_forged_failure_event_restarts_nothing(node: Node) -> None:
         forged = EngineFailedEvent(
             engine_id="e0", epoch=e0.epoch, pid=main, reason="forged", request_ids=[]
         )
-        await events.publish(nc.jetstream(), forged)
+        await events.publish(forger.jetstream(), forged)  # any service may publish events
         await wait_until(
             lambda: len(log_lines(node, "supervisor", "event_not_confirmed")) > seen,
             timeout=15,
@@ -60,4 +61,5 @@ async def test_a_forged_failure_event_restarts_nothing(node: Node) -> None:
         assert len(res.token_ids) == 8
     finally:
         await log.stop()
+        await forger.drain()
         await nc.drain()

@@ -71,8 +71,11 @@ CAPACITY = WorkerConfig().engine.max_num_seqs + LIMITS.max_queued
 
 @pytest_asyncio.fixture
 async def bus(node: Node) -> AsyncIterator[tuple[Any, EventLog]]:
-    """A client and the node's event log, once every engine has a warm shadow."""
-    nc = await connect(node.nats_url, name="untrusted")
+    """A client and the node's event log, once every engine has a warm shadow. (A forgery
+    below comes from a peer holding the identity the server requires for that subject — a
+    rogue process of an engine, of the router — since the server refuses it from anyone
+    else: these tests show what each service checks on top of that.)"""
+    nc = await connect(node.nats_url, name="untrusted", bus=node.bus())
     log = await EventLog(nc).start()
     try:
         for eid in ("e0", "e1"):
@@ -117,27 +120,28 @@ async def hand_over(nc: Any, log: EventLog, engine_id: str) -> HandoverComplete:
 
 
 async def test_a_registration_must_be_a_live_worker_of_a_node_engine(
-    bus: tuple[Any, EventLog],
+    node: Node, bus: tuple[Any, EventLog]
 ) -> None:
     """A phantom engine (an id the supervisor never started) and a phantom worker (a pid that
     does not answer the engine's ping, even under an epoch it claimed by compare-and-set) are
-    refused, typed; they never become placement targets."""
+    refused, typed; they never become placement targets. The phantom holds e1's identity."""
     nc, _ = bus
+    phantom = await connect(node.nats_url, name="phantom", bus=node.bus("engine-e1"))
     before = {e.id: e.worker_pid for e in (await router_status(nc)).engines}
     with pytest.raises(NotFound):
         await request(
-            nc,
+            phantom,
             subjects.router_register(),
             RegisterWorker(engine_id="e7", epoch=0, pid=os.getpid()),
             RegisterReply,
         )
-    js = nc.jetstream()
+    js = phantom.jetstream()
     old, _ = await current_epoch(js, "e1")
     claimed = await claim_epoch(js, "e1", expected=old)  # what a phantom could do on the bus
     try:
         with pytest.raises(Conflict) as err:
             await request(
-                nc,
+                phantom,
                 subjects.router_register(),
                 RegisterWorker(engine_id="e1", epoch=claimed, pid=999_999),
                 RegisterReply,
@@ -147,22 +151,28 @@ async def test_a_registration_must_be_a_live_worker_of_a_node_engine(
         kv = await js.key_value(subjects.BUCKET_ENGINE_EPOCHS)
         _, rev = await current_epoch(js, "e1")
         await kv.update("e1", str(old).encode(), last=rev)
+        await phantom.drain()
     st = await router_status(nc)
     assert {e.id: e.worker_pid for e in st.engines} == before
     assert all(e.healthy for e in st.engines)
     await all_finish(nc, "after-phantoms")
 
 
-async def test_no_flush_can_push_an_epoch_out_of_reach(bus: tuple[Any, EventLog]) -> None:
+async def test_no_flush_can_push_an_epoch_out_of_reach(
+    node: Node, bus: tuple[Any, EventLog]
+) -> None:
     """A flush under a made-up epoch, under the live epoch (already flushed by its worker) or
     under the next one (not claimed yet) is refused and zeroes nothing; the next handover of
-    that engine still works and flushes exactly once, under the epoch it claimed."""
+    that engine still works and flushes exactly once, under the epoch it claimed. The forger
+    holds e0's identity (only engines may flush)."""
     nc, log = bus
-    epoch, _ = await current_epoch(nc.jetstream(), "e0")
+    forger = await connect(node.nats_url, name="forger", bus=node.bus("engine-e0"))
+    epoch, _ = await current_epoch(forger.jetstream(), "e0")
     t0 = time.time()
     for forged in (10**12, epoch, epoch + 1):
         with pytest.raises(Conflict):
-            await flush_arena(nc, "e0", forged)
+            await flush_arena(forger, "e0", forged)
+    await forger.drain()
     done = await hand_over(nc, log, "e0")
     assert (done.old_epoch, done.epoch) == (epoch, epoch + 1)
     flushes = log.matching(KvFlushed, "e0", after=t0)
@@ -179,11 +189,12 @@ async def test_events_inform_and_command_nothing(node: Node, bus: tuple[Any, Eve
     supervisor checks them with the router and the epoch bucket and does nothing (no engine
     retired, no shadow promoted, no worker killed); no worker switches weights."""
     nc, log = bus
-    js = nc.jetstream()
+    forger = await connect(node.nats_url, name="forger", bus=node.bus("engine-e0"))
+    js = forger.jetstream()  # any service may publish events; e0's identity forges these
     procs = await supervisor_pids(nc)
     main, shadow = procs["worker-e1"], procs["shadow-e1"]
     epoch, _ = await current_epoch(js, "e1")
-    current = await fetch_manifest(nc)
+    current = await fetch_manifest(forger)
     seen = len(log_lines(node, "supervisor", "event_not_confirmed"))
     t0 = time.time()
     await events.publish(
@@ -215,6 +226,7 @@ async def test_events_inform_and_command_nothing(node: Node, bus: tuple[Any, Eve
         timeout=15,
         what="the worker checked the forged weights event against the weight_version bucket",
     )
+    await forger.drain()
     actions = {r["action"] for r in log_lines(node, "supervisor", "event_not_confirmed")[seen:]}
     assert actions == {"retire", "promote"}
     for kind in (EngineRetired, ResidualKilled, WorkerWeightsSwapped):
@@ -263,12 +275,17 @@ async def test_status_never_shows_a_dead_worker_as_healthy(
     assert (shown["worker_pid"], shown["healthy"]) == (shadow, True)
 
 
-async def test_a_worker_takes_only_what_the_router_would(bus: tuple[Any, EventLog]) -> None:
+async def test_a_worker_takes_only_what_the_router_would(
+    node: Node, bus: tuple[Any, EventLog]
+) -> None:
     """Direct submits to a worker, past the router: over the limits they are refused
     (`resource_limit`); 300 long ones fill the worker's bounded queue and the rest get the
     retryable `engine_unavailable`; the router sees the flood in the worker's own counts and
-    sends a normal request to the other engine, which finishes at once."""
+    sends a normal request to the other engine, which finishes at once. The submits come
+    with the router's identity (only the router may submit to engines): a second, rogue
+    router process."""
     nc, _ = bus
+    rogue = await connect(node.nats_url, name="rogue-router", bus=node.bus("router"))
     eng = next(e for e in (await router_status(nc)).engines if e.id == "e0")
 
     def submit(rid: str, tokens: list[int], max_tokens: int) -> EngineSubmit:
@@ -278,15 +295,15 @@ async def test_a_worker_takes_only_what_the_router_would(bus: tuple[Any, EventLo
 
     subject = subjects.engine_generate("e0")
     with pytest.raises(ResourceLimit):
-        await request(nc, subject, submit("long-prompt", [5] * 2000, 4), Ok)
+        await request(rogue, subject, submit("long-prompt", [5] * 2000, 4), Ok)
     with pytest.raises(ResourceLimit):
-        await request(nc, subject, submit("many-tokens", [5, 6], LIMITS.max_new_tokens + 1), Ok)
+        await request(rogue, subject, submit("many-tokens", [5, 6], LIMITS.max_new_tokens + 1), Ok)
     flood = [f"flood-{i}" for i in range(300)]
     accepted, refused = 0, 0
     try:
         for rid in flood:
             try:
-                await request(nc, subject, submit(rid, [5, 6, 7], LIMITS.max_new_tokens), Ok)
+                await request(rogue, subject, submit(rid, [5, 6, 7], LIMITS.max_new_tokens), Ok)
                 accepted += 1
             except EngineUnavailable as exc:
                 assert exc.retryable
@@ -304,7 +321,8 @@ async def test_a_worker_takes_only_what_the_router_would(bus: tuple[Any, EventLo
         assert time.monotonic() - t0 < 15
     finally:
         abort = EngineAbort(engine_id="e0", epoch=eng.epoch, request_ids=flood)
-        await nc.publish(subjects.engine_abort("e0"), encode(abort))
+        await rogue.publish(subjects.engine_abort("e0"), encode(abort))
+        await rogue.drain()
 
     async def e0_empty() -> bool:
         e0 = next(e for e in (await router_status(nc)).engines if e.id == "e0")

@@ -47,7 +47,9 @@ def chat(tok: Tokenizer) -> ChatFormat:
     return ChatFormat(tok)
 
 
-def make(chat: ChatFormat, *, sandbox: bool = True, limits: Limits = LIMITS, policy: str = "always") -> TrajectoryCore:
+def make(
+    chat: ChatFormat, *, sandbox: bool = True, limits: Limits = LIMITS, policy: str = "always"
+) -> TrajectoryCore:
     return TrajectoryCore(
         trajectory_id="r1-s0-a0",
         prompt_ids=chat.prompt(PROMPT),
@@ -60,11 +62,13 @@ def make(chat: ChatFormat, *, sandbox: bool = True, limits: Limits = LIMITS, pol
     )
 
 
-def respond(core: TrajectoryCore, chat: ChatFormat, text: str, *, now: float = 1.0, resumes: int = 0):
+def respond(
+    core: TrajectoryCore, chat: ChatFormat, text: str, *, now: float = 1.0, resumes: int = 0
+):
     """Feed ``text`` as the model's response (ending in <|im_end|>, as the model does)."""
     gen = core.next_generation(now)
     assert isinstance(gen, Generate), gen
-    ids = chat.tokenizer.encode(text) + [chat.im_end]
+    ids = [*chat.tokenizer.encode(text), chat.im_end]
     return core.on_response(
         ids, [-0.5] * len(ids), [3] * len(ids), text, llm_s=0.2, resumes=resumes, now=now
     )
@@ -88,11 +92,13 @@ def snapshot(core: TrajectoryCore) -> tuple:
 def test_chat_layout_matches_the_template_text(chat: ChatFormat) -> None:
     tok = chat.tokenizer
     assert chat.prompt(PROMPT) == tok.encode(chat.render(PROMPT, add_generation_prompt=True))
-    response = tok.encode("```bash\nls\n```") + [chat.im_end]
+    response = [*tok.encode("```bash\nls\n```"), chat.im_end]
     whole = "\n<|im_start|>user\nexit_code: 0<|im_end|>\n<|im_start|>assistant\n"
     assert chat.observation(response, "exit_code: 0") == tok.encode(whole)
     cut = tok.encode("```bash\nls")  # cut by max_tokens: closed for the model
-    assert chat.observation(cut, "x")[: len(tok.encode("<|im_end|>\n"))] == tok.encode("<|im_end|>\n")
+    assert chat.observation(cut, "x")[: len(tok.encode("<|im_end|>\n"))] == tok.encode(
+        "<|im_end|>\n"
+    )
 
 
 def test_loss_mask_logprobs_and_versions_mark_model_tokens_only(chat: ChatFormat) -> None:
@@ -182,7 +188,11 @@ def test_failed_restore_falls_back_then_scratch(chat: ChatFormat) -> None:
     assert core.context == core.prompt_ids and core.response_ids == [] and core.actions == []
     assert core.turn == 0 and core.ready == []
     rec = core.recovery
-    assert (rec.restore_failures, rec.restarts_from_scratch, rec.restarts_from_scratch_with_checkpoint) == (2, 1, 1)
+    assert (
+        rec.restore_failures,
+        rec.restarts_from_scratch,
+        rec.restarts_from_scratch_with_checkpoint,
+    ) == (2, 1, 1)
     # the counters and timings survive the truncation
     assert core.timings.llm_s > 0 and core.timings.env_s > 0
 
@@ -232,21 +242,28 @@ def test_limits_end_the_trajectory(chat: ChatFormat) -> None:
     run_action(core, chat, "a")
     run_action(core, chat, "b")
     end = core.next_generation(1.0)
-    assert isinstance(end, Finish) and end.reason == "max_turns"
+    assert isinstance(end, Score) and end.reason == "max_turns"  # scored as it stands
     late = make(chat)
     end = late.next_generation(100.0)
-    assert isinstance(end, Finish) and end.reason == "deadline"
+    assert isinstance(end, Finish) and end.reason == "deadline" and late.finish == end
     short = make(chat, limits=Limits(**{**LIMITS.__dict__, "max_prompt_tokens": 10}))
     end = short.next_generation(1.0)
-    assert isinstance(end, Finish) and end.reason == "length"
-    room = make(chat, limits=Limits(**{**LIMITS.__dict__, "max_context_tokens": len(chat.prompt(PROMPT)) + 5}))
+    assert isinstance(end, Score) and end.reason == "length"
+    room = make(
+        chat,
+        limits=Limits(**{**LIMITS.__dict__, "max_context_tokens": len(chat.prompt(PROMPT)) + 5}),
+    )
     gen = room.next_generation(1.0)
     assert isinstance(gen, Generate) and gen.max_tokens == 5
 
 
 def test_timeouts_of_the_agent_are_observations(chat: ChatFormat) -> None:
-    assert is_agent_timeout("timeout", "command ran past its timeout", {"timeout_s": 5.0, "stdout_tail": ""})
-    assert not is_agent_timeout("timeout", "no reply in time", {"subject": "belayer.env.exec", "timeout": 35.0})
+    assert is_agent_timeout(
+        "timeout", "command ran past its timeout", {"timeout_s": 5.0, "stdout_tail": ""}
+    )
+    assert not is_agent_timeout(
+        "timeout", "no reply in time", {"subject": "belayer.env.exec", "timeout": 35.0}
+    )
     assert not is_agent_timeout("sandbox_error", "dead", {})
     core = make(chat)
     respond(core, chat, "```bash\nsleep 100\n```")
@@ -280,3 +297,11 @@ def test_engine_handovers_are_counted(chat: ChatFormat, tmp_path: Path) -> None:
     respond(core, chat, "```bash\nls\n```", resumes=1)
     assert core.recovery.engine_handovers == 1
     assert core.recovery.entries[-1].kind == "engine_handover"
+
+
+def test_a_response_outside_the_vocabulary_cannot_be_continued(chat: ChatFormat) -> None:
+    vocab = chat.tokenizer.vocab_size
+    core = make(chat, limits=Limits(**{**LIMITS.__dict__, "vocab_size": vocab}))
+    assert isinstance(core.next_generation(1.0), Generate)
+    step = core.on_response([5, vocab + 3, chat.im_end], [0.0] * 3, [1] * 3, "x", llm_s=0.1)
+    assert isinstance(step, Score) and step.reason == "malformed" and "vocabulary" in step.detail

@@ -18,7 +18,9 @@ from services.controller.inject import (
 
 
 def test_parses_the_documented_forms() -> None:
-    specs = parse_inject("sandbox-kill@turn=3, worker-kill@s=5,sandbox-pause@turn=2/1,sandbox-kill@p=0.05")
+    specs = parse_inject(
+        "sandbox-kill@turn=3, worker-kill@s=5,sandbox-pause@turn=2/1,sandbox-kill@p=0.05"
+    )
     assert [(s.kind, s.trigger, s.value, s.target) for s in specs] == [
         ("sandbox-kill", "turn", 3.0, -1),
         ("worker-kill", "s", 5.0, -1),
@@ -94,7 +96,9 @@ def test_p_draws_are_deterministic_and_have_the_right_rate() -> None:
     assert fired == again
     assert draw(7, 0, 0, 1, 0) != draw(7, 0, 1, 1, 0)  # a fresh attempt draws afresh
     (never,) = parse_inject("sandbox-kill@p=0")
-    assert not any(fires_at_step(never, seed=1, slot=0, attempt=0, step=t, index=0) for t in range(500))
+    assert not any(
+        fires_at_step(never, seed=1, slot=0, attempt=0, step=t, index=0) for t in range(500)
+    )
     (turn,) = parse_inject("sandbox-kill@turn=1")
     assert not fires_at_step(turn, seed=1, slot=0, attempt=0, step=1, index=0)
 

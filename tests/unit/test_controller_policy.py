@@ -185,7 +185,9 @@ def test_parse_policy(text: str, want: tuple[str, int]) -> None:
     assert parse_policy(text) == want
 
 
-@pytest.mark.parametrize("text", ["", "sometimes", "interval", "interval:0", "interval:x", "always:3"])
+@pytest.mark.parametrize(
+    "text", ["", "sometimes", "interval", "interval:0", "interval:x", "always:3"]
+)
 def test_parse_policy_refuses(text: str) -> None:
     with pytest.raises(ValueError, match="policy"):
         parse_policy(text)

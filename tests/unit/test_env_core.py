@@ -50,6 +50,20 @@ def test_restore_candidates_follow_the_ready_pointer() -> None:
     ] == ["c1"]
 
 
+def test_restore_candidates_when_the_ready_one_is_quarantined() -> None:
+    ms = [_m("c1", 1), _m("c2", 2), _m("c4", 4)]  # c3 (the ready one) was quarantined
+    got = core.restore_candidates(ms, ready_checkpoint_id="c3", requested=None, ready_prefix=3)
+    assert [m.checkpoint_id for m in got] == ["c2", "c1"]
+    assert core.restore_candidates(ms, ready_checkpoint_id="c3", requested=None) == []
+
+
+def test_prune_keeps_the_newest_and_the_protected() -> None:
+    ms = [_m("c1", 1), _m("c2", 2), _m("c3", 3), _m("c4", 4), _m("c5", 5)]
+    assert core.prune_plan(ms, 2, set()) == ["c3", "c2", "c1"]
+    assert core.prune_plan(ms, 2, {"c1"}) == ["c3", "c2"]  # c1: the last one that restored
+    assert core.prune_plan(ms, 0, set()) == ["c4", "c3", "c2", "c1"]  # always keeps one
+
+
 def test_manifest_round_trip_and_ownership(tmp_path: Path) -> None:
     m = _m("sb-1-k000001-abc", 1)
     core.write_manifest(tmp_path, m)

@@ -1,0 +1,457 @@
+"""Who may do what on the bus: identities (NATS nkeys), one per service role, and the
+permissions the nats-server enforces for each.
+
+An *identity* is an Ed25519 nkey pair: its seed lives in one file (``<name>.nk``, mode 0600)
+read only by the process that connects with it; its public key goes into the server's
+``authorization`` block together with the role's permissions. ``belayer up`` makes one
+identity per role of the node (one per engine for the rollout workers) under
+``<run dir>/auth`` and starts nats-server with them; ``belayer auth init`` makes the same set
+for a deployment across hosts (``docs/security.md``).
+
+Permissions are deny-by-default allow lists (``grant``), derived from what each service's
+code publishes and subscribes to. Every connection's reply inbox is private to its identity
+(``_INBOX.<public key>.>``): a role may subscribe only to its own inboxes, so nobody reads
+another identity's replies. Responders may publish to ``_INBOX.>`` (an inbox name is an
+unguessable capability the requester handed them; a restarted router answers callers from
+inboxes it read back from its log).
+
+Nothing here logs or formats a seed: errors name the file, never its content.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from common import subjects
+from common.errors import Unauthorized
+
+IDENTITIES_FILE = "identities.json"
+"""The auth directory's manifest: name, role, scope and public key of every identity (no
+secrets)."""
+
+SEED_SUFFIX = ".nk"
+
+ROLES = (
+    "supervisor",
+    "host",
+    "weights",
+    "kv",
+    "router",
+    "engine",
+    "environment",
+    "controller",
+    "trainer",
+    "client",
+    "operator",
+)
+"""Every role. ``host``: the supervisor of a host that joins a deployment (``--role
+env-host``), which declares nothing; ``client``: a user's program or CLI (submit work, read
+status and events); ``operator``: the node owner's CLI (also sandboxes and ``down``)."""
+
+P = subjects.PREFIX
+_INBOX_ALL = "_INBOX.>"
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    """How a process reaches the bus besides its URL: its credentials, TLS, and the JetStream
+    replica count of what it declares. Nested as ``bus`` in every service's config (flags
+    ``--bus-*``); the supervisor fills it per child."""
+
+    creds: str = ""
+    """File holding this process's nkey seed (``<name>.nk``); empty: connect without
+    authentication (an unsecured server, e.g. a test's)."""
+    tls_ca: str = ""
+    """CA bundle (PEM) that signed the servers' certificates; set it to connect over TLS."""
+    tls_cert: str = ""
+    """Client certificate (PEM) for servers that verify clients (with ``tls_key``)."""
+    tls_key: str = ""
+    """Private key (PEM) of ``tls_cert``."""
+    replicas: int = 1
+    """JetStream replicas of every stream and KV bucket this process declares (3 on a
+    three-server cluster)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.replicas <= 5:
+            raise ValueError(f"replicas must be 1..5, got {self.replicas}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What one identity may publish and subscribe to (NATS subject patterns)."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One identity of the manifest (no secret)."""
+
+    name: str
+    """File stem of its seed (``<name>.nk``) and its name in the manifest."""
+    role: str
+    """One of ``ROLES``."""
+    public_key: str
+    """The nkey public key (``U…``) the server knows it by."""
+    scope: str = ""
+    """The engine id of an ``engine`` identity (its only engine); empty otherwise."""
+
+
+# --- permissions --------------------------------------------------------------------------
+def _stream_read(stream: str) -> list[str]:
+    """Read a stream with an ordered consumer (``js.subscribe``) and look messages up; no
+    acks, no durable consumers (a reader cannot take messages from the trainer)."""
+    api = "$JS.API"
+    return [
+        f"{api}.CONSUMER.CREATE.{stream}",
+        f"{api}.CONSUMER.CREATE.{stream}.>",
+        f"{api}.CONSUMER.INFO.{stream}.>",
+        f"{api}.STREAM.MSG.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    ]
+
+
+def _stream_consume(stream: str) -> list[str]:
+    """Consume a stream with a durable pull consumer and explicit acks (the trainer)."""
+    api = "$JS.API"
+    return [
+        *_stream_read(stream),
+        f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>",
+        f"{api}.CONSUMER.MSG.NEXT.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+    ]
+
+
+def _kv_read(bucket: str) -> list[str]:
+    return _stream_read(f"KV_{bucket}")
+
+
+def _kv_write(bucket: str, key: str = ">") -> list[str]:
+    return [f"$KV.{bucket}.{key}"]
+
+
+_JS_INFO = ["$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.NAMES"]
+_SERVICE_BASE = [*_JS_INFO, subjects.EVENTS_ALL, _INBOX_ALL]
+"""Every service: look streams up (``ensure_jetstream`` checks before declaring), publish its
+events, answer requests."""
+
+
+def _service_grant(role: str, scope: str) -> tuple[list[str], list[str]]:
+    """(publish, subscribe) of a service role, beyond ``_SERVICE_BASE`` and the inbox."""
+    engine = scope or "*"
+    ev = subjects.event
+    table: dict[str, tuple[list[str], list[str]]] = {
+        "supervisor": (
+            [
+                "$JS.API.STREAM.CREATE.*",
+                "$JS.API.STREAM.UPDATE.*",
+                subjects.weights_get(),
+                subjects.kv_get(),
+                subjects.router_status(),
+                subjects.router_engine_failed(),
+                subjects.env("list"),
+                subjects.rollout_status(),
+                subjects.trainer_status(),
+                *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
+            ],
+            [
+                subjects.supervisor_status(),
+                subjects.supervisor_stop(),
+                ev("handover_complete"),
+                ev("engine_failed"),
+                ev("engine_unhealthy"),
+            ],
+        ),
+        "host": ([subjects.env("list")], []),
+        "weights": (
+            [
+                *_kv_write(subjects.BUCKET_WEIGHT_VERSION),
+                *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
+            ],
+            [subjects.weights_get(), subjects.weights_push()],
+        ),
+        "kv": (
+            [*_kv_read(subjects.BUCKET_ENGINE_EPOCHS)],
+            [subjects.kv_get(), subjects.kv_flush()],
+        ),
+        "router": (
+            [
+                f"{P}.engine.*.generate",
+                f"{P}.engine.*.abort",
+                f"{P}.engine.*.ping",
+                f"{P}.engine.*.state",
+                subjects.TOKEN_LOG_ALL,
+                subjects.REQUEST_LOG_ALL,
+                *_stream_read(subjects.STREAM_TOKENS),
+                *_stream_read(subjects.STREAM_REQUESTS),
+                *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
+            ],
+            [
+                subjects.router_generate(),
+                subjects.router_register(),
+                subjects.router_engine_failed(),
+                subjects.router_tokens(),
+                subjects.router_status(),
+                subjects.router_cancel(),
+            ],
+        ),
+        "engine": (  # a main worker or the shadow of one engine (a shadow becomes its main)
+            [
+                subjects.router_register(),
+                subjects.router_tokens(),
+                subjects.router_engine_failed(),
+                subjects.kv_get(),
+                subjects.kv_flush(),
+                subjects.weights_get(),
+                *_kv_write(subjects.BUCKET_ENGINE_EPOCHS, engine),
+                *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
+                *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
+            ],
+            [f"{P}.engine.{engine}.{op}" for op in ("generate", "abort", "ping", "state")]
+            + [ev("weights_updated")],
+        ),
+        "environment": (
+            [
+                *_kv_write(subjects.BUCKET_SANDBOX_PREFIX),
+                *_kv_read(subjects.BUCKET_SANDBOX_PREFIX),
+            ],
+            [f"{P}.env.*"],
+        ),
+        "controller": (
+            [
+                f"{P}.env.*",
+                subjects.router_generate(),
+                subjects.router_cancel(),
+                subjects.router_status(),
+                subjects.TRAJECTORIES_ALL,
+                *_stream_read(subjects.STREAM_TRAJECTORIES),
+                *_kv_write(subjects.BUCKET_ROLLOUTS),
+                *_kv_read(subjects.BUCKET_ROLLOUTS),
+                *_kv_write(subjects.BUCKET_TRAJECTORY_PREFIX),
+                *_kv_read(subjects.BUCKET_TRAJECTORY_PREFIX),
+            ],
+            [subjects.rollout_submit(), subjects.rollout_status()],
+        ),
+        "trainer": (
+            [
+                subjects.weights_get(),
+                subjects.weights_push(),
+                subjects.DEAD_LETTER_ALL,
+                *_stream_consume(subjects.STREAM_TRAJECTORIES),
+                *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
+            ],
+            [subjects.trainer_status()],
+        ),
+    }
+    return table[role]
+
+
+_CLIENT_PUBLISH = [
+    subjects.router_generate(),
+    subjects.router_cancel(),
+    subjects.router_status(),
+    subjects.rollout_submit(),
+    subjects.rollout_status(),
+    subjects.supervisor_status(),
+    subjects.trainer_status(),
+    *_JS_INFO,
+    *_stream_read(subjects.STREAM_EVENTS),
+    *_stream_read(subjects.STREAM_TRAJECTORIES),
+    *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
+]
+"""A user: submit work, read status, follow events and its rollouts' trajectories."""
+
+_READ_ALL = [
+    *(
+        api
+        for stream in (
+            subjects.STREAM_TOKENS,
+            subjects.STREAM_REQUESTS,
+            subjects.STREAM_DEADLETTER,
+        )
+        for api in _stream_read(stream)
+    ),
+    *(
+        api
+        for bucket in (
+            subjects.BUCKET_WEIGHT_VERSION,
+            subjects.BUCKET_SANDBOX_PREFIX,
+            subjects.BUCKET_ROLLOUTS,
+            subjects.BUCKET_TRAJECTORY_PREFIX,
+        )
+        for api in _kv_read(bucket)
+    ),
+]
+"""What an operator reads beyond a client: every stream and bucket (no writes)."""
+
+
+def grant(role: str, *, public_key: str, scope: str = "") -> Grant:
+    """The permissions of an identity of ``role`` (``scope``: an engine identity's engine)."""
+    inbox = f"{inbox_prefix(public_key)}.>"
+    if role == "client":
+        return Grant(tuple(_CLIENT_PUBLISH), (subjects.EVENTS_ALL, inbox))
+    if role == "operator":  # the node's owner: also sandboxes, `down`, and reading everything
+        publish = [
+            *_CLIENT_PUBLISH,
+            f"{P}.env.*",
+            subjects.supervisor_stop(),
+            subjects.weights_get(),
+            *_READ_ALL,
+        ]
+        return Grant(tuple(publish), (f"{P}.>", inbox))
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
+    publish, subscribe = _service_grant(role, scope)
+    return Grant(tuple([*_SERVICE_BASE, *publish]), tuple([*subscribe, inbox]))
+
+
+def inbox_prefix(public_key: str) -> str:
+    """The reply-inbox prefix of an identity (``_INBOX.<public key>``)."""
+    return f"_INBOX.{public_key}"
+
+
+# --- seeds and files ----------------------------------------------------------------------
+def new_seed() -> bytes:
+    """A fresh user nkey seed (``SU…``)."""
+    import nkeys
+
+    return bytes(nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER))
+
+
+def public_key_of(seed: bytes) -> str:
+    """The public key (``U…``) of a seed; ``Unauthorized`` if it is not one."""
+    import nkeys
+
+    try:
+        kp = nkeys.from_seed(bytearray(seed.strip()))
+    except Exception:  # nkeys raises assorted errors for a bad seed: never echo the content
+        raise Unauthorized("the credentials file does not hold an nkey seed") from None
+    try:
+        return str(kp.public_key.decode())
+    finally:
+        kp.wipe()
+
+
+def read_seed(path: str | Path) -> bytes:
+    """The seed in ``path``; ``Unauthorized`` naming the file (never its content) if it is
+    missing, unreadable, too open to others or not a seed."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise Unauthorized(f"credentials file {p} does not exist") from None
+    except OSError as exc:
+        raise Unauthorized(f"cannot read credentials file {p}: {exc.strerror}") from None
+    if len(data) > 4096:
+        raise Unauthorized(f"credentials file {p} is not an nkey seed file")
+    try:
+        public_key_of(data)
+    except Unauthorized:
+        raise Unauthorized(f"credentials file {p} does not hold an nkey seed") from None
+    return data.strip()
+
+
+def seed_file(auth_dir: Path, name: str) -> Path:
+    return auth_dir / f"{name}{SEED_SUFFIX}"
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, readable by its owner only (0600)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def node_identities(engine_ids: list[str] | tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(name, role, scope) of every identity a node uses: one per service role, one per engine
+    (its main worker and shadow), the user's client and the operator."""
+    out = [(r, r, "") for r in ROLES if r not in ("engine", "host")]
+    out += [(f"engine-{subjects.check_token(e, 'engine id')}", "engine", e) for e in engine_ids]
+    return out
+
+
+def ensure_identities(auth_dir: Path, wanted: list[tuple[str, str, str]]) -> list[Identity]:
+    """Make the identities of ``wanted`` that ``auth_dir`` lacks (seed files 0600, manifest),
+    keep those it has; return the whole manifest."""
+    auth_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(auth_dir, 0o700)
+    known = {i.name: i for i in load_identities(auth_dir, missing_ok=True)}
+    for name, role, scope in wanted:
+        subjects.check_token(name, "identity name")
+        grant(role, public_key="U", scope=scope)  # an unknown role fails here
+        path = seed_file(auth_dir, name)
+        have = known.get(name)
+        if have is not None and have.role == role and have.scope == scope and path.exists():
+            continue
+        seed = new_seed()
+        _write_private(path, seed)
+        known[name] = Identity(name=name, role=role, public_key=public_key_of(seed), scope=scope)
+    manifest = [asdict(i) for i in sorted(known.values(), key=lambda i: i.name)]
+    _write_private(auth_dir / IDENTITIES_FILE, json.dumps(manifest, indent=2).encode())
+    return sorted(known.values(), key=lambda i: i.name)
+
+
+def load_identities(auth_dir: Path, *, missing_ok: bool = False) -> list[Identity]:
+    """The manifest of ``auth_dir``."""
+    path = auth_dir / IDENTITIES_FILE
+    try:
+        rows = json.loads(path.read_text())
+    except FileNotFoundError:
+        if missing_ok:
+            return []
+        raise Unauthorized(f"no identities in {auth_dir} (missing {IDENTITIES_FILE})") from None
+    except (OSError, ValueError) as exc:
+        raise Unauthorized(f"cannot read {path}: {exc}") from None
+    return [Identity(**row) for row in rows]
+
+
+# --- the server's side ----------------------------------------------------------------------
+def _conf_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(json.dumps(s) for s in items) + "]"
+
+
+def authorization_conf(identities: list[Identity]) -> str:
+    """The nats-server ``authorization`` block: every identity with its permissions; no
+    anonymous user, so an unauthenticated connection is refused."""
+    users = []
+    for ident in identities:
+        g = grant(ident.role, public_key=ident.public_key, scope=ident.scope)
+        users.append(
+            f"    {{ nkey: {json.dumps(ident.public_key)}\n"
+            f"      permissions: {{\n"
+            f"        publish: {{ allow: {_conf_list(g.publish)} }}\n"
+            f"        subscribe: {{ allow: {_conf_list(g.subscribe)} }}\n"
+            f"      }} }}"
+        )
+    return "authorization {\n  timeout: 5\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"
+
+
+def role_table() -> list[tuple[str, Grant]]:
+    """Every role's grant with a placeholder key (for ``docs/security.md`` and its test)."""
+    return [(role, grant(role, public_key="<key>", scope="<id>")) for role in ROLES]
+
+
+_SEED = re.compile(r"S[UAONC][A-Z2-7]{54,}")
+_URL_SECRET = re.compile(r"(\w+://)[^/@\s,]+@")
+
+
+def redact(text: str) -> str:
+    """``text`` with anything that looks like an nkey seed, or a password in a URL, replaced
+    (a belt to the braces of never formatting one)."""
+    return _URL_SECRET.sub(r"\1<redacted>@", _SEED.sub("<redacted>", text))

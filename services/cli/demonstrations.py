@@ -1,0 +1,285 @@
+"""Demonstrations for ``belayer model init --tiny --warm-start math|swe`` (the half that needs
+the workloads and a real sandbox; the training itself is :mod:`model.warm_start`).
+
+* **math**: problems of the ``math`` workload (reasoning-gym, offline), answered in the
+  convention: the left-to-right working, one line per operation, then ``Answer: N``.
+* **swe**: every bundled *training* task run for real — a private nats-server and environment
+  service, real sandboxes of the task's image — once per variant (its reference actions; ``ls``
+  first; the visible tests after the fix), each episode checked to score 1 with the hidden
+  tests. The transcript holds the real observations, formatted as the controller formats them,
+  and ends with the submit action.
+
+Both are cached as JSON lines under ``<cache>/demonstrations/`` keyed by what they depend on,
+so a rerun reads them back (no sandbox, no network).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from common.errors import InvalidRequest, SandboxError
+from common.logging import get_logger
+from model.warm_start import Demonstration, read_demonstrations, write_demonstrations
+from workloads import FINISH_COMMAND, format_action, format_answer, load_workload
+from workloads.base import SandboxOps, Task
+from workloads.runner import run_episode
+
+log = get_logger(component="warm_start")
+
+T = TypeVar("T")
+
+CACHE_ENV = "BELAYER_CACHE_DIR"
+"""Environment variable naming the cache directory (default ``~/.cache/belayer``)."""
+
+DEMO_VERSION = 1
+"""Bumped when the demonstrations a recipe makes change."""
+
+MATH_DEMOS = 4000
+"""Math demonstrations (training problems of the ``math`` workload, never held-out ones)."""
+
+TEST_COMMAND = "python3 -m pytest -q"
+"""The visible tests, as the SWE system prompt tells the agent to run them."""
+
+
+def cache_root(explicit: Path | None = None) -> Path:
+    """``explicit``, else ``$BELAYER_CACHE_DIR``, else ``$XDG_CACHE_HOME/belayer``, else
+    ``~/.cache/belayer``."""
+    if explicit is not None:
+        return Path(explicit)
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "belayer"
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _cached(
+    path: Path, make: Callable[[], list[Demonstration]], refresh: bool
+) -> list[Demonstration]:
+    if path.is_file() and not refresh:
+        demos = read_demonstrations(path)
+        if demos:
+            return demos
+    demos = make()
+    write_demonstrations(path, demos)
+    log.info("demonstrations_written", path=str(path), count=len(demos))
+    return demos
+
+
+# --- math -------------------------------------------------------------------------------
+def math_working(expression: str) -> tuple[list[str], int]:
+    """The left-to-right working of ``a ± b [± c]`` (one ``x op y = z`` line per operation)
+    and its value."""
+    parts = expression.split()
+    if len(parts) < 3 or len(parts) % 2 == 0:
+        raise InvalidRequest("not an a ± b ± … expression", expression=expression)
+    acc = int(parts[0])
+    lines = []
+    for op, raw in zip(parts[1::2], parts[2::2], strict=True):
+        if op not in "+-":
+            raise InvalidRequest("only + and - are worked out", expression=expression)
+        value = acc + int(raw) if op == "+" else acc - int(raw)
+        lines.append(f"{acc} {op} {raw} = {value}")
+        acc = value
+    return lines, acc
+
+
+def math_response(task: Task) -> str:
+    """The demonstration response of a ``math`` task: its working, then ``Answer: N``."""
+    lines, value = math_working(task.metadata["expression"])
+    if str(value) != task.reference_answer:
+        raise InvalidRequest(
+            "working disagrees with the reference answer", task_id=task.id, value=value
+        )
+    return "\n".join([*lines, format_answer(task.reference_answer)])
+
+
+def prompt_turns(task: Task) -> tuple[tuple[str, str], ...]:
+    """The task's prompt as ``(role, content)`` turns."""
+    return tuple((m.role, m.content) for m in task.prompt)
+
+
+def math_demonstrations(
+    cache: Path, count: int = MATH_DEMOS, seed: int = 0, *, refresh: bool = False
+) -> list[Demonstration]:
+    """``count`` math demonstrations (cached)."""
+    key = _digest({"v": DEMO_VERSION, "kind": "math", "count": count, "seed": seed})
+
+    def make() -> list[Demonstration]:
+        tasks = load_workload("math").tasks(count, seed=seed)
+        return [
+            Demonstration(
+                task_id=t.id,
+                messages=(*prompt_turns(t), ("assistant", math_response(t))),
+                variant="working",
+            )
+            for t in tasks
+        ]
+
+    return _cached(cache / "demonstrations" / f"math-{key}.jsonl", make, refresh)
+
+
+# --- swe --------------------------------------------------------------------------------
+SWE_VARIANTS: dict[str, tuple[Callable[[Task], list[str]], float]] = {
+    "reference": (lambda t: list(t.reference_actions), 1.0),
+    "look-first": (lambda t: ["ls", *t.reference_actions], 1.0),
+    "test-after": (lambda t: [*t.reference_actions, TEST_COMMAND], 1.0),
+    "look-then-submit": (lambda t: ["ls"], 0.0),
+}
+"""The action lists recorded per training task (each then ends with the submit action) and
+the reward each must get. ``look-then-submit`` is the deliberate noise: after ``ls`` the
+transcripts branch evenly into the fix and a premature submit, so a policy that matches its
+demonstrations solves about three episodes in four — some but not all, a signal for GRPO."""
+
+
+def swe_transcript(task: Task, actions: Sequence[str], observations: Sequence[str]) -> tuple[
+    tuple[str, str], ...
+]:
+    """The chat of one episode: the prompt, each action (``format_action``) followed by its
+    observation, then the submit action."""
+    turns = list(prompt_turns(task))
+    for action, observation in zip(actions, observations, strict=True):
+        turns += [("assistant", format_action(action)), ("user", observation)]
+    turns.append(("assistant", format_action(FINISH_COMMAND)))
+    return tuple(turns)
+
+
+async def record_swe(ops: SandboxOps, tasks: Sequence[Task]) -> list[Demonstration]:
+    """Run every task × variant in a real sandbox; each episode must score what its variant
+expects (1, or 0 for the noise variant)."""
+    demos: list[Demonstration] = []
+    for task in tasks:
+        for variant, (recipe, expected) in SWE_VARIANTS.items():
+            actions = recipe(task)
+            episode = await run_episode(ops, task, actions=actions)
+            reward = episode.score.reward if episode.score else -1.0
+            if reward != expected:
+                raise SandboxError(
+                    "a demonstration did not score what its recipe expects",
+                    task_id=task.id,
+                    variant=variant,
+                    reward=reward,
+                    expected=expected,
+                    detail=episode.score.detail if episode.score else "",
+                )
+            demos.append(
+                Demonstration(
+                    task_id=task.id,
+                    messages=swe_transcript(task, actions, [s.observation for s in episode.steps]),
+                    variant=variant,
+                )
+            )
+            log.info("swe_demonstration_recorded", task_id=task.id, variant=variant)
+    return demos
+
+
+def _task_fingerprint(task: Task) -> dict[str, Any]:
+    spec = task.sandbox
+    return {
+        "id": task.id,
+        "prompt": prompt_turns(task),
+        "actions": list(task.reference_actions),
+        "image": spec.image if spec else "",
+        "setup": spec.setup if spec else "",
+        "files": {p: hashlib.sha256(c).hexdigest() for p, c in sorted(spec.files.items())}
+        if spec
+        else {},
+        "limits": [task.limits.observation_chars, task.limits.action_timeout_s],
+    }
+
+
+async def with_private_env(fn: Callable[[SandboxOps], Awaitable[T]]) -> T:
+    """Run ``fn(ops)`` against a private environment service (its own nats-server, run
+    directory and node label, so no other node's sandboxes are touched); every sandbox it
+    made is destroyed before it stops."""
+    from common.bus import connect, ensure_jetstream
+    from common.natsserver import start_nats_server
+    from services.environment.client import EnvClient
+    from services.environment.config import EnvConfig
+    from services.environment.service import run as run_env
+
+    with tempfile.TemporaryDirectory(prefix="belayer-warm-") as tmp:
+        server = start_nats_server(Path(tmp) / "nats")
+        try:
+            nc = await connect(server.url, name="warm-start", timeout=5.0, reconnect=False)
+            try:
+                await ensure_jetstream(nc.jetstream())
+                config = EnvConfig(
+                    nats_url=server.url,
+                    run_dir=Path(tmp) / "run",
+                    node=f"warm-{secrets.token_hex(4)}",
+                )
+                stop, ready = asyncio.Event(), asyncio.Event()
+                service = asyncio.create_task(run_env(config, stop=stop, ready=ready))
+                waiter = asyncio.create_task(ready.wait())
+                done, _ = await asyncio.wait(
+                    {service, waiter}, timeout=60, return_when=asyncio.FIRST_COMPLETED
+                )
+                waiter.cancel()
+                if service in done:
+                    service.result()
+                if not ready.is_set():
+                    raise SandboxError("the environment service did not become ready in 60 s")
+                client = EnvClient(nc, timeout=60)
+                try:
+                    return await fn(client)
+                finally:
+                    with contextlib.suppress(Exception):
+                        for sb in (await client.list()).sandboxes:
+                            with contextlib.suppress(Exception):
+                                await client.destroy(sb.id)
+                    stop.set()
+                    await asyncio.wait_for(service, 60)
+            finally:
+                await nc.close()
+        finally:
+            server.stop()
+
+
+def swe_tasks() -> list[Task]:
+    """The bundled training tasks (``NotFound`` with the fix when the image is missing)."""
+    swe = load_workload("swe")
+    return list(swe.tasks(len(swe.train)))  # type: ignore[attr-defined]
+
+
+def swe_demonstrations(cache: Path, *, refresh: bool = False) -> list[Demonstration]:
+    """The SWE demonstrations (cached; recorded in real sandboxes when not)."""
+    swe = load_workload("swe", check_image=False)
+    tasks = sorted(swe.tasks(len(swe.train)), key=lambda t: t.id)  # type: ignore[attr-defined]
+    key = _digest(
+        {
+            "v": DEMO_VERSION,
+            "kind": "swe",
+            "variants": {k: [f(tasks[0]), r] for k, (f, r) in SWE_VARIANTS.items()}
+            if tasks
+            else {},
+            "tasks": [_task_fingerprint(t) for t in tasks],
+        }
+    )
+
+    def make() -> list[Demonstration]:
+        swe_tasks()  # the image must exist
+        return asyncio.run(with_private_env(lambda ops: record_swe(ops, tasks)))
+
+    return _cached(cache / "demonstrations" / f"swe-{key}.jsonl", make, refresh)
+
+
+def demonstrations(kind: str, cache: Path, *, refresh: bool = False) -> list[Demonstration]:
+    """The demonstrations of ``kind`` (``math`` or ``swe``)."""
+    if kind == "math":
+        return math_demonstrations(cache, refresh=refresh)
+    if kind == "swe":
+        return swe_demonstrations(cache, refresh=refresh)
+    raise InvalidRequest("unknown warm-start kind", kind=kind, known=["math", "swe"])

@@ -1,0 +1,390 @@
+"""``belayer model init --tiny [--warm-start math|swe] DIR`` and ``belayer model eval``.
+
+The warm start: demonstrations (:mod:`services.cli.demonstrations`, cached), a tiny model
+whose tokenizer is trained on their text, a short supervised training (:mod:`model.warm_start`,
+CPU), the directory cached under ``<cache>/models/<key>`` — key = the demonstrations, the
+training settings and the tiny model's shape — and copied to ``DIR``. A second run with the
+same inputs copies the cached directory (or leaves ``DIR`` alone when it already holds it).
+
+``evaluate_math`` / ``evaluate_swe`` sample the model (in-process engine, the controller's chat
+layout) and report how often a response parses as an action and how often a task is solved;
+SWE episodes run the model's own actions in real sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import typer
+
+from common.errors import BelayerError, InvalidRequest
+from common.logging import get_logger
+from services.cli.common import fail, one_line, print_json
+
+if TYPE_CHECKING:
+    from model.warm_start import SftConfig
+
+log = get_logger(component="warm_start")
+
+T = TypeVar("T")
+
+KINDS = ("math", "swe")
+
+SFT: dict[str, dict[str, Any]] = {
+    "math": {"steps": 500, "batch_size": 32, "lr": 3e-3, "warmup_steps": 20},
+    "swe": {"steps": 60, "batch_size": 16, "lr": 2e-3, "warmup_steps": 10},
+}
+"""The warm start's training per kind (``model.warm_start.SftConfig`` fields; measured on 2
+CPU threads in docs/workloads.md)."""
+
+
+def tiny_settings(hidden_size: int, num_layers: int, vocab_size: int, seed: int) -> dict[str, Any]:
+    """The ``model.tiny.init_tiny_model`` keywords of a CLI call."""
+    return {
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "vocab_size": vocab_size,
+        "seed": seed,
+    }
+
+
+def warm_start(
+    kind: str,
+    out_dir: Path,
+    *,
+    tiny: dict[str, Any] | None = None,
+    sft: SftConfig | None = None,
+    cache: Path | None = None,
+    refresh_demonstrations: bool = False,
+    progress: Callable[[int, float], None] | None = None,
+) -> tuple[Path, dict[str, Any], bool]:
+    """Make (or reuse) the warm-started ``kind`` model and install it at ``out_dir``.
+    Returns (``out_dir``, its stamp, whether it was trained now)."""
+    if kind not in KINDS:
+        raise InvalidRequest("unknown warm-start kind", kind=kind, known=list(KINDS))
+    from model.warm_start import (
+        SftConfig,
+        cache_key,
+        cached_model_dir,
+        init_base_model,
+        install,
+        read_stamp,
+        train_model_dir,
+    )
+    from services.cli.demonstrations import cache_root, demonstrations
+
+    root = cache_root(cache)
+    base = tiny or tiny_settings(256, 4, 4096, 0)
+    cfg = sft or SftConfig(**SFT[kind])
+    demos = demonstrations(kind, root, refresh=refresh_demonstrations)
+    key = cache_key(demos, cfg, {"tiny": base, "kind": kind})
+    have = read_stamp(out_dir)
+    if have is not None and have.get("key") == key:
+        return Path(out_dir), have, False
+
+    def build(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        result = train_model_dir(
+            tmp,
+            demos,
+            cfg,
+            lambda p: init_base_model(p, demos, base),
+            key=key,
+            info={"kind": kind, "tiny": base},
+            progress=progress,
+        )
+        log.info(
+            "warm_start_trained",
+            kind=kind,
+            key=key,
+            steps=result.steps,
+            final_loss=round(result.final_loss, 4),
+            seconds=round(time.perf_counter() - t0, 1),
+        )
+
+    cached, built = cached_model_dir(root / "models", key, build)
+    install(cached, out_dir)
+    return Path(out_dir), read_stamp(out_dir) or {}, built
+
+
+def init_warm_command(
+    kind: str,
+    out_dir: Path,
+    cache: Path | None,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    vocab_size: int,
+    seed: int,
+) -> None:
+    """``belayer model init --tiny --warm-start KIND DIR``: one line saying what was done."""
+    if kind not in KINDS:
+        typer.echo(f"error: --warm-start must be one of {', '.join(KINDS)}, not {kind!r}", err=True)
+        raise typer.Exit(2)
+    tiny = tiny_settings(hidden_size, num_layers, vocab_size, seed)
+    t0 = time.perf_counter()
+    out, stamp, built = run_sync(lambda: warm_start(kind, out_dir, tiny=tiny, cache=cache))
+    how = "trained" if built else "from the cache"
+    typer.echo(
+        f"wrote warm-started ({kind}) tiny Qwen3 model to {out} ({how}: {stamp.get('steps')} "
+        f"steps, final loss {stamp.get('final_loss')}, {time.perf_counter() - t0:.1f} s)"
+    )
+
+
+def run_sync(fn: Callable[[], T]) -> T:
+    """``fn()``; a Belayer error becomes the CLI's one error line (exit 2 for a bad request)."""
+    try:
+        return fn()
+    except BelayerError as exc:
+        fail(one_line(str(exc)), 2 if isinstance(exc, InvalidRequest) else 1)
+
+
+def model_eval(
+    model_dir: Path = typer.Argument(..., help="Model directory."),
+    workload: str = typer.Option(..., "--workload", help="math|swe"),
+    episodes: int = typer.Option(
+        64, min=1, help="math: held-out problems; swe: episodes per task."
+    ),
+    temperature: float = typer.Option(1.0, min=0.0, help="Sampling temperature (0: greedy)."),
+    held_out: bool = typer.Option(False, help="swe: the held-out tasks instead of training ones."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Sample the model (in-process engine, the controller's chat layout) on a workload: how
+    many responses parse as actions, how many episodes are solved. SWE episodes execute the
+    model's actions in real sandboxes (needs dockerd)."""
+    if workload == "math":
+        report = run_sync(
+            lambda: evaluate_math(model_dir, episodes, temperature=temperature, seed=seed)
+        )
+    elif workload == "swe":
+        report = run_sync(
+            lambda: evaluate_swe(
+                model_dir, episodes, temperature=temperature, seed=seed, held_out=held_out
+            )
+        )
+    else:
+        typer.echo(f"error: --workload must be math or swe, not {workload!r}", err=True)
+        raise typer.Exit(2)
+    if as_json:
+        print_json(report.as_dict())
+        return
+    typer.echo(
+        f"{workload}: {report.episodes} episodes, parse rate {report.parse_rate:.1%} "
+        f"({report.parsed}/{report.responses}), solved {report.solved}/{report.episodes}, "
+        f"mean reward {report.mean_reward:.3f}, {report.seconds:.1f} s"
+    )
+
+
+# --- evaluation -------------------------------------------------------------------------
+@dataclass
+class EvalReport:
+    """How a model did on sampled episodes."""
+
+    kind: str
+    """``math`` or ``swe``."""
+    episodes: int = 0
+    """Episodes run."""
+    responses: int = 0
+    """Model responses in all of them."""
+    parsed: int = 0
+    """Responses that parse as an action of the task's kind (bash/submit; an answer)."""
+    solved: int = 0
+    """Episodes with reward 1."""
+    rewards: list[float] = field(default_factory=list)
+    """Each episode's reward."""
+    per_task: dict[str, list[float]] = field(default_factory=dict)
+    """Task id → its episodes' rewards."""
+    turns: list[int] = field(default_factory=list)
+    """Each episode's model turns."""
+    seconds: float = 0.0
+    """Wall time."""
+
+    @property
+    def parse_rate(self) -> float:
+        return self.parsed / self.responses if self.responses else 0.0
+
+    @property
+    def mean_reward(self) -> float:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["parse_rate"] = round(self.parse_rate, 4)
+        out["mean_reward"] = round(self.mean_reward, 4)
+        return out
+
+
+class Sampler:
+    """The model in an in-process engine, sampling one response at a time."""
+
+    def __init__(self, model_dir: Path, *, max_model_len: int = 2048) -> None:
+        import torch
+
+        from model.chat import ChatFormat
+        from model.config import load_model_config
+        from model.loader import load_safetensors
+        from model.qwen3 import kv_cache_shape
+        from model.tokenizer import load_tokenizer
+        from services.worker.engine.config import EngineConfig
+        from services.worker.engine.llm_engine import LLMEngine
+
+        cfg = EngineConfig(
+            num_blocks=max_model_len // 16 + 8,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_model_len,
+            max_num_seqs=64,
+            deterministic=False,
+        )
+        mc = load_model_config(model_dir)
+        kv = torch.zeros(kv_cache_shape(mc, cfg.num_blocks, cfg.block_size))
+        self.tokenizer = load_tokenizer(model_dir)
+        self.chat = ChatFormat(self.tokenizer)
+        self.engine = LLMEngine(mc, load_safetensors(model_dir), kv, cfg)
+        self.max_model_len = max_model_len
+
+    def sample(
+        self, prompts: list[list[int]], *, temperature: float, max_tokens: int, seed: int
+    ) -> list[list[int]]:
+        """One response per prompt (token ids, the EOS kept)."""
+        from services.worker.engine.sequence import SamplingParams
+
+        params = [
+            SamplingParams(
+                temperature=temperature,
+                seed=seed + i,
+                max_tokens=max(1, min(max_tokens, self.max_model_len - len(p) - 1)),
+            )
+            for i, p in enumerate(prompts)
+        ]
+        return [r.token_ids for r in self.engine.generate(prompts, params)]
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def evaluate_math(
+    model_dir: Path, count: int = 64, *, temperature: float = 1.0, seed: int = 0
+) -> EvalReport:
+    """Sample one response for each of the first ``count`` held-out math problems (batched)."""
+    from workloads import AnswerAction, load_workload, parse_action
+    from workloads.scoring import score
+
+    t0 = time.perf_counter()
+    sampler = Sampler(Path(model_dir))
+    tasks = load_workload("math").held_out(count)
+    prompts = [sampler.chat.prompt((m.role, m.content) for m in t.prompt) for t in tasks]
+    outs = sampler.sample(
+        prompts,
+        temperature=temperature,
+        max_tokens=tasks[0].limits.max_response_tokens,
+        seed=seed,
+    )
+    report = EvalReport(kind="math")
+    for task, ids in zip(tasks, outs, strict=True):
+        text = sampler.text(ids)
+        reward = asyncio.run(score(task, text)).reward
+        report.episodes += 1
+        report.responses += 1
+        report.parsed += isinstance(parse_action(text), AnswerAction)
+        report.solved += reward == 1.0
+        report.rewards.append(reward)
+        report.per_task.setdefault(task.id, []).append(reward)
+        report.turns.append(1)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+async def _swe_episode(
+    sampler: Sampler, ops: Any, task: Any, *, temperature: float, seed: int, report: EvalReport
+) -> float:
+    from workloads import (
+        BashAction,
+        SubmitAction,
+        invalid_action_observation,
+        parse_action,
+    )
+    from workloads.runner import open_sandbox, run_action
+    from workloads.scoring import score_tests
+
+    chat = sampler.chat
+    context = chat.prompt((m.role, m.content) for m in task.prompt)
+    sid = await open_sandbox(ops, task)
+    turns, reward = 0, 0.0
+    try:
+        while turns < task.limits.max_turns and len(context) < sampler.max_model_len - 8:
+            (ids,) = await asyncio.to_thread(
+                sampler.sample,
+                [context],
+                temperature=temperature,
+                max_tokens=task.limits.max_response_tokens,
+                seed=seed * 1000 + turns,
+            )
+            turns += 1
+            report.responses += 1
+            text = sampler.text(ids)
+            action = parse_action(text)
+            context = context + ids
+            if isinstance(action, SubmitAction):
+                report.parsed += 1
+                reward = (await score_tests(ops, task, sid)).reward
+                break
+            if isinstance(action, BashAction):
+                report.parsed += 1
+                step = await run_action(ops, task, sid, action.command)
+                observation = step.observation
+            else:
+                reason = getattr(action, "reason", "a final 'Answer:' does not end a sandbox task")
+                observation = invalid_action_observation(reason)
+            context = context + chat.observation(ids, observation)
+    finally:
+        await ops.destroy(sid)
+    report.turns.append(turns)
+    return reward
+
+
+def evaluate_swe(
+    model_dir: Path,
+    episodes_per_task: int = 2,
+    *,
+    temperature: float = 1.0,
+    seed: int = 0,
+    held_out: bool = False,
+) -> EvalReport:
+    """Run ``episodes_per_task`` sampled episodes of every training task (or held-out one):
+    the model's own actions in real sandboxes (a private environment service)."""
+    from services.cli.demonstrations import with_private_env
+    from workloads import load_workload
+
+    t0 = time.perf_counter()
+    sampler = Sampler(Path(model_dir))
+    swe = load_workload("swe")
+    tasks = swe.held_out(len(swe.evaluation)) if held_out else swe.tasks(len(swe.train))  # type: ignore[attr-defined]
+    tasks = sorted(tasks, key=lambda t: t.id)
+    report = EvalReport(kind="swe")
+
+    async def go(ops: Any) -> None:
+        for e in range(episodes_per_task):
+            for i, task in enumerate(tasks):
+                reward = await _swe_episode(
+                    sampler,
+                    ops,
+                    task,
+                    temperature=temperature,
+                    seed=seed + 97 * e + i,
+                    report=report,
+                )
+                report.episodes += 1
+                report.solved += reward == 1.0
+                report.rewards.append(reward)
+                report.per_task.setdefault(task.id, []).append(reward)
+
+    asyncio.run(with_private_env(go))
+    report.seconds = time.perf_counter() - t0
+    return report

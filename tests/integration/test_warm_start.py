@@ -1,0 +1,101 @@
+"""``belayer model init --tiny --warm-start math|swe DIR`` for real: the CLI trains (or copies
+from its cache) a model that, sampled at temperature 1 through the in-process engine in the
+controller's chat layout, answers held-out math problems in the convention and solves some of
+them; the SWE demonstrations are recorded in real sandboxes (real dockerd) and the SWE model's
+own actions, executed in real sandboxes, solve some of the tasks. A second init with the same
+inputs is a copy, not a training."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from model.config import load_model_config
+from model.loader import load_safetensors
+from model.tokenizer import load_tokenizer
+from model.warm_start import STAMP_FILE, demonstrations_digest, read_stamp
+from services.cli.demonstrations import cache_root, swe_demonstrations
+from services.cli.model import evaluate_math, evaluate_swe
+from tests.model_fixtures import warm_start_cli
+from workloads import BashAction, SubmitAction, parse_action
+
+pytestmark = [pytest.mark.slow]
+
+
+def _loads(model_dir: Path) -> None:
+    config = load_model_config(model_dir)
+    tensors = load_safetensors(model_dir)
+    assert tensors["model.embed_tokens.weight"].shape[0] == config.vocab_size
+    im_end = load_tokenizer(model_dir).token_to_id("<|im_end|>")
+    assert im_end in config.eos_token_id  # a chat response ends the request
+
+
+@pytest.mark.timeout(1500)
+def test_math_warm_start_answers_in_the_convention_and_solves_some(
+    warm_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    model_dir = warm_model("math")
+    _loads(model_dir)
+    stamp = read_stamp(model_dir)
+    assert stamp is not None and stamp["kind"] == "math"
+    assert stamp["final_loss"] < 0.5 * stamp["first_loss"], stamp
+
+    sampled = evaluate_math(model_dir, 64, temperature=1.0, seed=1)
+    assert sampled.parse_rate > 0.5, sampled.as_dict()
+    assert 0 < sampled.solved < sampled.episodes, sampled.as_dict()
+    greedy = evaluate_math(model_dir, 64, temperature=0.0)
+    assert greedy.parse_rate > 0.8, greedy.as_dict()
+
+    # Same inputs again: the cached directory is copied (no training), byte for byte.
+    t0 = time.perf_counter()
+    again = warm_start_cli("math", tmp_path / "again")
+    assert again.returncode == 0, again.stderr
+    assert "from the cache" in again.stdout and time.perf_counter() - t0 < 60
+    for name in ("model.safetensors", "tokenizer.json", "config.json", STAMP_FILE):
+        assert (tmp_path / "again" / name).read_bytes() == (model_dir / name).read_bytes()
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(1500)
+def test_swe_warm_start_is_built_from_real_sandbox_observations_and_acts(
+    warm_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    model_dir = warm_model("swe")
+    _loads(model_dir)
+    stamp = read_stamp(model_dir)
+    assert stamp is not None and stamp["kind"] == "swe"
+
+    # The demonstrations it was trained on are the cached recording …
+    cached = swe_demonstrations(cache_root())
+    assert demonstrations_digest(cached) == stamp["demonstrations_digest"]
+    # … and recording them again in fresh real sandboxes gives the same transcripts (pytest's
+    # own timing line aside): the observations are what the sandbox really printed.
+    fresh = swe_demonstrations(tmp_path / "cache")
+
+    def stable(text: str) -> str:
+        return "\n".join(x for x in text.splitlines() if " passed in " not in x)
+
+    assert [(d.task_id, d.variant) for d in fresh] == [(d.task_id, d.variant) for d in cached]
+    for new, old in zip(fresh, cached, strict=True):
+        assert [(r, stable(c)) for r, c in new.messages] == [
+            (r, stable(c)) for r, c in old.messages
+        ]
+    by_variant = {(d.task_id, d.variant): d for d in fresh}
+    ls = by_variant[("calc_clamp", "look-first")].messages
+    assert ls[3] == ("user", "exit_code: 0\ncalc.py\ntests\n")  # `ls` of the real repository
+    tests = by_variant[("calc_clamp", "test-after")].messages
+    assert "passed" in tests[-2][1] and tests[-2][1].startswith("exit_code: 0")
+    for demo in fresh:
+        replies = [c for r, c in demo.messages if r == "assistant"]
+        assert all(isinstance(parse_action(r), BashAction) for r in replies[:-1])
+        assert parse_action(replies[-1]) == SubmitAction()
+
+    # Real episodes: the model's own sampled actions run in real sandboxes.
+    report = evaluate_swe(model_dir, 1, temperature=1.0, seed=0)
+    print(json.dumps(report.as_dict()))
+    assert report.parse_rate > 0.5, report.as_dict()
+    assert report.solved > 0, report.as_dict()

@@ -1,0 +1,245 @@
+"""The warm start's demonstrations and training (pure parts, real tiny torch models): the loss
+mask covers exactly the assistant turns; a demonstration's token ids are the very context the
+controller builds when the model produces those responses; math and SWE transcripts follow
+the action convention; training lowers the loss on assistant tokens only; the model cache
+builds once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.chat import ChatFormat
+from model.config import load_model_config
+from model.loader import load_safetensors
+from model.tokenizer import load_tokenizer
+from model.train_forward import build_trainable_model, token_logprobs
+from model.warm_start import (
+    STAMP_FILE,
+    Demonstration,
+    SftConfig,
+    cache_key,
+    cached_model_dir,
+    encode_demonstration,
+    install,
+    masked_nll,
+    read_demonstrations,
+    read_stamp,
+    render_text,
+    split_transcript,
+    train_chat_tokenizer,
+    train_sft,
+    write_demonstrations,
+)
+from services.cli.demonstrations import math_response, math_working, swe_transcript
+from services.controller.core import Execute, Generate, Limits, Score, TrajectoryCore
+from services.controller.policy import CheckpointPolicy, PolicyConfig
+from tests.unit.model_fixtures import write_small_model
+from workloads import (
+    FINISH_COMMAND,
+    AnswerAction,
+    BashAction,
+    SubmitAction,
+    format_observation,
+    load_workload,
+    parse_action,
+)
+
+SYSTEM = "You fix a bug. One ```bash block per response."
+TASK = "calc.clamp is wrong. Fix calc.py."
+# (command, stdout, exit code) of a small episode, then the submit.
+STEPS = [("ls", "calc.py\ntests\n", 0), ("sed -i 's/lo)/hi)/' calc.py", "", 0), ("false", "", 1)]
+OBS_CHARS = 1000
+
+
+def observation(stdout: str, exit_code: int) -> str:
+    return format_observation(stdout, "", exit_code, limit_chars=OBS_CHARS)
+
+
+def transcript() -> tuple[tuple[str, str], ...]:
+    turns: list[tuple[str, str]] = [("system", SYSTEM), ("user", TASK)]
+    for command, out, code in STEPS:
+        turns += [("assistant", f"```bash\n{command}\n```"), ("user", observation(out, code))]
+    return (*turns, ("assistant", f"```bash\n{FINISH_COMMAND}\n```"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_small_model(tmp_path_factory.mktemp("m"))
+
+
+@pytest.fixture(scope="module")
+def chat(model_dir: Path) -> ChatFormat:
+    return ChatFormat(load_tokenizer(model_dir))
+
+
+def test_mask_is_one_exactly_on_the_assistant_turns_and_their_end_token(chat: ChatFormat) -> None:
+    messages = transcript()
+    ex = encode_demonstration(chat, messages)
+    assert len(ex.ids) == len(ex.mask)
+    # The masked runs, decoded, are the assistant turns (each closed by <|im_end|>), in order.
+    runs: list[list[int]] = []
+    for i, (tok, m) in enumerate(zip(ex.ids, ex.mask, strict=True)):
+        if m and (i == 0 or not ex.mask[i - 1]):
+            runs.append([])
+        if m:
+            runs[-1].append(tok)
+    wanted = [c for r, c in messages if r == "assistant"]
+    assert [chat.tokenizer.decode(r) for r in runs] == [f"{c}<|im_end|>" for c in wanted]
+    assert all(r[-1] == chat.im_end for r in runs)
+    # Nothing of the prompt or of an observation is masked in.
+    unmasked = chat.tokenizer.decode([t for t, m in zip(ex.ids, ex.mask, strict=True) if not m])
+    for role, content in messages:
+        if role != "assistant":
+            assert content in unmasked
+    assert "sed -i" not in unmasked and FINISH_COMMAND not in unmasked
+
+
+def test_demonstration_ids_are_the_whole_template_text_encoded(chat: ChatFormat) -> None:
+    messages = transcript()
+    ex = encode_demonstration(chat, messages)
+    text = chat.render(messages, add_generation_prompt=False)
+    assert render_text(messages) == text
+    # The template text ends with "<|im_end|>\n"; the demonstration ends at the <|im_end|>.
+    assert ex.ids + chat.tokenizer.encode("\n") == chat.tokenizer.encode(text)
+
+
+def test_demonstration_is_byte_identical_to_the_controllers_context(chat: ChatFormat) -> None:
+    """Drive the controller's trajectory state machine with the demonstration's responses and
+    observations: its context and loss mask are the demonstration's ids and mask."""
+    limits = Limits(
+        max_turns=20, max_invalid_in_row=3, max_prompt_tokens=1536, max_context_tokens=2048,
+        max_response_tokens=256, observation_chars=OBS_CHARS, action_timeout_s=30.0,
+        deadline_s=100.0,
+    )  # fmt: skip
+    core = TrajectoryCore(
+        trajectory_id="r1-s0-a0",
+        prompt_ids=chat.prompt([("system", SYSTEM), ("user", TASK)]),
+        limits=limits,
+        policy=CheckpointPolicy(PolicyConfig(kind="never")),  # type: ignore[arg-type]
+        sample_seed=1,
+        has_sandbox=True,
+        started_at=0.0,
+        observation_ids=chat.observation,
+    )
+    for command, out, code in [*STEPS, (FINISH_COMMAND, "", 0)]:
+        gen = core.next_generation(1.0)
+        assert isinstance(gen, Generate)
+        ids = [*chat.tokenizer.encode(f"```bash\n{command}\n```"), chat.im_end]
+        text = chat.tokenizer.decode(ids, skip_special_tokens=True)
+        step = core.on_response(ids, [0.0] * len(ids), [0] * len(ids), text, llm_s=0.1)
+        if command == FINISH_COMMAND:
+            assert isinstance(step, Score)
+            break
+        assert isinstance(step, Execute) and step.command == command
+        core.on_observation(stdout=out, stderr="", exit_code=code, env_s=0.1)
+    ex = encode_demonstration(chat, transcript())
+    assert core.context == ex.ids
+    assert [0] * len(core.prompt_ids) + core.loss_mask == ex.mask
+
+
+def test_transcripts_that_break_the_turn_order_are_refused() -> None:
+    with pytest.raises(ValueError, match="assistant turn"):
+        split_transcript([("system", "s"), ("user", "u")])
+    with pytest.raises(ValueError, match="expected 'user'"):
+        split_transcript([("user", "u"), ("assistant", "a"), ("assistant", "b")])
+    with pytest.raises(ValueError, match="ends on an assistant"):
+        split_transcript([("user", "u"), ("assistant", "a"), ("user", "o")])
+    with pytest.raises(ValueError, match="prompt turns"):
+        split_transcript([("assistant", "a")])
+    with pytest.raises(ValueError, match="unknown roles"):
+        split_transcript([("tool", "t"), ("assistant", "a")])
+
+
+def test_math_demonstrations_answer_in_the_convention() -> None:
+    math = load_workload("math")
+    for task in math.tasks(200, seed=3):
+        response = math_response(task)
+        action = parse_action(response)
+        assert isinstance(action, AnswerAction) and action.answer == task.reference_answer
+        assert response.splitlines()[-1] == f"Answer: {task.reference_answer}"
+    assert math_working("66 - 15 - 90") == (["66 - 15 = 51", "51 - 90 = -39"], -39)
+    assert math_working("5 + 10") == (["5 + 10 = 15"], 15)
+
+
+def test_swe_transcript_acts_then_submits() -> None:
+    swe = load_workload("swe", check_image=False)
+    task = swe.task("kv_daemon")
+    actions = list(task.reference_actions)
+    observations = [f"exit_code: {i}" for i in range(len(actions))]
+    turns = swe_transcript(task, actions, observations)
+    assert turns[: len(task.prompt)] == tuple((m.role, m.content) for m in task.prompt)
+    replies = [c for r, c in turns if r == "assistant"]
+    assert [parse_action(r) for r in replies[:-1]] == [BashAction(a) for a in actions]
+    assert parse_action(replies[-1]) == SubmitAction()
+    assert [c for r, c in turns[len(task.prompt) :] if r == "user"] == observations
+
+
+def test_demonstrations_round_trip_through_jsonl(tmp_path: Path) -> None:
+    demos = [Demonstration("t1", transcript(), "reference"), Demonstration("t2", transcript())]
+    path = write_demonstrations(tmp_path / "d.jsonl", demos)
+    assert read_demonstrations(path) == demos
+
+
+def test_the_loss_counts_only_the_assistant_tokens(model_dir: Path, chat: ChatFormat) -> None:
+    model = build_trainable_model(load_model_config(model_dir), load_safetensors(model_dir))
+    ex = encode_demonstration(chat, transcript())
+    ids = torch.tensor([ex.ids])
+    attn = torch.ones_like(ids)
+    mask = torch.tensor([ex.mask], dtype=torch.bool)
+    loss, count = masked_nll(model, ids, attn, mask)
+    assert count == sum(ex.mask[1:])
+    with torch.no_grad():
+        lp = token_logprobs(model, ids, attn)
+    expected = -(lp * mask[:, 1:]).sum()
+    assert torch.allclose(loss.detach(), expected, rtol=1e-4)
+
+
+def test_training_memorises_demonstrations(model_dir: Path, chat: ChatFormat) -> None:
+    model = build_trainable_model(load_model_config(model_dir), load_safetensors(model_dir))
+    examples = [encode_demonstration(chat, transcript())]
+    result = train_sft(model, examples, SftConfig(steps=30, batch_size=2, lr=1e-2, warmup_steps=2))
+    assert result.steps == 30 and len(result.losses) == 30
+    assert result.losses[-1] < 0.2 * result.losses[0], result.losses
+
+
+def test_chat_tokenizer_keeps_special_ids_and_splits_digits(tmp_path: Path) -> None:
+    tok = train_chat_tokenizer([render_text(transcript())] * 4 + ["12 + 345 = 357"], 600)
+    assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [
+        0, 1, 2,
+    ]  # fmt: skip
+    enc = tok.encode("answer 357")
+    assert enc.tokens[-3:] == ["3", "5", "7"]
+    text = render_text(transcript())
+    assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+
+
+def test_the_model_cache_builds_once_and_installs_copies(tmp_path: Path) -> None:
+    builds: list[Path] = []
+
+    def build(d: Path) -> None:
+        builds.append(d)
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        (d / STAMP_FILE).write_text('{"key": "k1"}')
+
+    first, built = cached_model_dir(tmp_path / "cache", "k1", build)
+    again, built_again = cached_model_dir(tmp_path / "cache", "k1", build)
+    assert (first, built) == (again, True) and not built_again and len(builds) == 1
+    out = install(first, tmp_path / "out")
+    assert read_stamp(out) == {"key": "k1"} and (out / "config.json").read_text() == "{}"
+    assert not list((tmp_path / "cache").glob("*.tmp-*"))
+
+
+def test_the_cache_key_follows_every_input() -> None:
+    demos = [Demonstration("t1", transcript())]
+    base = {"tiny": {"hidden_size": 64}}
+    key = cache_key(demos, SftConfig(), base)
+    assert key == cache_key(list(demos), SftConfig(), dict(base))
+    assert key != cache_key(demos, SftConfig(steps=7), base)
+    assert key != cache_key(demos, SftConfig(), {"tiny": {"hidden_size": 128}})
+    other = [Demonstration("t1", (*transcript()[:-1], ("assistant", "x")))]
+    assert key != cache_key(other, SftConfig(), base)
+
