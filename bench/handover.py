@@ -353,11 +353,11 @@ async def sampled_resumes(nc: Any, events: Events, rounds: int) -> dict[str, Any
             "rounds": rows}  # fmt: skip
 
 
-async def measure_sampled(url: str, rounds: int) -> dict[str, Any]:
+async def measure_sampled(url: str, rounds: int, run_dir: Path) -> dict[str, Any]:
     """Sampled-resume exactness alone (the ``--no-deterministic`` node)."""
     from common.bus import connect
 
-    nc = await connect(url, name="bench-handover")
+    nc = await connect(url, name="bench-handover", bus=_client_bus(url, run_dir))
     try:
         events = await Events(nc).start()
         await events.wait("shadow_ready", after=0, timeout=60)
@@ -366,11 +366,19 @@ async def measure_sampled(url: str, rounds: int) -> dict[str, Any]:
         await nc.drain()
 
 
-async def measure(url: str, failures: int, *, baseline: bool) -> dict[str, Any]:
+def _client_bus(url: str, run_dir: Path) -> Any:
+    """The node's client identity from its run directory (authentication is on)."""
+    from common.config import RunPaths
+    from common.node import resolve_bus
+
+    return resolve_bus(url, paths=RunPaths(run_dir))[1]
+
+
+async def measure(url: str, failures: int, *, baseline: bool, run_dir: Path) -> dict[str, Any]:
     from common.bus import connect
     from services.router.client import generate
 
-    nc = await connect(url, name="bench-handover")
+    nc = await connect(url, name="bench-handover", bus=_client_bus(url, run_dir))
     try:
         events = await Events(nc).start()
         if not baseline:
@@ -496,7 +504,9 @@ def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> di
                 if mode == "baseline":
                     extra += ["--heartbeat-interval", str(heartbeat_s)]
                 node = up(run_dir, model_dir, *extra)
-                measured = asyncio.run(measure(node["nats_url"], n, baseline=mode == "baseline"))
+                measured = asyncio.run(
+                    measure(node["nats_url"], n, baseline=mode == "baseline", run_dir=run_dir)
+                )
             finally:
                 progress(f"stopping the {mode} node: belayer down")
                 with contextlib.suppress(Exception):
@@ -508,7 +518,7 @@ def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> di
             progress("starting a belayer node with --no-deterministic (1 engine)")
             node = up(run_dir, model_dir, "--recovery", "belayer", "--no-deterministic")
             progress(f"belayer: {SAMPLED_ROUNDS} sampled resumes, --no-deterministic")
-            sampled = asyncio.run(measure_sampled(node["nats_url"], SAMPLED_ROUNDS))
+            sampled = asyncio.run(measure_sampled(node["nats_url"], SAMPLED_ROUNDS, run_dir))
         finally:
             progress("stopping the --no-deterministic node: belayer down")
             with contextlib.suppress(Exception):

@@ -316,11 +316,21 @@ async def measure_attach(nc: Any) -> dict[str, Any]:
 
 
 async def measure_node(
-    url: str, new_tokens: int, vocab: int, pids: dict[str, int], *, attach: bool = True
+    url: str,
+    new_tokens: int,
+    vocab: int,
+    pids: dict[str, int],
+    *,
+    attach: bool = True,
+    run_dir: Path | None = None,
 ) -> dict[str, Any]:
     from common.bus import connect
+    from common.config import RunPaths
+    from common.node import resolve_bus
 
-    nc = await connect(url, name="bench-serve", reconnect=False)
+    # The node's client identity from its run directory (authentication is on).
+    _, identity = resolve_bus(url, paths=RunPaths(run_dir) if run_dir else None)
+    nc = await connect(url, name="bench-serve", bus=identity, reconnect=False)
     try:
         progress("bus path: warming up")
         bus = await measure_bus(nc, new_tokens, vocab, pids)
@@ -481,7 +491,9 @@ def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
                 )
                 pids = node_pids(run_dir, started["node"])
                 url, fast = started["node"]["nats_url"], flag == "--no-deterministic"
-                nodes[flag] = asyncio.run(measure_node(url, new_tokens, 4096, pids, attach=fast))
+                nodes[flag] = asyncio.run(
+                    measure_node(url, new_tokens, 4096, pids, attach=fast, run_dir=run_dir)
+                )
                 if fast:
                     up = started
             finally:

@@ -455,3 +455,59 @@ def redact(text: str) -> str:
     """``text`` with anything that looks like an nkey seed, or a password in a URL, replaced
     (a belt to the braces of never formatting one)."""
     return _URL_SECRET.sub(r"\1<redacted>@", _SEED.sub("<redacted>", text))
+
+
+def markdown_table() -> str:
+    """The roles × subjects table of ``docs/security.md`` (checked against ``grant`` by
+    ``tests/unit/test_security_doc.py``): JetStream API grants summarised per stream."""
+
+    def summarise(patterns: tuple[str, ...]) -> str:
+        left = list(patterns)
+        out: list[str] = []
+
+        def take(group: list[str]) -> bool:
+            if all(p in left for p in group):
+                for p in group:
+                    left.remove(p)
+                return True
+            return False
+
+        if take(["$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*"]):
+            out.append("declare streams")
+        if take(_JS_INFO):
+            out.append("stream info")
+        streams = [
+            subjects.STREAM_TOKENS,
+            subjects.STREAM_REQUESTS,
+            subjects.STREAM_EVENTS,
+            subjects.STREAM_TRAJECTORIES,
+            subjects.STREAM_DEADLETTER,
+        ]
+        buckets = [
+            subjects.BUCKET_WEIGHT_VERSION,
+            subjects.BUCKET_ENGINE_EPOCHS,
+            subjects.BUCKET_SANDBOX_PREFIX,
+            subjects.BUCKET_ROLLOUTS,
+            subjects.BUCKET_TRAJECTORY_PREFIX,
+        ]
+        for s in streams:
+            if take(_stream_consume(s)):
+                out.append(f"consume `{s}` (durable, acks)")
+            elif take(_stream_read(s)):
+                out.append(f"read `{s}`")
+        for b in buckets:
+            if take(_kv_read(b)):
+                out.append(f"read KV `{b}`")
+        for p in list(left):
+            if p.startswith("$KV."):
+                left.remove(p)
+                _, bucket, key = p.split(".", 2)
+                out.append(f"write KV `{bucket}` (`{key}`)")
+        out += [f"`{p}`" for p in left]
+        return ", ".join(out) or "—"
+
+    rows = ["| role | may publish (requests, streams) | may subscribe (serve, follow) |"]
+    rows.append("| --- | --- | --- |")
+    for role, g in role_table():
+        rows.append(f"| `{role}` | {summarise(g.publish)} | {summarise(g.subscribe)} |")
+    return "\n".join(rows) + "\n"

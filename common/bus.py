@@ -149,13 +149,14 @@ class _Denials:
         self.waiting: dict[str, set[asyncio.Future[None]]] = {}
 
     def report(self, subject: str) -> None:
-        for fut in self.waiting.pop(subject, set()):
+        """``subject`` as the server's error names it (nats-py lowercases that message)."""
+        for fut in self.waiting.pop(subject.lower(), set()):
             if not fut.done():
                 fut.set_result(None)
 
     async def race(self, subject: str, call: Awaitable[R]) -> R:
         denied: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiting.setdefault(subject, set()).add(denied)
+        self.waiting.setdefault(subject.lower(), set()).add(denied)
         task = asyncio.ensure_future(call)
         try:
             both: set[asyncio.Future[Any]] = {task, denied}
@@ -167,7 +168,7 @@ class _Denials:
         finally:
             if not task.done():
                 task.cancel()
-            self.waiting.get(subject, set()).discard(denied)
+            self.waiting.get(subject.lower(), set()).discard(denied)
 
 
 async def request(
@@ -396,7 +397,27 @@ BUCKETS: dict[str, dict[str, Any]] = {
 }
 
 
+JETSTREAM_READY_S = 30.0
+"""How long ``ensure_jetstream`` waits for JetStream to answer (a cluster that is still
+electing its meta leader answers "temporarily unavailable")."""
+
+
 async def ensure_jetstream(js: JetStreamContext, *, replicas: int = 1, update: bool = True) -> None:
+    """``declare_jetstream``, retried while JetStream is not ready yet (bounded)."""
+    deadline = time.monotonic() + JETSTREAM_READY_S
+    while True:
+        try:
+            await declare_jetstream(js, replicas=replicas, update=update)
+            return
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                raise BusUnavailable(f"JetStream is not available: {exc!r}") from None
+            await asyncio.sleep(0.25)  # bounded retry while a cluster elects its leaders
+
+
+async def declare_jetstream(
+    js: JetStreamContext, *, replicas: int = 1, update: bool = True
+) -> None:
     """Declare every stream and KV bucket idempotently, each with ``replicas`` JetStream
     replicas (3 on a three-server cluster). What exists is looked up first (the only
     JetStream API call a service's identity may make on streams it does not own); what is

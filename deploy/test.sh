@@ -10,8 +10,15 @@ echo "test: ruff"
 .venv/bin/ruff format --check . >/dev/null || { echo "test: ruff format --check failed (run .venv/bin/ruff format .)"; exit 1; }
 echo "test: mypy"
 .venv/bin/mypy common schemas model workloads services bench
-echo "test: pytest"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+# The warm-started tiny models the rollout tests use (tests/model_fixtures.py), made before the
+# tests so no test's timeout pays for a training: cached in $BELAYER_CACHE_DIR (default
+# ~/.cache/belayer) by a key of their inputs, so only a machine's first run trains (minutes).
+echo "test: warm-started models"
+WARM=$(mktemp -d /tmp/belayer-warm.XXXXXX)
+for kind in math swe; do .venv/bin/belayer model init --tiny --warm-start "$kind" "$WARM/$kind"; done
+rm -rf "$WARM"
+echo "test: pytest"
 before=$(ls /dev/shm 2>/dev/null | grep '^belayer-' | sort || true)
 containers() { /usr/bin/docker ps -aq --filter label=belayer.sandbox 2>/dev/null | sort || true; }
 cbefore=$(containers)

@@ -14,10 +14,15 @@ whole loop and GRPO gets a signal. The pieces:
   the next generation header (mask 0) — so a demonstration is byte-identical to the context
   the controller would have built had the model produced those responses.
 - :func:`train_sft`: AdamW steps of :func:`model.training.train_step` on the mean negative
-  log-likelihood of the assistant tokens, with :func:`model.train_forward.dense_hidden`.
-- :func:`warm_start_dir`: a complete model directory (a tiny model, then trained), cached
-  under a key of the demonstrations, the settings and the tiny model's shape: the second
-  request with the same inputs copies the cached directory (``install``) instead of training.
+  log-likelihood of the assistant tokens, with :func:`model.train_forward.dense_hidden`
+  (logits computed at the assistant positions only).
+- :func:`init_base_model`: a random tiny Qwen3 (:func:`model.tiny.init_tiny_model`) whose
+  byte-level BPE is trained on the demonstrations' text, digits one per token.
+- :func:`train_model_dir`: that base model trained, its weights and a stamp
+  (:data:`STAMP_FILE`) written; ``<|im_end|>`` made an EOS of ``config.json``.
+- :func:`cache_key` / :func:`cached_model_dir` / :func:`install`: the directory is cached
+  under a key of the demonstrations, the settings and the base model's shape; a second
+  request with the same inputs copies the cached directory instead of training.
 """
 
 from __future__ import annotations
@@ -147,7 +152,8 @@ def split_transcript(
 
 
 def render_text(messages: Sequence[tuple[str, str]]) -> str:
-    """The transcript as ChatML text (the text :func:`encode_demonstration`'s ids decode to)."""
+    """The transcript as ChatML text (``chat_template`` semantics, no generation prompt):
+    :func:`encode_demonstration`'s ids decode to it, less its final newline."""
     return "".join(f"{IM_START}{role}\n{content}{IM_END}\n" for role, content in messages)
 
 
@@ -161,7 +167,7 @@ def encode_demonstration(chat: ChatFormat, messages: Sequence[tuple[str, str]]) 
     response: list[int] = []
     for role, content in rest:
         if role == "assistant":
-            response = chat.tokenizer.encode(content) + [chat.im_end]
+            response = [*chat.tokenizer.encode(content), chat.im_end]
             ids += response
             mask += [1] * len(response)
         else:
@@ -311,7 +317,9 @@ def train_sft(
             total = sum(sum(e.mask) for e in batch)
             groups = [_pad(g) for g in _micro_batches(batch, cfg.micro_batch_tokens)]
 
-            def loss_fn(micro: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            def loss_fn(
+                micro: tuple[torch.Tensor, torch.Tensor, torch.Tensor], total: int = total
+            ) -> torch.Tensor:
                 loss, _ = masked_nll(model, *micro)
                 return loss / total
 
@@ -353,9 +361,7 @@ def train_chat_tokenizer(texts: Sequence[str], vocab_size: int, seed: int = 0) -
     return tok
 
 
-def init_base_model(
-    out_dir: Path, demos: Sequence[Demonstration], tiny: dict[str, Any]
-) -> Path:
+def init_base_model(out_dir: Path, demos: Sequence[Demonstration], tiny: dict[str, Any]) -> Path:
     """A random tiny Qwen3 (``model.tiny.init_tiny_model(**tiny)``) whose tokenizer is
     trained on the demonstrations' text (shorter sequences: a faster warm start)."""
     root = init_tiny_model(out_dir, **tiny)

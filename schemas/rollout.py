@@ -17,9 +17,13 @@ from typing import Annotated, Literal
 import msgspec
 
 from schemas.base import Id, IdOrEmpty, Message
+from schemas.env import CheckpointId
 from schemas.serving import SamplingParams, Seed, TokenId
 
 RolloutId = Id
+TaskId = Id
+"""A task's id (``math-basic_arithmetic-train-3``, a SWE-Gym ``instance_id``): it names
+trajectories, which become subject tokens."""
 """Rollout id (``schemas.base.Id``); trajectory ids start with it."""
 
 FinishReason = Literal["answered", "max_turns", "deadline", "failed", "malformed", "length"]
@@ -64,7 +68,7 @@ class RolloutRequest(Message, tag="RolloutRequest.v1"):
     """Workload name (``math``, ``swe``); unknown → ``not_found``."""
     rollout_id: IdOrEmpty = ""
     """Caller-chosen id (resubmitting the same request is idempotent); empty: a fresh one."""
-    task_ids: list[Annotated[str, msgspec.Meta(min_length=1, max_length=200)]] = []
+    task_ids: list[TaskId] = []
     """Tasks to run, by id; empty: the workload's first ``tasks`` tasks."""
     tasks: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 4
     """How many tasks when ``task_ids`` is empty."""
@@ -104,7 +108,7 @@ class RolloutAccepted(Message, tag="RolloutAccepted.v1"):
     rollout_id: RolloutId
     trajectories: int
     """Slots: tasks × n."""
-    task_ids: list[str]
+    task_ids: list[TaskId]
     """The tasks, in slot order (slot i = task i // n, sample i % n)."""
     existing: bool = False
     """True when the same request was already running or done (a resubmission)."""
@@ -159,13 +163,15 @@ class RolloutSummary(msgspec.Struct, kw_only=True):
     failures_recovered: int = 0
     controller_restarts: int = 0
     """Controller incarnations that adopted this rollout after the first."""
+    trajectory_s: float = 0.0
+    """Wall time of every attempt summed (what ``visible_checkpoint_s`` is a part of)."""
 
 
 class TrajectoryRow(msgspec.Struct, kw_only=True):
     """One attempt as ``belayer rollout`` lists it."""
 
     trajectory_id: Id
-    task_id: str
+    task_id: TaskId
     slot: int
     attempt: int
     state: Literal["running", "finished", "failed"]
@@ -295,7 +301,7 @@ class Trajectory(Message, tag="Trajectory.v1"):
     trajectory_id: Id
     rollout_id: RolloutId
     workload: str
-    task_id: str
+    task_id: TaskId
     slot: int
     """Slot index i: task ``i // n``, sample ``i % n``."""
     sample: int
@@ -333,7 +339,7 @@ class ReadyPrefix(msgspec.Struct, kw_only=True):
 
     prefix: int
     """k: actions done when it was taken."""
-    checkpoint_id: str
+    checkpoint_id: CheckpointId
     response_len: int
     """len(response_ids) of L_k."""
     actions_len: int
@@ -378,7 +384,7 @@ class RolloutState(Message, tag="RolloutState.v1"):
     """KV ``rollouts``, key = rollout id: the request as accepted and its progress."""
 
     request: RolloutRequest
-    task_ids: list[str]
+    task_ids: list[TaskId]
     accepted_at: float
     state: Literal["running", "done"] = "running"
     attempts: list[int] = []

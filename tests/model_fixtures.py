@@ -23,9 +23,17 @@ def warm_start_cli(kind: str, out_dir: Path, *extra: str) -> subprocess.Complete
     """Run ``belayer model init --tiny --warm-start KIND OUT_DIR`` and return the result."""
     return subprocess.run(
         [
-            sys.executable, "-m", "services.cli.main", "model", "init", "--tiny",
-            "--warm-start", kind, str(out_dir), *extra,
-        ],  # fmt: skip
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "model",
+            "init",
+            "--tiny",
+            "--warm-start",
+            kind,
+            str(out_dir),
+            *extra,
+        ],
         capture_output=True,
         text=True,
         timeout=WARM_START_TIMEOUT_S,

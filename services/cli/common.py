@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -23,6 +24,11 @@ from common.codec import decode, encode
 from common.config import RunPaths
 from common.errors import BelayerError, InvalidRequest
 from common.node import resolve_bus
+
+# asyncio warns on every TLS connection a command closes ("returning true from
+# eof_received() has no effect when using ssl"): noise on a command's stderr, which keeps
+# one line per error.
+logging.getLogger("asyncio").setLevel(logging.ERROR)
 
 T = TypeVar("T")
 M = TypeVar("M")

@@ -4,10 +4,11 @@ the workloads and a real sandbox; the training itself is :mod:`model.warm_start`
 * **math**: problems of the ``math`` workload (reasoning-gym, offline), answered in the
   convention: the left-to-right working, one line per operation, then ``Answer: N``.
 * **swe**: every bundled *training* task run for real — a private nats-server and environment
-  service, real sandboxes of the task's image — once per variant (its reference actions; ``ls``
-  first; the visible tests after the fix), each episode checked to score 1 with the hidden
-  tests. The transcript holds the real observations, formatted as the controller formats them,
-  and ends with the submit action.
+  service, real sandboxes of the task's image — once per variant (``SWE_VARIANTS``: its
+  reference actions; ``ls`` first; the visible tests after the fix; and, as deliberate noise,
+  ``ls`` then a premature submit), each episode checked against the hidden tests (1, or 0 for
+  the noise). The transcript holds the real observations, formatted as the controller formats
+  them (``workloads.runner``), and ends with the submit action.
 
 Both are cached as JSON lines under ``<cache>/demonstrations/`` keyed by what they depend on,
 so a rerun reads them back (no sandbox, no network).
@@ -144,9 +145,9 @@ transcripts branch evenly into the fix and a premature submit, so a policy that 
 demonstrations solves about three episodes in four — some but not all, a signal for GRPO."""
 
 
-def swe_transcript(task: Task, actions: Sequence[str], observations: Sequence[str]) -> tuple[
-    tuple[str, str], ...
-]:
+def swe_transcript(
+    task: Task, actions: Sequence[str], observations: Sequence[str]
+) -> tuple[tuple[str, str], ...]:
     """The chat of one episode: the prompt, each action (``format_action``) followed by its
     observation, then the submit action."""
     turns = list(prompt_turns(task))
@@ -158,7 +159,7 @@ def swe_transcript(task: Task, actions: Sequence[str], observations: Sequence[st
 
 async def record_swe(ops: SandboxOps, tasks: Sequence[Task]) -> list[Demonstration]:
     """Run every task × variant in a real sandbox; each episode must score what its variant
-expects (1, or 0 for the noise variant)."""
+    expects (1, or 0 for the noise variant)."""
     demos: list[Demonstration] = []
     for task in tasks:
         for variant, (recipe, expected) in SWE_VARIANTS.items():

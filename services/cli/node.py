@@ -23,7 +23,7 @@ from common.bus import request
 from common.codec import decode
 from common.config import RunPaths, config_argv
 from common.errors import BelayerError, BusUnavailable, Timeout
-from common.node import read_node
+from common.node import NodeInfo, read_node
 from schemas.base import Ok
 from schemas.events import AnyEvent
 from schemas.node import StopNode, SupervisorStatus, SupervisorStatusRequest
@@ -117,8 +117,10 @@ def up(
         "deployment with --join).",
     ),
     tls_cert: Path | None = typer.Option(
-        None, "--tls-cert", help="This host's TLS certificate (PEM): the local NATS serves "
-        "TLS with it and every service presents it as its client certificate."
+        None,
+        "--tls-cert",
+        help="This host's TLS certificate (PEM): the local NATS serves "
+        "TLS with it and every service presents it as its client certificate.",
     ),
     tls_key: Path | None = typer.Option(None, "--tls-key", help="The key of --tls-cert (PEM)."),
     tls_ca: Path | None = typer.Option(
@@ -135,6 +137,12 @@ def up(
         None,
         "--run-dir",
         help="Run directory (node file, logs, NATS store). Default: $BELAYER_HOME or ./.belayer.",
+    ),
+    training: bool = typer.Option(
+        NODE_DEFAULTS.training,
+        "--training/--no-training",
+        help="Also run the GRPO trainer (consumes finished trajectories, pushes new weights); "
+        "`belayer run` uses it.",
     ),
     environment: bool | None = typer.Option(
         None,
@@ -202,24 +210,29 @@ def up(
             f"a node is already running from {paths.root} (supervisor pid {node.supervisor_pid}); run `belayer down` first"
         )
     d = NODE_DEFAULTS
+    try:
+        bus = dataclasses.replace(
+            d.bus,
+            tls_cert=str(tls_cert.resolve()) if tls_cert else "",
+            tls_key=str(tls_key.resolve()) if tls_key else "",
+            tls_ca=str(tls_ca.resolve()) if tls_ca else "",
+            replicas=replicas,
+        )
+    except ValueError as exc:  # e.g. a certificate without its key
+        fail(str(exc), 2)
     config = dataclasses.replace(
         d,
         run_dir=str(paths.root),
         nats_url=nats_url,
         model_dir=str(Path(model).resolve()) if model else "",
         engines=engines,
+        training=training,
         environment=(
             True if role == "env-host" else docker_usable() if environment is None else environment
         ),
         creds_dir=str(creds_dir.resolve()) if creds_dir else "",
         role="env-host" if role == "env-host" else "node",
-        bus=dataclasses.replace(
-            d.bus,
-            tls_cert=str(tls_cert.resolve()) if tls_cert else "",
-            tls_key=str(tls_key.resolve()) if tls_key else "",
-            tls_ca=str(tls_ca.resolve()) if tls_ca else "",
-            replicas=replicas,
-        ),
+        bus=bus,
         handover_timeout_s=handover_timeout,
         ready_timeout_s=timeout,
         router=dataclasses.replace(
@@ -250,6 +263,20 @@ def up(
             typer.echo("stopping the node (draining services)…")
             proc.terminate()
             raise typer.Exit(proc.wait()) from None
+    t0 = time.monotonic()
+    node = launch(config, paths, timeout)
+    typer.echo(
+        f"belayer node ready in {time.monotonic() - t0:.1f}s: nats {node.nats_url}, "
+        f"engines {', '.join(node.engines) or 'none'}, recovery {node.recovery}, "
+        f"role {node.role}, run dir {paths.root}"
+    )
+
+
+def launch(config: SupervisorConfig, paths: RunPaths, timeout: float) -> NodeInfo:
+    """Start the supervisor of ``config`` in its own session (``belayer up --detach``) and
+    wait until its node file says ready; a start that fails or times out is one ``error:``
+    line and exit 1 (``belayer run`` starts its node with this too)."""
+    argv = [sys.executable, "-m", "services.supervisor", *config_argv(config)]
     paths.logs.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         paths.node_file.unlink()
@@ -277,11 +304,8 @@ def up(
             proc.terminate()
             fail(f"the node was not ready after {timeout:.0f} s; logs in {paths.logs}")
         time.sleep(0.05)  # polling the node file the supervisor writes when ready
-    typer.echo(
-        f"belayer node ready in {time.monotonic() - t0:.1f}s: nats {node.nats_url}, "
-        f"engines {', '.join(node.engines) or 'none'}, recovery {node.recovery}, "
-        f"role {node.role}, run dir {paths.root}"
-    )
+    assert node is not None
+    return node
 
 
 def down(

@@ -293,7 +293,6 @@ class TrajectoryCore:
     ) -> None:
         """The command ran (an ordinary outcome, whatever its exit code, its own timeout
         included): record the action, append the observation as the next user turn."""
-        self.env_steps += 1
         self.timings.env_s += env_s
         self.actions.append(
             ActionRecord(
@@ -319,6 +318,12 @@ class TrajectoryCore:
         self._append(self._observation_ids(text), model=False)
         self.policy.observe_step(env_s=env_s, llm_s=self._last_llm_s)
         self._last_llm_s = 0.0
+
+    def begin_step(self) -> int:
+        """An environment step starts (its exec is about to run): its number, 1-based, over
+        the whole attempt — steps undone by a restore and failed ones count too."""
+        self.env_steps += 1
+        return self.env_steps
 
     def _observation_ids(self, text: str) -> list[int]:
         return list(self.observation_ids(self._last_response(), text))

@@ -220,8 +220,9 @@ class RolloutRun:
 
     # --- injections -----------------------------------------------------------------------
     async def before_step(self, runner: TrajectoryRunner) -> None:
-        """``p`` injections, drawn at the start of each environment step."""
-        step = runner.core.env_steps + 1
+        """``p`` injections, drawn at the start of each environment step (numbered over the
+        attempt, so a step run again after a restore draws afresh)."""
+        step = runner.core.begin_step()
         for i, spec in enumerate(self.request.inject):
             if fires_at_step(
                 spec, seed=self.request.seed, slot=runner.slot, attempt=runner.attempt,

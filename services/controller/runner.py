@@ -444,7 +444,6 @@ class TrajectoryRunner:
     def record(self) -> Trajectory:
         c, f = self.core, self.core.finish
         assert f is not None
-        c.timings.total_s = time.time() - c.started_at
         return Trajectory(
             trajectory_id=self.trajectory_id, rollout_id=self.run.rollout_id,
             workload=self.run.request.workload, task_id=self.task.id, slot=self.slot,
@@ -457,6 +456,7 @@ class TrajectoryRunner:
         )  # fmt: skip
 
     async def end(self) -> TrajectoryRow:
+        self.core.timings.total_s = time.time() - self.core.started_at
         row = self.row()
         rid = self.run.rollout_id
         if row.state == "finished":

@@ -53,6 +53,14 @@ def summarize(
         out.checkpoint_s += tim.checkpoint_s
         out.llm_s += tim.llm_s
         out.env_s += tim.env_s
-    for name in ("visible_checkpoint_s", "checkpoint_s", "llm_s", "env_s", "mean_reward"):
+        out.trajectory_s += tim.total_s
+    for name in (
+        "visible_checkpoint_s",
+        "checkpoint_s",
+        "llm_s",
+        "env_s",
+        "mean_reward",
+        "trajectory_s",
+    ):
         setattr(out, name, round(getattr(out, name), 4))
     return out

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 
 from common import subjects
 from common.codec import decode, encode, raise_error
-from common.errors import BusUnavailable, Timeout
+from common.errors import BusUnavailable, Overloaded, Timeout
 from common.logging import get_logger
 from schemas.base import ErrorReply
 from schemas.serving import GenerateReply, GenerateRequest, GenerateResult, TokenDelta
@@ -34,8 +34,9 @@ log = get_logger(component="router-client")
 SILENCE_S = 5.0
 #: Backoff between re-attach attempts: first delay, cap.
 BACKOFF_S = (0.1, 1.0)
-#: Error codes that mean "the path to the router broke", not "the request is refused".
-_TRANSPORT_CODES = frozenset({BusUnavailable.code, Timeout.code})
+#: Error codes that mean "the path to the router broke" or "not now" (a flood being shed),
+#: not "the request is refused": the request is resubmitted after a backoff.
+_TRANSPORT_CODES = frozenset({BusUnavailable.code, Timeout.code, Overloaded.code})
 
 
 class _Reattach(Exception):

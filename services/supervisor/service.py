@@ -93,6 +93,8 @@ class Supervisor(Service[SupervisorConfig]):
         self.watchers: list[asyncio.Task[None]] = []
         self.engines = Engines(self)
         self.creds_dir: Path | None = Path(config.creds_dir) if config.creds_dir else None
+        # A joined env host declares nothing: the deployment's node owns the streams.
+        self.owns_jetstream = config.role == "node"
 
     # --- specs ------------------------------------------------------------------------------
     def _py(self, module: str, config: Any) -> list[str]:

@@ -77,7 +77,8 @@ class TrainerConfig:
     """Stop consuming after this many steps (0: no limit)."""
     logprob_diff_bound: float = 1e-4
     """Largest training-vs-rollout log-probability difference accepted on a model token; above
-    it a ``logprob_mismatch`` error event is published (the step still trains)."""
+    it a ``logprob_mismatch`` error event is published (the step still trains). With
+    ``deterministic`` the bound is 0: any difference is an error."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts (their log-probabilities are at it), for records
     that do not carry one; 0 (greedy) is scored at 1."""

@@ -37,6 +37,7 @@ trainer has not reached yet.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -224,11 +225,33 @@ class Sample:
         return sum(self.loss_mask)
 
 
-def validate_sample(s: Sample) -> None:
-    """``ValueError`` naming what is inconsistent in ``s`` (a malformed record)."""
+def without_trailing_context(s: Sample) -> Sample:
+    """``s`` without the tokens after its last model token (the observation of a trajectory
+    that ended on ``length`` or ``max_turns``): they are never trained on and, the forward
+    being causal, change no log-probability before them — but they may run past the model's
+    context (a response that filled it, then its observation)."""
+    end = len(s.loss_mask)
+    while end > 0 and s.loss_mask[end - 1] != 1:
+        end -= 1
+    if end in (0, len(s.loss_mask)) or len(s.response_ids) != len(s.loss_mask):
+        return s  # nothing to drop (or malformed: ``validate_sample`` says why)
+    return dataclasses.replace(
+        s,
+        response_ids=s.response_ids[:end],
+        loss_mask=s.loss_mask[:end],
+        rollout_logprobs=s.rollout_logprobs[:end],
+        weight_versions=s.weight_versions[:end],
+    )
+
+
+def validate_sample(s: Sample, max_len: int = 0) -> None:
+    """``ValueError`` naming what is inconsistent in ``s`` (a malformed record); with
+    ``max_len`` (the model's context) also a sample longer than the model can take."""
     n = len(s.response_ids)
     if not s.prompt_ids:
         raise ValueError("empty prompt")
+    if max_len and len(s.prompt_ids) + n > max_len:
+        raise ValueError(f"{len(s.prompt_ids) + n} tokens: longer than the model's {max_len}")
     for name in ("loss_mask", "rollout_logprobs", "weight_versions"):
         if len(getattr(s, name)) != n:
             raise ValueError(f"{name} has {len(getattr(s, name))} entries for {n} response tokens")

@@ -54,7 +54,13 @@ from schemas.trainer import TrainerStatus, TrainerStatusRequest
 from schemas.weights import WeightManifest
 from services.trainer import journal
 from services.trainer.config import TrainerConfig
-from services.trainer.core import Batcher, Sample, Verdict, validate_sample
+from services.trainer.core import (
+    Batcher,
+    Sample,
+    Verdict,
+    validate_sample,
+    without_trailing_context,
+)
 from services.trainer.journal import Plan
 from services.trainer.update import (
     StepResult,
@@ -73,8 +79,9 @@ STORE_WAIT_S = 60.0
 
 
 def to_sample(traj: Trajectory, stream_seq: int, default_temperature: float) -> Sample:
-    """The trainer's view of a ``Trajectory`` record (group = rollout + task)."""
-    return Sample(
+    """The trainer's view of a ``Trajectory`` record (group = rollout + task), without the
+    tokens after its last model token (``core.without_trailing_context``)."""
+    sample = Sample(
         trajectory_id=traj.trajectory_id,
         group_id=f"{traj.rollout_id}/{traj.task_id}",
         sample_index=traj.sample,
@@ -87,6 +94,7 @@ def to_sample(traj: Trajectory, stream_seq: int, default_temperature: float) -> 
         temperature=float(getattr(traj, "temperature", default_temperature)),
         stream_seq=stream_seq,
     )
+    return without_trailing_context(sample)
 
 
 def model_signature(manifest: WeightManifest) -> list[list[Any]]:
@@ -270,7 +278,8 @@ class TrainerService(Service[TrainerConfig]):
         seq = msg.metadata.sequence.stream
         try:
             sample = to_sample(decode(msg.data, Trajectory), seq, self.config.temperature)
-            validate_sample(sample)
+            assert self.model_cfg is not None
+            validate_sample(sample, self.model_cfg.max_position_embeddings)
         except (BelayerError, ValueError) as exc:
             await self._dead_letter(msg, seq, exc)
             return
@@ -377,10 +386,12 @@ class TrainerService(Service[TrainerConfig]):
                 if msg is not None:
                     self.unacked[s.trajectory_id] = msg
             self.batcher.mark_trained(batch)
-            if result.logprob_diff_max > c.logprob_diff_bound:
+            # Deterministic mode promises bitwise agreement: any difference is an error.
+            bound = 0.0 if c.deterministic else c.logprob_diff_bound
+            if result.logprob_diff_max > bound:
                 self.log.error(
                     "logprob_mismatch", step=result.step, diff_max=result.logprob_diff_max,
-                    bound=c.logprob_diff_bound,
+                    bound=bound,
                 )  # fmt: skip
                 await self._publish(
                     LogprobMismatch(
@@ -388,7 +399,7 @@ class TrainerService(Service[TrainerConfig]):
                         version=plan.base_version,
                         logprob_diff_max=result.logprob_diff_max,
                         logprob_diff_mean=result.logprob_diff_mean,
-                        bound=c.logprob_diff_bound,
+                        bound=bound,
                     )
                 )
             if c.hold_before_checkpoint_s:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 import os
 import signal
 import tarfile
@@ -166,22 +167,26 @@ async def test_sandbox_killed_after_a_ready_checkpoint(warm_node: Node, warm_mod
 
     async def freeze_and_compare(ev: TrajectoryRestored) -> None:
         """Right after a restore (the controller stopped so no action runs meanwhile): the
-        restored sandbox's workdir files are those archived in C_k."""
+        restored sandbox's workdir files are those archived in C_k, and every process CRIU
+        dumped into C_k runs again."""
         os.kill(pid, signal.SIGSTOP)
         try:
             listing = await EnvClient(ops).list()
             (sb,) = [s for s in listing.sandboxes if s.id == ev.sandbox_id]
-            fs_tar = (
-                warm_node.run_dir
-                / "env"
-                / "checkpoints"
-                / ev.sandbox_id
-                / ev.checkpoint_id
-                / "fs.tar"
-            )
-            want = archive_files(fs_tar, "root/repo")
+            ck_dir = warm_node.run_dir / "env" / "checkpoints" / ev.sandbox_id / ev.checkpoint_id
+            want = archive_files(ck_dir / "fs.tar", "root/repo")
             assert want, "the checkpoint archived no workdir file"
             assert upper_dir_files(sb.container_id, "root/repo") == want
+            # the processes: every task CRIU dumped (core-<tid>.img) runs again, same tid
+            manifest = json.loads((ck_dir / "manifest.json").read_text())
+            dumped = {
+                int(name[5:-4])
+                for name in manifest["criu_files"]
+                if name.startswith("core-") and name.endswith(".img")
+            }
+            ps = await EnvClient(ops).exec(ev.sandbox_id, "ps -eLo lwp=", timeout_s=10)
+            live = {int(x) for x in ps.stdout.split()}
+            assert dumped and dumped <= live, (dumped, live)
             checked_files.append(ev.trajectory_id)
         finally:
             os.kill(pid, signal.SIGCONT)

@@ -305,3 +305,13 @@ def test_a_response_outside_the_vocabulary_cannot_be_continued(chat: ChatFormat)
     assert isinstance(core.next_generation(1.0), Generate)
     step = core.on_response([5, vocab + 3, chat.im_end], [0.0] * 3, [1] * 3, "x", llm_s=0.1)
     assert isinstance(step, Score) and step.reason == "malformed" and "vocabulary" in step.detail
+
+
+def test_steps_are_numbered_over_the_attempt(chat: ChatFormat) -> None:
+    """A step that failed and is run again after a restore gets a new number, so a ``p``
+    injection draws afresh instead of firing at the same step for ever."""
+    core = make(chat)
+    assert core.begin_step() == 1
+    core.on_sandbox_failure("exec", "sandbox_error", "dead", now=1.0)
+    core.on_restarted_from_scratch(0.1, now=1.1, had_checkpoint=False)
+    assert core.begin_step() == 2 and core.env_steps == 2

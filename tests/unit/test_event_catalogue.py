@@ -22,7 +22,8 @@ from schemas import events
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "protocol.md"
-SOURCE = ROOT / "schemas" / "events.py"
+SOURCES_FILES = [ROOT / "schemas" / n for n in ("event_base.py", "events.py", "events_training.py")]
+"""Where the event types are written (``schemas/events.py`` gathers them into ``AnyEvent``)."""
 CATALOGUE_START = "### 6.2 Event catalogue"
 COMMON = ("ts", "source")
 """Fields every event has: documented once, in the common-fields table (§6.1)."""
@@ -34,9 +35,9 @@ Row = tuple[str, str, str]
 # --- the code's side -------------------------------------------------------------------------
 def _field_sources() -> dict[str, dict[str, tuple[str, str]]]:
     """Class name → field name → (annotation, docstring) as written in ``schemas/events.py``."""
-    tree = ast.parse(SOURCE.read_text())
     out: dict[str, dict[str, tuple[str, str]]] = {}
-    for node in tree.body:
+    nodes = [n for f in SOURCES_FILES for n in ast.parse(f.read_text()).body]
+    for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue
         fields: dict[str, tuple[str, str]] = {}

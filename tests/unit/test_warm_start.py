@@ -242,4 +242,3 @@ def test_the_cache_key_follows_every_input() -> None:
     assert key != cache_key(demos, SftConfig(), {"tiny": {"hidden_size": 128}})
     other = [Demonstration("t1", (*transcript()[:-1], ("assistant", "x")))]
     assert key != cache_key(other, SftConfig(), base)
-
