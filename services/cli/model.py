@@ -37,7 +37,7 @@ T = TypeVar("T")
 KINDS = ("math", "swe")
 
 SFT: dict[str, dict[str, Any]] = {
-    "math": {"steps": 500, "batch_size": 32, "lr": 3e-3, "warmup_steps": 20},
+    "math": {"steps": 450, "batch_size": 32, "lr": 3e-3, "warmup_steps": 20},
     "swe": {"steps": 60, "batch_size": 16, "lr": 2e-3, "warmup_steps": 10},
 }
 """The warm start's training per kind (``model.warm_start.SftConfig`` fields; measured on 2

@@ -386,8 +386,8 @@ async def train(
         )
         with Ui(console) as ui:
             records = await train_loop(nc, ctx, ui)
-    finally:
-        all_records = earlier + records
+    finally:  # metrics.jsonl holds every step recorded, also when the loop was interrupted
+        all_records = read_metrics(out / "metrics.jsonl") or earlier + records
         report: dict[str, Any] = {}
         if ctx is not None and ctx.events is not None:
             report = totals(ctx, all_records, time.monotonic() - t_wall)

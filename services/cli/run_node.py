@@ -35,6 +35,12 @@ from services.supervisor.config import SupervisorConfig
 from services.trainer.client import GrpoConfig, TrainerConfig, trainer_status
 
 E = TypeVar("E", bound=EventBase)
+MICRO_BATCH = 2
+"""Sequences per forward/backward of the run's trainer: a 2048-token SWE trajectory's
+activations are large on CPU (8 of them at once peak near 8 GB)."""
+HANG_THRESHOLD_S = 10.0
+"""A main worker whose heartbeat is older than this counts as hung (the node default, 2 s,
+takes a busy 2-core machine's stalls for hangs; a killed worker is seen at once anyway)."""
 ACK_WAIT_S = 6.0
 """The run's trainer: JetStream redelivers a killed trainer's unacked trajectories this soon
 (the live trainer marks them in progress every third of it)."""
@@ -80,7 +86,7 @@ def run_trainer_config(
         hold_before_checkpoint_s=hold_before_checkpoint_s,
         ack_wait_s=ACK_WAIT_S,
         optim=OptimConfig(lr=lr, seed=seed),
-        grpo=GrpoConfig(micro_batch_size=8),
+        grpo=GrpoConfig(micro_batch_size=MICRO_BATCH),
     )
 
 
@@ -107,6 +113,7 @@ def start_node(
         router=dataclasses.replace(
             d.router, recovery="baseline" if recovery == "baseline" else "belayer"
         ),
+        worker=dataclasses.replace(d.worker, hang_threshold_s=HANG_THRESHOLD_S),
         trainer=trainer,
     )
     return launch(config, paths, timeout)
