@@ -477,8 +477,9 @@ def cached_model_dir(
     with _locked(Path(cache_root) / f"{key}.lock"):
         if read_stamp(final) is not None:
             return final, False
+        for stale in Path(cache_root).glob(f"{key}.tmp-*"):  # a killed builder's (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(cache_root) / f"{key}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
             build(tmp)
             shutil.rmtree(final, ignore_errors=True)

@@ -496,7 +496,7 @@ def timeline(ctx: RunContext, events: EventTail, rollout_ids: set[str]) -> list[
         if isinstance(e, FailureInjected) and e.rollout_id in rollout_ids:
             add(e.ts, "injected", f"{e.fault} injected", e.injection)
         elif isinstance(e, FailureRecovered) and e.rollout_id in rollout_ids:
-            add(e.ts, "recovered", "recovered", e.injection)
+            add(e.ts, "recovered", f"{e.injection.split('@')[0]} recovered", e.injection)
         elif isinstance(e, HandoverComplete):
             add(e.ts, "recovered", "handover complete", e.engine_id)
         elif isinstance(e, TrajectoryRestored) and e.rollout_id in rollout_ids:

@@ -258,7 +258,7 @@ def make_plots(
     ax.set_ylabel("reward")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best", fontsize=8)
     ax.set_title("Reward per step")
     paths.append(_save(fig, out / "reward.png"))
 
