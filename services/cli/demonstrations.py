@@ -249,12 +249,6 @@ async def with_private_env(fn: Callable[[SandboxOps], Awaitable[T]]) -> T:
             server.stop()
 
 
-def swe_tasks() -> list[Task]:
-    """The bundled training tasks (``NotFound`` with the fix when the image is missing)."""
-    swe = load_workload("swe")
-    return list(swe.tasks(len(swe.train)))  # type: ignore[attr-defined]
-
-
 def swe_demonstrations(cache: Path, *, refresh: bool = False) -> list[Demonstration]:
     """The SWE demonstrations (cached; recorded in real sandboxes when not)."""
     swe = load_workload("swe", check_image=False)
@@ -271,7 +265,7 @@ def swe_demonstrations(cache: Path, *, refresh: bool = False) -> list[Demonstrat
     )
 
     def make() -> list[Demonstration]:
-        swe_tasks()  # the image must exist
+        load_workload("swe")  # the image must exist: NotFound naming the fix otherwise
         return asyncio.run(with_private_env(lambda ops: record_swe(ops, tasks)))
 
     return _cached(cache / "demonstrations" / f"swe-{key}.jsonl", make, refresh)

@@ -214,6 +214,9 @@ class EvalReport:
     """Task id → its episodes' rewards."""
     turns: list[int] = field(default_factory=list)
     """Each episode's model turns."""
+    actions: list[list[str]] = field(default_factory=list)
+    """SWE: each episode's parsed actions in order (``submit`` included; ``?`` for a
+    response that did not parse)."""
     seconds: float = 0.0
     """Wall time."""
 
@@ -316,6 +319,7 @@ async def _swe_episode(
     sampler: Sampler, ops: Any, task: Any, *, temperature: float, seed: int, report: EvalReport
 ) -> float:
     from workloads import (
+        FINISH_COMMAND,
         BashAction,
         SubmitAction,
         invalid_action_observation,
@@ -328,6 +332,7 @@ async def _swe_episode(
     context = chat.prompt((m.role, m.content) for m in task.prompt)
     sid = await open_sandbox(ops, task)
     turns, reward = 0, 0.0
+    actions: list[str] = []
     try:
         while turns < task.limits.max_turns and len(context) < sampler.max_model_len - 8:
             (ids,) = await asyncio.to_thread(
@@ -344,19 +349,23 @@ async def _swe_episode(
             context = context + ids
             if isinstance(action, SubmitAction):
                 report.parsed += 1
+                actions.append(FINISH_COMMAND)
                 reward = (await score_tests(ops, task, sid)).reward
                 break
             if isinstance(action, BashAction):
                 report.parsed += 1
+                actions.append(action.command)
                 step = await run_action(ops, task, sid, action.command)
                 observation = step.observation
             else:
+                actions.append("?")
                 reason = getattr(action, "reason", "a final 'Answer:' does not end a sandbox task")
                 observation = invalid_action_observation(reason)
             context = context + chat.observation(ids, observation)
     finally:
         await ops.destroy(sid)
     report.turns.append(turns)
+    report.actions.append(actions)
     return reward
 
 
