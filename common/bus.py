@@ -415,6 +415,31 @@ async def ensure_jetstream(js: JetStreamContext, *, replicas: int = 1, update: b
             await asyncio.sleep(0.25)  # bounded retry while a cluster elects its leaders
 
 
+JS_TRANSIENT: tuple[type[BaseException], ...] = (
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    TimeoutError,
+)
+"""JetStream API failures that heal by themselves: no stream leader yet (a server of a
+cluster died and its replicas are electing one), or a request lost in that moment."""
+
+
+async def js_call(
+    call: Callable[[], Awaitable[R]], *, what: str, timeout: float = JETSTREAM_READY_S
+) -> R:
+    """``call()`` retried on transient JetStream failures for at most ``timeout`` seconds;
+    then ``BusUnavailable`` naming ``what`` (never a raw nats error)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except JS_TRANSIENT as exc:
+            if time.monotonic() > deadline:
+                raise BusUnavailable(f"{what}: JetStream did not answer: {exc!r}") from None
+            await asyncio.sleep(0.25)  # bounded retry while a stream elects its leader
+
+
 async def declare_jetstream(
     js: JetStreamContext, *, replicas: int = 1, update: bool = True
 ) -> None:

@@ -19,7 +19,7 @@ import typer
 from common import events as event_types
 from common import subjects
 from common.auth import redact
-from common.bus import request
+from common.bus import js_call, request
 from common.codec import decode
 from common.config import RunPaths, config_argv
 from common.errors import BelayerError, BusUnavailable, Timeout
@@ -539,8 +539,9 @@ def events(
     async def tail(nc: Any) -> None:
         js = nc.jetstream()
         subject = subjects.event(kind) if kind else subjects.EVENTS_ALL
-        sub = await js.subscribe(subject, ordered_consumer=True)
-        info = await js.stream_info(subjects.STREAM_EVENTS)
+        what = "cannot read EVENTS"
+        sub = await js_call(lambda: js.subscribe(subject, ordered_consumer=True), what=what)
+        info = await js_call(lambda: js.stream_info(subjects.STREAM_EVENTS), what=what)
         pending = info.state.messages
         seen = 0
         deadline = time.monotonic() + duration if duration else None

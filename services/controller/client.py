@@ -13,7 +13,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from common import subjects
-from common.bus import request
+from common.bus import js_call, request
 from common.codec import decode
 from common.errors import BelayerError, BusUnavailable, Timeout
 from schemas.rollout import (
@@ -81,17 +81,29 @@ async def trajectories(nc: NATS, rollout_id: str, *, timeout: float = 10.0) -> l
     """Every published trajectory of the rollout (stream TRAJECTORIES), in slot order."""
     js = nc.jetstream()
     subject = subjects.rollout_trajectories(rollout_id)
+    deadline = time.monotonic() + timeout
+    what = "cannot read TRAJECTORIES"
     try:
-        info = await js.stream_info(subjects.STREAM_TRAJECTORIES, subjects_filter=subject)
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusUnavailable(f"cannot read TRAJECTORIES: {exc!r}") from None
+        info = await js_call(
+            lambda: js.stream_info(subjects.STREAM_TRAJECTORIES, subjects_filter=subject),
+            what=what,
+            timeout=timeout,
+        )
+    except nats.errors.Error as exc:
+        raise BusUnavailable(f"{what}: {exc!r}") from None
     want = sum((info.state.subjects or {}).values()) if info.state.subjects else 0
     out: list[Trajectory] = []
     if want == 0:
         return out
-    sub = await js.subscribe(subject, ordered_consumer=True)
     try:
-        deadline = time.monotonic() + timeout
+        sub = await js_call(
+            lambda: js.subscribe(subject, ordered_consumer=True),
+            what=what,
+            timeout=max(0.0, deadline - time.monotonic()),
+        )
+    except nats.errors.Error as exc:
+        raise BusUnavailable(f"{what}: {exc!r}") from None
+    try:
         while len(out) < want:
             left = deadline - time.monotonic()
             if left <= 0:

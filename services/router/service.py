@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from common import events, subjects
-from common.bus import Server, request
+from common.bus import Server, js_call, request
 from common.codec import decode, encode
 from common.epoch import current_epoch
 from common.errors import (
@@ -441,13 +441,14 @@ class Router:
     # --- restart recovery -------------------------------------------------------------------
     async def _read_all(self, stream: str, subject: str, typ: type[M]) -> list[M]:
         """Every message of ``stream`` on ``subject`` (bounded by ``restore_timeout_s``)."""
+        what = f"cannot read {stream}"
         try:
-            info = await self.js.stream_info(stream)
+            info = await js_call(lambda: self.js.stream_info(stream), what=what)
         except nats.js.errors.NotFoundError:
             return []
         if info.state.messages == 0:
             return []
-        sub = await self.js.subscribe(subject, ordered_consumer=True)
+        sub = await js_call(lambda: self.js.subscribe(subject, ordered_consumer=True), what=what)
         out: list[M] = []
         deadline = time.monotonic() + self.config.restore_timeout_s
         try:

@@ -192,7 +192,7 @@ async def test_one_server_dies_mid_run_and_nothing_is_lost(cluster: Cluster) -> 
         done = await wait(nc, accepted.rollout_id, timeout=240)
         s = done.summary
         assert (s.trajectories, s.trajectories_completed, s.trajectories_failed) == (4, 4, 0)
-        got = await trajectories(nc, accepted.rollout_id)
+        got = await trajectories(nc, accepted.rollout_id, timeout=60)
         assert sorted(t.slot for t in got) == [0, 1, 2, 3]
         assert nc.connected_url is not None and nc.connected_url.port != killed.port
         st = json.loads(cli("status", "--json", run_dir=cluster.node.run_dir).stdout)
