@@ -132,6 +132,10 @@ class CheckpointInfo(Message, tag="CheckpointInfo.v1"):
     """The container died during the checkpoint, after the dump had completed: the checkpoint
     is complete and ready, the sandbox is ``failed`` (restore it). A death before the dump
     completed answers ``SandboxError`` with ``dump_completed=False`` instead."""
+    digests: dict[str, str] = {}
+    """SHA-256 of every artifact: ``fs.tar`` and ``criu/<image>`` (what restore verifies)."""
+    manifest_sha256: str = ""
+    """SHA-256 of ``manifest.json`` (which lists ``digests``); the ready pointer records it."""
 
 
 class EnvRestore(Message, tag="EnvRestore.v1"):
@@ -217,6 +221,10 @@ class ReadyPointer(msgspec.Struct, kw_only=True):
     checkpoint_id: CheckpointId
     trajectory_id: IdOrEmpty = ""
     ts: float = 0.0
+    manifests: dict[CheckpointId, str] = {}
+    """Checkpoint id → SHA-256 of its ``manifest.json``, for the ready checkpoint and the older
+    ones still kept. Restore refuses a checkpoint not listed here or whose manifest (and so
+    whose artifacts' digests) changed: a modified, truncated or substituted checkpoint."""
 
 
 EnvRequest = EnvCreate | EnvExec | EnvCheckpoint | EnvRestore | EnvDestroy | EnvList | EnvGc

@@ -48,6 +48,9 @@ class ControllerConfig:
     """Bus deadline of one environment call beyond its own timeout."""
     keep_ready: int = 3
     """Ready checkpoints remembered per trajectory (the environment keeps 3 per sandbox)."""
+    publish_timeout_s: float = 60.0
+    """How long publishing a finished trajectory into ``TRAJECTORIES`` is retried (a NATS
+    server of a cluster died and the stream is electing a leader) before the attempt fails."""
     recovery_wait_s: float = 60.0
     """How long an injected worker kill may take to be recovered (engine up again)."""
     docker_url: str = "unix:///var/run/docker.sock"

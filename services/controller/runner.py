@@ -25,7 +25,14 @@ import msgspec
 
 from common import subjects
 from common.codec import encode
-from common.errors import BelayerError, Conflict, ResourceLimit, SandboxError, Timeout
+from common.errors import (
+    BelayerError,
+    BusUnavailable,
+    Conflict,
+    ResourceLimit,
+    SandboxError,
+    Timeout,
+)
 from common.logging import get_logger
 from schemas.env import EnvExecResult
 from schemas.events import (
@@ -481,7 +488,11 @@ class TrajectoryRunner:
                 )
             )  # fmt: skip
         self.log.info(
-            "trajectory_end", state=row.state, finish_reason=row.finish_reason, reward=row.reward
+            "trajectory_end",
+            state=row.state,
+            finish_reason=row.finish_reason,
+            reward=row.reward,
+            detail=row.detail[:200] if row.state == "failed" else "",
         )
         try:
             await self.run.store.put_trajectory(self.state(row.state, row))
@@ -496,8 +507,9 @@ class TrajectoryRunner:
         """Into TRAJECTORIES with the trajectory id as ``Nats-Msg-Id`` (a retry or a
         re-publication by a restarted controller is dropped by the server)."""
         subject = subjects.trajectory(self.run.rollout_id, self.trajectory_id)
+        deadline = time.monotonic() + self.run.config.publish_timeout_s
         delay = 0.2
-        for attempt in range(6):
+        while True:
             try:
                 await self.run.js.publish(
                     subject,
@@ -506,8 +518,9 @@ class TrajectoryRunner:
                     timeout=5.0,
                 )
                 return
-            except Exception as exc:  # nats errors or a timeout: bounded retries
-                if attempt == 5:
-                    raise SandboxError(f"publish failed: {exc!r}") from None
-                await asyncio.sleep(delay)
-                delay *= 2
+            except Exception as exc:  # nats errors or a timeout: retried until the deadline
+                if time.monotonic() + delay > deadline:
+                    raise BusUnavailable(f"publish failed: {exc!r}") from None
+                self.log.warning("publish_retry", error=repr(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)  # bounded backoff while the stream fails over
+                delay = min(delay * 2, 2.0)

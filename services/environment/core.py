@@ -5,7 +5,8 @@ No Docker, no CRIU, no NATS here (see ``docker_ops``/``criu_ops``/``service``).
 Checkpoint layout (one directory per checkpoint, written under a temp name, renamed whole)::
 
     <checkpoint_root>/<sandbox_id>/<checkpoint_id>/
-        manifest.json      sandbox, trajectory, prefix k, image, sizes, sha256 of fs.tar
+        manifest.json      sandbox, trajectory, prefix k, image, sizes, sha256 of fs.tar and
+                           of every CRIU image (its own sha256 is in the KV ready pointer)
         fs.tar             the container's overlay upper dir (whiteouts and xattrs kept)
         criu/              CRIU images of the process tree (runc or Docker's checkpoint)
     <checkpoint_root>/<sandbox_id>/.tmp-<checkpoint_id>/   in progress; never used, deleted
@@ -16,6 +17,7 @@ Checkpoint layout (one directory per checkpoint, written under a temp name, rena
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 import secrets
 import time
@@ -32,7 +34,8 @@ FS_ARCHIVE = "fs.tar"
 CRIU_DIR = "criu"
 TMP_PREFIX = ".tmp-"
 QUARANTINE_PREFIX = ".quarantine-"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""2: ``criu_sha256`` (every CRIU image's digest) is required."""
 
 
 class SandboxState(enum.Enum):
@@ -146,6 +149,8 @@ class Manifest(msgspec.Struct, kw_only=True):
     criu_bytes: int
     criu_files: dict[str, int]
     """File name → size of every CRIU image."""
+    criu_sha256: dict[str, str] = {}
+    """File name → SHA-256 of every CRIU image."""
     method: str
     durations: dict[str, float] = {}
 
@@ -178,11 +183,49 @@ def check_manifest(manifest: Manifest, *, sandbox_id: str, checkpoint_id: str) -
         raise CheckpointInvalid("manifest names another checkpoint", checkpoint_id=checkpoint_id)
 
 
+def manifest_digest(directory: Path) -> str:
+    """SHA-256 of a checkpoint's ``manifest.json`` bytes (recorded in the ready pointer)."""
+    try:
+        return hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
+    except OSError:
+        raise CheckpointInvalid("checkpoint has no manifest", path=str(directory)) from None
+
+
+def check_manifest_digest(checkpoint_id: str, actual: str, recorded: dict[str, str] | None) -> None:
+    """A checkpoint restores only if the ready pointer lists it with this manifest digest
+    (``recorded`` is ``None`` when there is no pointer to compare with)."""
+    if recorded is None:
+        return
+    want = recorded.get(checkpoint_id)
+    if want is None:
+        raise CheckpointInvalid(
+            "checkpoint is not a recorded ready checkpoint (substituted?)",
+            checkpoint_id=checkpoint_id,
+        )
+    if want != actual:
+        raise CheckpointInvalid(
+            "checkpoint manifest digest mismatch (modified)", checkpoint_id=checkpoint_id
+        )
+
+
+def carry_manifests(
+    previous: dict[str, str], existing: set[str], checkpoint_id: str, digest: str
+) -> dict[str, str]:
+    """The ready pointer's ``manifests`` once ``checkpoint_id`` is ready: the previous entries
+    whose checkpoints still exist (``existing``, bounded by pruning) plus the new one."""
+    out = {k: v for k, v in previous.items() if k in existing}
+    out[checkpoint_id] = digest
+    return out
+
+
 def check_criu_files(directory: Path, manifest: Manifest) -> None:
-    """Every CRIU image listed in the manifest exists with its recorded size."""
+    """Every CRIU image listed in the manifest exists with its recorded size and has a
+    recorded digest (the digests themselves are checked by whoever reads the bytes)."""
     criu = directory / CRIU_DIR
     if not manifest.criu_files:
         raise CheckpointInvalid("checkpoint has no process images")
+    if set(manifest.criu_sha256) != set(manifest.criu_files):
+        raise CheckpointInvalid("checkpoint lacks a digest of every CRIU image")
     for name, size in manifest.criu_files.items():
         if "/" in name or name.startswith("."):
             raise CheckpointInvalid("bad CRIU image name", name=name)

@@ -202,6 +202,13 @@ def dir_files(directory: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}
 
 
+def dir_digests(directory: Path) -> dict[str, str]:
+    """File name → SHA-256 of every plain file directly in ``directory`` (none if absent)."""
+    if not directory.is_dir():
+        return {}
+    return {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file()}
+
+
 def fsync_tree(directory: Path, *, skip_pages: bool = False) -> None:
     """fsync every file and directory below ``directory`` (and itself); ``skip_pages`` leaves
     CRIU's memory page images (``pages-*.img``, the bulk of a dump) to normal writeback."""

@@ -262,6 +262,7 @@ class DockerOps:
         group), reading at most ``cap`` bytes of each stream; past ``4·cap`` bytes the command
         is killed. A host-side deadline bounds the wait even if the stream never closes."""
         argv = ["timeout", "-s", "KILL", f"{timeout_s:.3f}", "sh", "-c", command]
+        before = self.procs(container_id)
         start = time.monotonic()
         with translate("exec", container_id=container_id):
             ex = self.api.exec_create(
@@ -299,7 +300,44 @@ class DockerOps:
         timed_out = not killed and (code in (124, 137) and duration >= timeout_s * 0.95)
         if time.monotonic() > deadline:
             timed_out = True
+        if (timed_out or killed) and before is not None:
+            self._kill_new(container_id, before)
         return ExecOutput(bytes(out), bytes(err), code, duration, truncated, timed_out)
+
+    def procs(self, container_id: str) -> set[int] | None:
+        """Host pids of every process in the container's pid namespace (``None`` when
+        unreadable). The namespace, not the cgroup, so that cgroup v1 and v2 read alike."""
+        try:
+            init = int(self.inspect(container_id).get("State", {}).get("Pid") or 0)
+            ns = os.readlink(f"/proc/{init}/ns/pid") if init > 0 else ""
+        except (OSError, NotFound, SandboxError):
+            return None
+        if not ns:
+            return None
+        out: set[int] = set()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if os.readlink(f"/proc/{entry}/ns/pid") == ns:
+                        out.add(int(entry))
+                except OSError:
+                    pass  # exited while we looked
+        return out
+
+    def _kill_new(self, container_id: str, before: set[int]) -> None:
+        """SIGKILL every process of the container that a killed exec started: ``timeout``
+        kills its process group, but a child that called ``setsid`` (or was reparented to
+        the sandbox's init) left that group. Processes from earlier actions stay."""
+        for _ in range(3):  # a process forking while we sweep: sweep again
+            now = self.procs(container_id)
+            new = (now or set()) - before
+            if not new:
+                return
+            for pid in new:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def _kill_exec(self, exec_id: str) -> bool:
         """SIGKILL the exec's process group (the ``timeout`` process leads it)."""

@@ -367,13 +367,20 @@ class SandboxManager:
                 if self.config.fsync:
                     ops.fsync_dir(final.parent)
                 manifest.durations["total_s"] = time.monotonic() - start
-                info = snapshot.checkpoint_info(manifest, container_exited=exited)
+                digest = core.manifest_digest(final)
+                info = snapshot.checkpoint_info(
+                    manifest, container_exited=exited, manifest_sha256=digest
+                )
+                kept = {m.checkpoint_id for m in self.manifests(rec.id)}
                 pointer = ReadyPointer(
                     sandbox_id=rec.id,
                     prefix=prefix,
                     checkpoint_id=ck_id,
                     trajectory_id=trajectory_id,
                     ts=time.time(),
+                    manifests=core.carry_manifests(
+                        ptr.manifests if ptr else {}, kept, ck_id, digest
+                    ),
                 )
                 try:
                     await self.store.advance(pointer, rev)

@@ -89,6 +89,9 @@ async def full_restore(mgr: SandboxManager, rec: SandboxRecord, checkpoint_id: s
             checkpoint_id=checkpoint_id or None,
             candidates=_candidates(attempts),
         )
+    recorded = ptr.manifests if ptr is not None and ptr.manifests else None
+    if recorded is None:
+        log.warning("restore_unverified", sandbox_id=rec.id, why="no recorded manifest digests")
     previous = rec.status
     rec.move(SandboxState.RESTORING)
     errors: list[BelayerError] = []
@@ -97,7 +100,7 @@ async def full_restore(mgr: SandboxManager, rec: SandboxRecord, checkpoint_id: s
             try:
                 cid = await asyncio.wait_for(
                     snapshot.restore_one(
-                        mgr.docker, mgr.config, rec, base / m.checkpoint_id, m, method
+                        mgr.docker, mgr.config, rec, base / m.checkpoint_id, m, method, recorded
                     ),
                     mgr.config.restore_timeout_s,
                 )
@@ -187,12 +190,17 @@ async def _take_over(
             if core.read_manifest(mgr.sandbox_dir(rec.id) / verified).prefix <= m.prefix:
                 rec.verified_checkpoint_id = m.checkpoint_id
     if ptr is None or m.checkpoint_id != ptr.checkpoint_id:
+        kept = {c.checkpoint_id for c in mgr.manifests(rec.id)}
+        digest = core.manifest_digest(mgr.sandbox_dir(rec.id) / m.checkpoint_id)
         pointer = ReadyPointer(
             sandbox_id=rec.id,
             prefix=m.prefix,
             checkpoint_id=m.checkpoint_id,
             trajectory_id=m.trajectory_id,
             ts=time.time(),
+            manifests=core.carry_manifests(
+                ptr.manifests if ptr else {}, kept, m.checkpoint_id, digest
+            ),
         )
         if ptr is None or m.prefix <= ptr.prefix:
             with contextlib.suppress(Conflict):

@@ -94,6 +94,7 @@ async def capture(
         fs_sha256=await asyncio.to_thread(ops.sha256_file, tmp / core.FS_ARCHIVE),
         criu_bytes=0,
         criu_files=ops.dir_files(tmp / core.CRIU_DIR),
+        criu_sha256=await asyncio.to_thread(ops.dir_digests, tmp / core.CRIU_DIR),
         method=method,
         durations={"freeze_s": t4 - t0, "fs_s": t2 - t1, "dump_s": t3 - t2},
     )
@@ -138,29 +139,46 @@ class NotTheCheckpoint(Exception):
         self.error = error
 
 
-def validate(config: EnvConfig, rec: SandboxRecord, d: Path, m: Manifest) -> None:
-    """Everything about one checkpoint that can be checked without restoring it: manifest
-    (version, owner, name), CRIU image sizes, archive members and checksum. Blocking."""
+def validate(
+    config: EnvConfig, rec: SandboxRecord, d: Path, m: Manifest, recorded: dict[str, str] | None
+) -> None:
+    """Everything about one checkpoint that can be checked without restoring it: the manifest
+    is the one the ready pointer recorded (``recorded``: checkpoint id → manifest digest;
+    ``None`` without a pointer), its version, owner and name; the archive's members; the size
+    and digest of every artifact. Blocking."""
     if m.method == "unreadable":
         raise CheckpointInvalid("checkpoint manifest is corrupt", checkpoint_id=m.checkpoint_id)
+    core.check_manifest_digest(m.checkpoint_id, core.manifest_digest(d), recorded)
     core.check_manifest(m, sandbox_id=rec.id, checkpoint_id=d.name)
     core.check_criu_files(d, m)
     archive = d / core.FS_ARCHIVE
-    validate_archive(archive, config.archive_limits)
-    if ops.sha256_file(archive) != m.fs_sha256:
+    if not archive.is_file() or ops.sha256_file(archive) != m.fs_sha256:
         raise CheckpointInvalid(
             "file-system archive checksum mismatch", checkpoint_id=m.checkpoint_id
         )
+    validate_archive(archive, config.archive_limits)  # bytes as recorded, members still checked
+    on_disk = ops.dir_digests(d / core.CRIU_DIR)
+    for name in sorted(set(on_disk) | set(m.criu_sha256)):
+        if on_disk.get(name) != m.criu_sha256.get(name):
+            raise CheckpointInvalid(
+                "CRIU image checksum mismatch", checkpoint_id=m.checkpoint_id, name=name
+            )
 
 
 async def restore_one(
-    docker: DockerOps, config: EnvConfig, rec: SandboxRecord, d: Path, m: Manifest, method: str
+    docker: DockerOps,
+    config: EnvConfig,
+    rec: SandboxRecord,
+    d: Path,
+    m: Manifest,
+    method: str,
+    recorded: dict[str, str] | None = None,
 ) -> str:
     """Validate one checkpoint, then fresh container ← layer ← processes, then check that the
     new container runs. Returns the new container's id; on any failure the new container is
     removed (the sandbox's current container is untouched). ``NotTheCheckpoint`` when the
     failure is not the checkpoint's (no fresh container, dockerd unreachable)."""
-    await asyncio.to_thread(validate, config, rec, d, m)
+    await asyncio.to_thread(validate, config, rec, d, m, recorded)
     runtime = config.restore_runtime if method == "runtime" else None
     try:
         cid = await asyncio.to_thread(
@@ -240,7 +258,9 @@ def restore_method(config: EnvConfig, docker: DockerOps, shipped: Path) -> str:
     return "docker"
 
 
-def checkpoint_info(m: Manifest, *, container_exited: bool = False) -> CheckpointInfo:
+def checkpoint_info(
+    m: Manifest, *, container_exited: bool = False, manifest_sha256: str = ""
+) -> CheckpointInfo:
     d = m.durations
     return CheckpointInfo(
         sandbox_id=m.sandbox_id,
@@ -255,6 +275,9 @@ def checkpoint_info(m: Manifest, *, container_exited: bool = False) -> Checkpoin
         total_s=d.get("total_s", 0.0),
         method=m.method,
         container_exited=container_exited,
+        digests={core.FS_ARCHIVE: m.fs_sha256}
+        | {f"{core.CRIU_DIR}/{k}": v for k, v in m.criu_sha256.items()},
+        manifest_sha256=manifest_sha256,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -33,6 +34,7 @@ from tests.integration.env_helpers import (  # noqa: F401
     EnvHarness,
     env,
     make_config,
+    running_env,
 )
 
 pytestmark = [pytest.mark.docker]
@@ -124,9 +126,20 @@ async def test_hostile_and_corrupt_checkpoints_fall_back(env, js, tmp_path) -> N
 
     manifest["fs_sha256"] = hashlib.sha256(evil.read_bytes()).hexdigest()
     (d / "manifest.json").write_text(json.dumps(manifest))
-
+    # the ready pointer recorded the manifest's digest: the rewrite is refused as such ...
+    assert (await _pointer(js, sid)).manifests[second.checkpoint_id] == second.manifest_sha256
+    with pytest.raises(CheckpointInvalid, match="manifest digest mismatch"):
+        await c.restore(sid, second.checkpoint_id)
+    # ... and without recorded digests (a pointer of an older release) the archive validator
+    # still refuses the traversal before any byte is written
+    kv = await js.key_value(subjects.BUCKET_SANDBOX_PREFIX)
+    old = await _pointer(js, sid)
+    old.manifests = {}
+    await kv.put(sid, msgspec.msgpack.encode(old))
+    (d.parent / f".quarantine-{second.checkpoint_id}").rename(d)
     with pytest.raises(CheckpointInvalid, match="escapes"):
         await c.restore(sid, second.checkpoint_id)
+    (d.parent / f".quarantine-{second.checkpoint_id}").rename(d)
     # default restore: the hostile newest is rejected, the previous ready one is used
     r = await c.restore(sid)
     assert r.checkpoint_id == first.checkpoint_id and second.checkpoint_id in r.fallback_from
@@ -141,6 +154,70 @@ async def test_hostile_and_corrupt_checkpoints_fall_back(env, js, tmp_path) -> N
         await c.restore(other, first.checkpoint_id)
     with pytest.raises(NotFound):
         await c.restore(other)  # no ready checkpoint yet
+
+
+@pytest.mark.timeout(180)
+async def test_tampered_checkpoints_are_refused_and_fall_back(
+    nc, js, nats_server, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """A modified (manifest rewritten to match), truncated, bit-flipped or substituted
+    checkpoint is refused on restore; the newest untouched ready checkpoint is used."""
+    async with running_env(nc, nats_server.url, tmp_path, keep_checkpoints=5) as env:
+        await _tampered(env, js)
+
+
+async def _tampered(env: EnvHarness, js) -> None:  # type: ignore[no-untyped-def]
+    c = env.client
+    sid = (await c.create()).sandbox_id
+    cks = []
+    for k in (1, 2, 3, 4):
+        await c.exec(sid, f"echo v{k} > /root/v")
+        cks.append(await c.checkpoint(sid, k))
+    ptr = await _pointer(js, sid)
+    assert ptr.manifests == {ck.checkpoint_id: ck.manifest_sha256 for ck in cks}
+    for ck in cks:
+        assert set(ck.digests) >= {"fs.tar"} and any(n.startswith("criu/") for n in ck.digests)
+    base = env.config.checkpoint_root / sid
+    d = [base / ck.checkpoint_id for ck in cks]
+    # 4: one byte of the biggest CRIU image flipped (same size)
+    img = max((d[3] / "criu").iterdir(), key=lambda p: p.stat().st_size)
+    raw = bytearray(img.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    img.write_bytes(bytes(raw))
+    # 3: the layer archive truncated
+    (d[2] / "fs.tar").write_bytes((d[2] / "fs.tar").read_bytes()[:1024])
+    # 2: the layer replaced by checkpoint 3's and the manifest rewritten to match it
+    (d[1] / "fs.tar").write_bytes((d[2] / "fs.tar").read_bytes())
+    m2 = json.loads((d[1] / "manifest.json").read_text())
+    m2["fs_sha256"], m2["fs_bytes"] = cks[2].digests["fs.tar"], 1024
+    (d[1] / "manifest.json").write_text(json.dumps(m2))
+    # a substituted checkpoint: a copy of 1 planted under a new id (its manifest names it)
+    planted = f"{sid}-k000009-abcdef"
+    await asyncio.to_thread(shutil.copytree, d[0], base / planted)
+    m9 = json.loads((base / planted / "manifest.json").read_text())
+    m9["checkpoint_id"], m9["prefix"] = planted, 9
+    (base / planted / "manifest.json").write_text(json.dumps(m9))
+    with pytest.raises(CheckpointInvalid, match="substituted"):
+        await c.restore(sid, planted)
+
+    r = await c.restore(sid)
+    assert r.checkpoint_id == cks[0].checkpoint_id
+    outcomes = {a.checkpoint_id: (a.outcome, a.error) for a in r.candidates}
+    assert "CRIU image checksum mismatch" in outcomes[cks[3].checkpoint_id][1]
+    assert "checksum mismatch" in outcomes[cks[2].checkpoint_id][1]
+    assert "manifest digest mismatch" in outcomes[cks[1].checkpoint_id][1]
+    assert all(outcomes[ck.checkpoint_id][0] == "quarantined" for ck in cks[1:])
+    assert (await c.exec(sid, "cat /root/v")).stdout.strip() == "v1"
+    after = await _pointer(js, sid)
+    assert after.checkpoint_id == cks[0].checkpoint_id
+    assert after.manifests[cks[0].checkpoint_id] == cks[0].manifest_sha256
+    # the sandbox goes on: a new checkpoint is recorded next to the one that restored
+    await c.exec(sid, "echo v5 > /root/v")
+    five = await c.checkpoint(sid, 5)
+    assert (await _pointer(js, sid)).manifests.keys() >= {
+        cks[0].checkpoint_id,
+        five.checkpoint_id,
+    }
 
 
 @pytest.mark.timeout(150)

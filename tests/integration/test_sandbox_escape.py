@@ -141,12 +141,15 @@ async def test_an_exec_time_out_kills_its_whole_process_tree(env) -> None:  # ty
     sb = (await env.client.create()).sandbox_id
     tree = (
         "sleep 301 & sleep 302 & (sleep 303 &) ; "
-        "sh -c 'sleep 304 & wait' & nohup sleep 305 >/dev/null 2>&1 & wait"
+        "sh -c 'sleep 304 & wait' & nohup sleep 305 >/dev/null 2>&1 & "
+        "setsid sleep 306 & setsid sh -c 'sleep 307 & wait' & wait"
     )
+    keep = await sh(env, sb, "nohup sleep 308 >/dev/null 2>&1 & echo started")
+    assert keep.stdout.strip() == "started"  # an earlier action's background process
     t0 = time.monotonic()
     with pytest.raises(Timeout):
         await sh(env, sb, tree, timeout=1.5)
     assert time.monotonic() - t0 < 15
     left = await sh(env, sb, "ps -eo args | grep '^sleep 30' ; true")
-    assert left.stdout.strip() == "", left.stdout
+    assert left.stdout.split() == ["sleep", "308"], left.stdout  # only the earlier action's
     assert os.environ.get("PYTEST_CURRENT_TEST")  # ran under pytest, against real dockerd

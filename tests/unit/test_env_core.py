@@ -26,6 +26,7 @@ def _m(cid: str, prefix: int, sandbox: str = "sb-1") -> Manifest:
         fs_sha256="x",
         criu_bytes=1,
         criu_files={"a.img": 1},
+        criu_sha256={"a.img": "d"},
         method="runc",
     )
 
@@ -87,6 +88,26 @@ def test_criu_files_are_checked(tmp_path: Path) -> None:
         core.check_criu_files(tmp_path, m)
     (tmp_path / "criu" / "a.img").write_bytes(b"x")
     core.check_criu_files(tmp_path, m)
+    m.criu_sha256 = {}  # a manifest that does not bind every image to a digest is refused
+    with pytest.raises(CheckpointInvalid, match="digest"):
+        core.check_criu_files(tmp_path, m)
+
+
+def test_manifest_digests_bind_a_checkpoint_to_its_ready_pointer(tmp_path: Path) -> None:
+    core.write_manifest(tmp_path, _m("c2", 2))
+    digest = core.manifest_digest(tmp_path)
+    assert len(digest) == 64
+    core.check_manifest_digest("c2", digest, {"c1": "a", "c2": digest})
+    core.check_manifest_digest("c2", digest, None)  # no pointer: nothing to compare with
+    with pytest.raises(CheckpointInvalid, match="modified"):
+        core.check_manifest_digest("c2", "f" * 64, {"c2": digest})
+    with pytest.raises(CheckpointInvalid, match="substituted"):
+        core.check_manifest_digest("c9", digest, {"c2": digest})
+    with pytest.raises(CheckpointInvalid, match="no manifest"):
+        core.manifest_digest(tmp_path / "absent")
+    # the pointer keeps the digests of checkpoints that still exist, plus the new one
+    got = core.carry_manifests({"c1": "a", "c2": "b", "c0": "z"}, {"c1", "c2"}, "c3", "c")
+    assert got == {"c1": "a", "c2": "b", "c3": "c"}
 
 
 def test_ids_and_records(tmp_path: Path) -> None:
