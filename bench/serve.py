@@ -221,8 +221,9 @@ async def engine_steps(nc: Any) -> int:
     return pong.steps
 
 
-async def bus_run(nc: Any, batch: int, new_tokens: int, vocab: int) -> dict[str, Any]:
-    """``batch`` concurrent requests through the router; tokens/s from submit to last result."""
+async def bus_run(nc: Any, probe: Any, batch: int, new_tokens: int, vocab: int) -> dict[str, Any]:
+    """``batch`` concurrent requests through the router; tokens/s from submit to last result
+    (``probe``: a connection allowed to ping the engine, for its step count)."""
     from schemas.serving import GenerateRequest, SamplingParams, TokenDelta
     from services.router.client import generate
 
@@ -236,7 +237,7 @@ async def bus_run(nc: Any, batch: int, new_tokens: int, vocab: int) -> dict[str,
     ]
     first: dict[str, float] = {}
     deltas: dict[str, int] = {r.request_id: 0 for r in reqs}
-    steps0 = await engine_steps(nc)
+    steps0 = await engine_steps(probe)
     t0 = time.perf_counter()
 
     def on_delta_for(rid: str) -> Callable[[TokenDelta], None]:
@@ -257,22 +258,24 @@ async def bus_run(nc: Any, batch: int, new_tokens: int, vocab: int) -> dict[str,
         "tok_s": tokens / wall,
         "wall_s": wall,
         "tokens": tokens,
-        "engine_steps": await engine_steps(nc) - steps0,
+        "engine_steps": await engine_steps(probe) - steps0,
         "first_token_s": sorted(round(first.get(r.request_id, -1.0), 4) for r in reqs),
         "last_result_s": sorted(round(t, 4) for _, t in done),
         "deltas_per_request": statistics.median(deltas.values()),
     }
 
 
-async def measure_bus(nc: Any, new_tokens: int, vocab: int, pids: dict[str, int]) -> dict[str, Any]:
+async def measure_bus(
+    nc: Any, probe: Any, new_tokens: int, vocab: int, pids: dict[str, int]
+) -> dict[str, Any]:
     """Warm the path, then ``REPEATS`` rounds of batch 1 and batch 8; medians per batch."""
     for b in BATCHES:  # first-call costs (tokenizer decode, JetStream consumers, allocations)
-        await bus_run(nc, b, min(8, new_tokens), vocab)
+        await bus_run(nc, probe, b, min(8, new_tokens), vocab)
     runs: dict[int, list[dict[str, Any]]] = {b: [] for b in BATCHES}
     for rep in range(REPEATS):
         for b in BATCHES:
             before = cpu_snapshot(pids)
-            run = await bus_run(nc, b, new_tokens, vocab)
+            run = await bus_run(nc, probe, b, new_tokens, vocab)
             run["cpu_s"] = cpu_delta(pids, before, cpu_snapshot(pids))
             runs[b].append(run)
             progress(
@@ -329,17 +332,30 @@ async def measure_node(
     from common.node import resolve_bus
 
     # The node's client identity from its run directory (authentication is on).
-    _, identity = resolve_bus(url, paths=RunPaths(run_dir) if run_dir else None)
+    paths = RunPaths(run_dir) if run_dir else None
+    _, identity = resolve_bus(url, paths=paths)
+    # Only the router may ping an engine: the step count uses the router's
+    # identity of this private node (the bench started it), the requests the client's.
+    _, control = resolve_bus(url, role="router", paths=paths)
     nc = await connect(url, name="bench-serve", bus=identity, reconnect=False)
+    probe = await connect(url, name="bench-serve-probe", bus=control, reconnect=False)
     try:
         progress("bus path: warming up")
-        bus = await measure_bus(nc, new_tokens, vocab, pids)
+        bus = await measure_bus(nc, probe, new_tokens, vocab, pids)
         if not attach:
             return {"bus": bus}
         progress("attach: reading the worker's worker_ready event and timing attach here")
         reported = await worker_reported_timings(nc)
-        return {"bus": bus, "worker_reported": reported, "attach": await measure_attach(nc)}
+        # attaching is what a worker does: with the engine's identity
+        _, engine = resolve_bus(url, role=f"engine-{ENGINE_ID}", paths=paths)
+        worker_nc = await connect(url, name="bench-serve-attach", bus=engine, reconnect=False)
+        try:
+            attached = await measure_attach(worker_nc)
+        finally:
+            await worker_nc.drain()
+        return {"bus": bus, "worker_reported": reported, "attach": attached}
     finally:
+        await probe.drain()
         await nc.drain()
 
 
