@@ -167,6 +167,7 @@ def _service_grant(role: str, scope: str) -> tuple[list[str], list[str]]:
             [
                 subjects.supervisor_status(),
                 subjects.supervisor_stop(),
+                ev("handover_detected"),
                 ev("handover_complete"),
                 ev("engine_failed"),
                 ev("engine_unhealthy"),

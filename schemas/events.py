@@ -104,6 +104,25 @@ class EngineRetired(SupervisorEvent, tag="EngineRetired.v1"):
     """The router's reason (``repeated failure``)."""
 
 
+class HandoverFailed(SupervisorEvent, tag="HandoverFailed.v1"):
+    """A shadow's takeover was not confirmed — the shadow exited first, or it was not the
+    engine's registered worker within ``handover_timeout_s``: the supervisor restarts the
+    engine's main worker cold (killing the old one if it still runs)."""
+
+    kind: ClassVar[str] = "handover_failed"
+    engine_id: EngineId
+    """Engine whose handover failed."""
+    reason: str
+    """``shadow_exited`` (the shadow died during the takeover) or ``deadline`` (not confirmed
+    within ``handover_timeout_s``; the stuck shadow is killed and started again)."""
+    shadow_pid: int | None
+    """Pid of the shadow that was taking over."""
+    old_pid: int | None
+    """Pid of the main worker it was to replace."""
+    waited_s: float
+    """Seconds from the start of the handover to the decision."""
+
+
 # --- workers and shadows ---------------------------------------------------------------------
 class WorkerReady(EngineEvent, tag="WorkerReady.v1"):
     """A main worker started cold is registered and serving."""
@@ -421,6 +440,7 @@ AnyEvent = (
     | ServiceRestarted
     | ResidualKilled
     | EngineRetired
+    | HandoverFailed
     | WorkerReady
     | ShadowReady
     | WorkerWeightsSwapped

@@ -263,7 +263,10 @@ class TrajectoryRefused(TrainerEvent, tag="TrajectoryRefused.v1"):
     valid id)."""
     reason: str
     """`malformed` (sent to the dead-letter subject), `stale` (older than `max_staleness`
-    allows), `duplicate` (its group slot is taken) or `invalid` (slot outside the group)."""
+    allows), `duplicate` (its group slot is taken), `invalid` (slot outside the group), or —
+    sent to the dead-letter subject too — `poison` (the update fails on it alone),
+    `group_dropped` (a group mate is poison: a group trains whole or not at all) or
+    `step_failed` (the update failed `step_attempts` times on its batch)."""
     detail: str
     """What was wrong."""
     stream_seq: int

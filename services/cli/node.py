@@ -190,7 +190,7 @@ def up(
         NODE_DEFAULTS.handover_timeout_s,
         "--handover-timeout",
         min=0.0,
-        help="Seconds a dead main worker waits for its shadow's handover before a cold restart.",
+        help="Seconds a shadow's handover may take before the main worker is restarted cold.",
     ),
     timeout: float = typer.Option(
         NODE_DEFAULTS.ready_timeout_s, help="Seconds to wait for the node to become ready."

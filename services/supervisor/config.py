@@ -59,7 +59,9 @@ class SupervisorConfig:
     ready_timeout_s: float = 120.0
     """How long start-up may take before ``up`` fails."""
     handover_timeout_s: float = 15.0
-    """How long a dead main worker waits for its shadow's handover before a cold restart."""
+    """Deadline of a shadow's handover: not confirmed this long after it began (the main
+    worker exited, or the shadow found it hung), the main worker is restarted cold (also at
+    once when the shadow dies during the takeover)."""
     run_id: str = ""
     """Names this node's shared-memory files (empty: generated)."""
     weights: WeightStoreConfig = field(default_factory=WeightStoreConfig)

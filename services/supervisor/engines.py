@@ -1,9 +1,12 @@
 """The supervisor's rollout engines: one main worker and (belayer mode) one shadow per engine.
 
-- belayer mode: when the main worker exits, the shadow normally takes over within a second and
-  announces ``handover_complete``; the supervisor then kills any residual old worker, promotes
-  the shadow to main and starts a fresh shadow. If no handover comes in time, the main worker is
-  restarted cold.
+- belayer mode: when the main worker exits or hangs, the shadow normally takes over within a
+  second and announces ``handover_complete``; the supervisor then kills any residual old worker,
+  promotes the shadow to main and starts a fresh shadow. If the handover fails — the shadow dies
+  during it, or it is not confirmed within ``handover_timeout_s`` — the main worker is restarted
+  cold (``handover_failed``; the decision is ``policy.handover_decision``), whether it exited or
+  still runs hung: the router holds the engine down for good once a failure was reported, so
+  nothing else would bring it back.
 - baseline mode: no shadow; a dead worker stays dead until the router's remote heartbeat
   takes the engine down (``engine_failed``), then a new worker is started cold (weights read
   from disk).
@@ -43,17 +46,29 @@ from schemas.events import (
     EngineRetired,
     EngineUnhealthy,
     HandoverComplete,
+    HandoverDetected,
+    HandoverFailed,
     ResidualKilled,
     ServiceExited,
     ServiceRestarted,
 )
 from schemas.serving import EngineFailed, EngineInfo, RouterStatus, StatusRequest
+from services.supervisor.policy import (
+    HandoverAction,
+    HandoverDecision,
+    HandoverView,
+    handover_decision,
+)
 from services.supervisor.procs import Child
 
 if TYPE_CHECKING:
     from services.supervisor.service import Supervisor
 
 log = get_logger(service="supervisor", component="engines")
+
+RECHECK_S = 0.5
+"""Pause between two looks at an undecided handover once its deadline passed (the router did
+not answer)."""
 
 
 @dataclass
@@ -63,6 +78,8 @@ class Slot:
     shadow: Child | None = None
     retired: bool = False
     promoted: asyncio.Event = field(default_factory=asyncio.Event)
+    guard: asyncio.Task[None] | None = None
+    """Sees a shadow's takeover from a main worker that still runs through (``_guard``)."""
 
 
 class Engines:
@@ -147,16 +164,17 @@ class Engines:
             await self._report_failure(slot, child)
             shadow = slot.shadow
             if shadow is not None and shadow.alive:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(slot.promoted.wait(), self.cfg.handover_timeout_s)
-                if slot.main is child and not slot.retired:
-                    await self._promote_if_confirmed(slot)  # in case its event was missed
-                if slot.main is not child or slot.retired:
+                shadow_pid = shadow.pid
+                decision = await self._see_handover(slot, child)
+                if decision.action is not HandoverAction.COLD_RESTART:
                     return  # the shadow took over (this child is retired) or the engine retired
-            # No handover in time: restart the main worker cold, with backoff.
+                if decision.reason == "deadline":
+                    self._kill_shadow(slot, shadow_pid)
+            # No handover (in time): restart the main worker cold, with backoff.
             await asyncio.sleep(child.backoff.next_delay(ran))
             if slot.main is not child or slot.retired or self.sup.stop_requested.is_set():
                 return
+            self._forget_heartbeat(slot)
             child.started_at = time.monotonic()  # a failed start: a crash at once (backoff grows)
             with isolated(log, "watch", name=child.name):
                 await child.start()
@@ -186,24 +204,151 @@ class Engines:
                 timeout=1.0,
             )
 
+    # --- failed handovers --------------------------------------------------------------------
+    def _guard_if_running(self, slot: Slot, old_pid: int) -> None:
+        """A shadow began taking over from ``old_pid``: if that is the main worker this
+        supervisor runs and it still runs (hung or stalled — an exited one is its watcher's
+        to restart), see the takeover through (``_guard``), once per engine at a time."""
+        main = slot.main
+        if main is None or main.pid != old_pid or not main.alive or slot.shadow is None:
+            return
+        if slot.guard is not None and not slot.guard.done():
+            return
+        slot.guard = asyncio.create_task(self._guard(slot, main), name=f"guard_{slot.engine_id}")
+        self.tasks.add(slot.guard)
+        slot.guard.add_done_callback(self.tasks.discard)
+
+    async def _guard(self, slot: Slot, failed: Child) -> None:
+        """The takeover from a still-running main worker failed: kill it (and a shadow stuck
+        in the takeover, which its watcher starts again) and start the main worker cold."""
+        with isolated(log, "guard", engine=slot.engine_id):
+            shadow_pid = slot.shadow.pid if slot.shadow is not None else None
+            decision = await self._see_handover(slot, failed, running=True)
+            if decision.action is not HandoverAction.COLD_RESTART:
+                return
+            if slot.main is not failed or slot.retired or self.sup.stop_requested.is_set():
+                return
+            if decision.reason == "deadline":
+                self._kill_shadow(slot, shadow_pid)
+            await self._cold_restart(slot, from_disk=False)
+
+    def _kill_shadow(self, slot: Slot, pid: int | None) -> None:
+        """SIGKILL the shadow ``pid`` stuck in a takeover (if it still is the engine's
+        shadow); not ``stopping``: its watcher starts a fresh one."""
+        shadow = slot.shadow
+        if shadow is not None and shadow.proc is not None and shadow.pid == pid and shadow.alive:
+            with contextlib.suppress(ProcessLookupError):
+                shadow.proc.kill()
+
+    async def _see_handover(
+        self, slot: Slot, failed: Child, *, running: bool = False
+    ) -> HandoverDecision:
+        """Follow the shadow's takeover from ``failed`` until it is confirmed or has failed
+        (``policy.handover_decision``); a failure is logged and published
+        (``handover_failed``) — the caller then restarts the main worker cold. ``running``:
+        ``failed`` still ran when the takeover began; should it exit meanwhile, its watcher
+        follows the takeover from there (this returns ``done``)."""
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.handover_timeout_s
+        promoted, shadow = slot.promoted, slot.shadow
+        proc = shadow.proc if shadow is not None and shadow.alive else None
+        shadow_pid = proc.pid if proc is not None else None
+        failed_proc, failed_pid = failed.proc, failed.pid
+
+        def failed_alive() -> bool:
+            return failed_proc is not None and failed_proc.returncode is None
+
+        def shadow_alive() -> bool:
+            return proc is not None and proc.returncode is None
+
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining > 0 and shadow_alive() and not promoted.is_set():
+                assert proc is not None and failed_proc is not None
+                waiters = [
+                    asyncio.ensure_future(promoted.wait()),
+                    asyncio.ensure_future(proc.wait()),
+                ]
+                if running:
+                    waiters.append(asyncio.ensure_future(failed_proc.wait()))
+                await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                for w in waiters:
+                    w.cancel()
+            if slot.retired or self.sup.stop_requested.is_set():
+                return HandoverDecision(HandoverAction.DONE, "engine retired or node stopping")
+            if running and not failed_alive():
+                return HandoverDecision(HandoverAction.DONE, "exited: its watcher follows")
+            info = None if promoted.is_set() else await self._router_view(slot.engine_id)
+            main = slot.main
+            decision = handover_decision(
+                HandoverView(
+                    promoted=promoted.is_set(),
+                    deadline_passed=time.monotonic() >= deadline,
+                    failed_pid=failed_pid,
+                    main_pid=main.pid if main is not None else None,
+                    main_alive=failed_alive(),
+                    shadow_pid=shadow_pid,
+                    shadow_alive=shadow_alive(),
+                    router_state=info.state if info is not None else None,
+                    router_pid=info.worker_pid if info is not None else None,
+                )
+            )
+            if decision.action is HandoverAction.PROMOTE:
+                await self._promote_if_confirmed(slot)  # in case its event was missed
+                return decision
+            if decision.action is HandoverAction.COLD_RESTART:
+                waited = round(time.monotonic() - t0, 3)
+                log.warning(
+                    "handover_failed_cold_restart",
+                    engine=slot.engine_id,
+                    reason=decision.reason,
+                    shadow_pid=shadow_pid,
+                    old_pid=failed_pid,
+                    waited_s=waited,
+                )
+                await self.sup.publish(
+                    HandoverFailed(
+                        engine_id=slot.engine_id,
+                        reason=decision.reason,
+                        shadow_pid=shadow_pid,
+                        old_pid=failed_pid,
+                        waited_s=waited,
+                    )
+                )
+                return decision
+            if decision.action is HandoverAction.DONE:
+                return decision
+            if deadline - time.monotonic() <= 0 or not shadow_alive():
+                await asyncio.sleep(RECHECK_S)  # bounded re-check: the router did not answer
+
+    def _forget_heartbeat(self, slot: Slot) -> None:
+        """Before a cold restart: the old worker's heartbeat file goes, so a shadow started
+        meanwhile waits for the new worker instead of taking over from the dead one."""
+        with contextlib.suppress(OSError):
+            self.sup.paths.heartbeat_file(slot.engine_id).unlink(missing_ok=True)
+
     # --- events -----------------------------------------------------------------------------
     async def subscribe(self) -> None:
         nc = self.sup.nc
         assert nc is not None
-        for typ in (HandoverComplete, EngineFailedEvent, EngineUnhealthy):
+        for typ in (HandoverDetected, HandoverComplete, EngineFailedEvent, EngineUnhealthy):
             await nc.subscribe(events.subject(typ), cb=self._on_event)
 
     async def _on_event(self, msg: Msg) -> None:
         """A hint to look: what the event claims is checked with the router and the epoch
         bucket before anything is done."""
         try:
-            ev = decode(msg.data, HandoverComplete | EngineFailedEvent | EngineUnhealthy)
+            ev = decode(
+                msg.data, HandoverDetected | HandoverComplete | EngineFailedEvent | EngineUnhealthy
+            )
         except BelayerError:
             return
         slot = self.slots.get(ev.engine_id)
         if slot is None or slot.retired or self.sup.stop_requested.is_set():
             return
-        if isinstance(ev, HandoverComplete):
+        if isinstance(ev, HandoverDetected) and self.belayer:
+            self._guard_if_running(slot, ev.old_pid)
+        elif isinstance(ev, HandoverComplete):
             await self._promote_if_confirmed(slot)
         elif isinstance(ev, EngineFailedEvent) and not self.belayer:
             await self._cold_restart_if_confirmed(slot)
@@ -296,13 +441,16 @@ class Engines:
         await self._start(slot, "shadow")
         log.info("shadow_promoted", engine=slot.engine_id, pid=pid)
 
-    async def _cold_restart(self, slot: Slot) -> None:
+    async def _cold_restart(self, slot: Slot, *, from_disk: bool = True) -> None:
+        """A new main worker (weights from the model directory with ``from_disk``, the
+        baseline's restart; else from the weight store, at its current version)."""
         old = slot.main
         if old is not None:
             old.stopping = True
             if old.alive:
                 await old.stop(timeout=0.0)  # a hung worker is killed before its replacement starts
-        new = await self._start(slot, "main", cold=True)
+        self._forget_heartbeat(slot)
+        new = await self._start(slot, "main", cold=from_disk)
         await self.sup.publish(ServiceRestarted(name=new.name, pid=new.pid, mode="cold"))
 
     async def _retire(self, slot: Slot, reason: str) -> None:

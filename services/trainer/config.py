@@ -96,6 +96,12 @@ class TrainerConfig:
     ack_wait_s: float = 30.0
     """JetStream redelivers a held trajectory not acked or marked in progress this long; the
     trainer marks every held one in progress every third of it."""
+    step_attempts: int = 3
+    """Tries of one batch's update. A trajectory whose own forward or loss fails is
+    dead-lettered at once (with the rest of its group; the other groups train in a later
+    step); a failure no single trajectory explains is retried, and once the same batch failed
+    this often — counted in the step's plan, so a trainer that died on it counts too — the
+    whole batch is dead-lettered and training goes on."""
     hold_before_checkpoint_s: float = 0.0
     """Failure-injection window: wait this long between a step's update and its checkpoint
     (so a kill lands mid-step); 0 in normal runs."""
@@ -111,8 +117,10 @@ class TrainerConfig:
             raise ValueError("group_size and groups_per_step must be >= 1")
         if self.max_staleness < 0 or self.max_steps < 0:
             raise ValueError("max_staleness and max_steps must be >= 0")
-        if self.checkpoint_every < 1 or self.keep_checkpoints < 1 or self.threads < 1:
-            raise ValueError("checkpoint_every, keep_checkpoints and threads must be >= 1")
+        if min(self.checkpoint_every, self.keep_checkpoints, self.threads, self.step_attempts) < 1:
+            raise ValueError(
+                "checkpoint_every, keep_checkpoints, threads and step_attempts must be >= 1"
+            )
         if not self.logprob_diff_bound > 0 or not self.ack_wait_s > 0:
             raise ValueError("logprob_diff_bound and ack_wait_s must be > 0")
         if self.temperature < 0 or self.hold_before_checkpoint_s < 0:

@@ -33,6 +33,11 @@ implemented.
 trajectory id, and a second sample for the same group slot) and samples staler than
 ``max_staleness`` versions (default 0: on-policy), and holds samples from a version the
 trainer has not reached yet.
+
+**A failed update** (:func:`after_step_failure`): trajectories whose own forward or loss fails
+are dead-lettered with the rest of their groups and the batch's other groups go back to the
+batcher; a failure no trajectory explains is retried, and after ``step_attempts`` failures on
+the same batch the whole batch is dead-lettered — training never loops on one batch.
 """
 
 from __future__ import annotations
@@ -378,6 +383,73 @@ class Batcher:
 
     def mark_trained(self, samples: Iterable[Sample]) -> None:
         self.trained.update(s.trajectory_id for s in samples)
+
+    def give_back(self, samples: Iterable[Sample]) -> None:
+        """Hold again samples taken for a batch that was not trained (whole groups)."""
+        for s in samples:
+            self.groups.setdefault(s.group_id, {})[s.sample_index] = s
+
+
+# --- a failed update ----------------------------------------------------------------------------
+class FailureAction(enum.Enum):
+    """What :func:`after_step_failure` decided."""
+
+    RETRY = "retry"
+    """Try the same batch again (a one-off failure)."""
+    DROP_CULPRITS = "drop_culprits"
+    """Dead-letter the trajectories that fail on their own, with their groups; the batch's
+    other groups are held again for a later step."""
+    DROP_BATCH = "drop_batch"
+    """The update failed ``step_attempts`` times on this batch: dead-letter all of it."""
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    action: FailureAction
+    dead_letter: tuple[tuple[str, str, str], ...] = ()
+    """(trajectory id, reason, detail) to send to the dead-letter subject, in batch order;
+    reason ``poison`` (it fails the update on its own), ``group_dropped`` (a group mate
+    does) or ``step_failed`` (the batch failed ``step_attempts`` times)."""
+    keep: tuple[str, ...] = ()
+    """Trajectory ids held again (whole groups) for a later batch."""
+
+
+def after_step_failure(
+    batch: Sequence[Sample],
+    culprits: dict[str, str],
+    *,
+    attempts: int,
+    max_attempts: int,
+    error: str,
+) -> StepFailure:
+    """Decide after the update on ``batch`` failed ``attempts`` times (the last with
+    ``error``). ``culprits``: trajectory id → why it fails the update on its own (empty when
+    none does, or when it was not looked for)."""
+    poison = {
+        s.trajectory_id: culprits[s.trajectory_id] for s in batch if s.trajectory_id in culprits
+    }
+    if poison:
+        by_group: dict[str, list[str]] = {}
+        for s in batch:
+            if s.trajectory_id in poison:
+                by_group.setdefault(s.group_id, []).append(s.trajectory_id)
+        dead: list[tuple[str, str, str]] = []
+        keep: list[str] = []
+        for s in batch:
+            tid, bad = s.trajectory_id, by_group.get(s.group_id)
+            if tid in poison:
+                dead.append((tid, "poison", poison[tid]))
+            elif bad:
+                dead.append((tid, "group_dropped", f"group mate {bad[0]} fails the update"))
+            else:
+                keep.append(tid)
+        return StepFailure(FailureAction.DROP_CULPRITS, tuple(dead), tuple(keep))
+    if attempts < max_attempts:
+        return StepFailure(FailureAction.RETRY, keep=tuple(s.trajectory_id for s in batch))
+    detail = f"the update failed {attempts} times on this batch: {error}"
+    return StepFailure(
+        FailureAction.DROP_BATCH, tuple((s.trajectory_id, "step_failed", detail) for s in batch)
+    )
 
 
 def batch_rewards(samples: Sequence[Sample]) -> list[float]:

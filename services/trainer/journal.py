@@ -9,7 +9,8 @@
 ```
 
 A **plan** fixes a step's batch — its trajectory ids in order and the version it starts
-from — before the update runs. A trainer killed mid-step (or between checkpoints) restarts
+from — before the update runs, and counts the tries of that update (a batch the update keeps
+failing on is dead-lettered after ``step_attempts``, its plan removed). A trainer killed mid-step (or between checkpoints) restarts
 from its latest checkpoint and redoes every planned step after it with exactly the planned
 trajectories (redelivered, since they were never acked), so the redone update is the same
 update, bit for bit, and no trajectory is trained twice or dropped. Every file is written
@@ -40,6 +41,8 @@ class Plan:
     """Weight version the update starts from."""
     trajectory_ids: tuple[str, ...]
     """The batch, in training order."""
+    attempts: int = 0
+    """Tries of this step's update so far (by this trainer and any that died on it)."""
 
 
 def checkpoint_path(root: Path, step: int) -> Path:
@@ -92,13 +95,19 @@ def write_plan(root: Path, plan: Plan) -> None:
             "step": plan.step,
             "base_version": plan.base_version,
             "trajectory_ids": list(plan.trajectory_ids),
+            "attempts": plan.attempts,
         },
     )
 
 
 def read_plan(path: Path) -> Plan:
     data = json.loads(Path(path).read_text())
-    return Plan(int(data["step"]), int(data["base_version"]), tuple(data["trajectory_ids"]))
+    return Plan(
+        int(data["step"]),
+        int(data["base_version"]),
+        tuple(data["trajectory_ids"]),
+        int(data.get("attempts", 0)),
+    )
 
 
 def plans_after(root: Path, step: int) -> list[Plan]:
@@ -109,6 +118,21 @@ def plans_after(root: Path, step: int) -> list[Plan]:
         out.append(read_plan(plan_path(root, nxt)))
         nxt += 1
     return out
+
+
+def remove_plans_from(root: Path, step: int) -> list[Path]:
+    """Remove the plans of ``step`` and later (a dropped batch: its step is planned afresh
+    with the next batch); returns what was removed."""
+    removed = [plan_path(root, p.step) for p in plans_after(root, step - 1)]
+    for f in removed:
+        f.unlink(missing_ok=True)
+    if removed:
+        fd = os.open(Path(root) / PLANS, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def prune(root: Path, keep: int) -> list[Path]:

@@ -7,12 +7,16 @@
 - **Batch.** ``core.Batcher``: whole groups, dedup by trajectory id (the ids a checkpoint
   records are never trained again), staleness. A malformed record is copied to the dead-letter
   subject (stream ``DEADLETTER``), acked and reported (``trajectory_refused``); training goes on.
-- **Step.** The batch's plan is made durable (``journal``), ``train_step_started``, then
-  ``update.grpo_step`` in a thread (the event loop keeps heartbeating and answering), a
+- **Step.** ``train_step_started``, the batch's plan made durable (``journal``, with its
+  count of tries), ``update.grpo_step`` in a thread (the event loop keeps heartbeating), a
   ``logprob_mismatch`` error event when training and inference disagree beyond the bound, the
   checkpoint every ``checkpoint_every`` steps, the push (version + 1, compare-and-set on the
   base), and only then the acks of every trajectory the checkpoint holds; ``train_step``
   carries the step's metrics.
+- **A failed update** (``_run_step``): trajectories failing on their own
+  (``update.find_poison``) are dead-lettered with their groups, a one-off failure is retried, a
+  batch failed ``step_attempts`` times is dead-lettered (``core.after_step_failure``); one that
+  failed after moving the weights exits the trainer, which resumes from its checkpoint.
 - **Resume.** From the latest checkpoint: its trained ids are dedup'd, a checkpoint whose push
   did not happen is pushed, planned steps after it are redone from the same trajectories
   (pushes the store already has are checked bit for bit, not repeated).
@@ -21,8 +25,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -34,12 +38,19 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from common import events, subjects
 from common.codec import decode
-from common.errors import BelayerError, BusUnavailable, Conflict, InvalidRequest, NotFound, Timeout
+from common.errors import (
+    BelayerError,
+    BusUnavailable,
+    Conflict,
+    FatalError,
+    InvalidRequest,
+    NotFound,
+    Timeout,
+)
 from common.service import Service, run_service
 from model.config import ModelConfig, load_model_config
 from model.qwen3 import Qwen3ForCausalLM, build_model
 from model.training import publishable_state_dict, read_meta
-from schemas.base import ID_PATTERN
 from schemas.events import (
     EventBase,
     LogprobMismatch,
@@ -52,22 +63,28 @@ from schemas.events import (
 from schemas.rollout import Trajectory
 from schemas.trainer import TrainerStatus, TrainerStatusRequest
 from schemas.weights import WeightManifest
-from services.trainer import journal
+from services.trainer import journal, records
 from services.trainer.config import TrainerConfig
 from services.trainer.core import (
     Batcher,
+    FailureAction,
     Sample,
+    StepFailure,
     Verdict,
+    after_step_failure,
     validate_sample,
-    without_trailing_context,
 )
 from services.trainer.journal import Plan
+from services.trainer.records import to_sample
 from services.trainer.update import (
     StepResult,
     TrainState,
+    find_poison,
     grpo_step,
     load_state,
+    load_weights_file,
     new_state,
+    save_reference,
     save_state,
     weights_equal,
 )
@@ -76,29 +93,16 @@ from services.weights.client import fetch_manifest, map_weights, push_weights
 FETCH_BATCH = 64
 MAX_ACK_PENDING = 65_536
 STORE_WAIT_S = 60.0
+STEP_RETRY_S = 1.0
+"""Pause before trying a failed update again (a one-off failure: the store restarting)."""
 
 
-def to_sample(traj: Trajectory, stream_seq: int, default_temperature: float) -> Sample:
-    """The trainer's view of a ``Trajectory`` record (group = rollout + task), without the
-    tokens after its last model token (``core.without_trailing_context``)."""
-    sample = Sample(
-        trajectory_id=traj.trajectory_id,
-        group_id=f"{traj.rollout_id}/{traj.task_id}",
-        sample_index=traj.sample,
-        prompt_ids=tuple(traj.prompt_ids),
-        response_ids=tuple(traj.response_ids),
-        loss_mask=tuple(traj.loss_mask),
-        rollout_logprobs=tuple(traj.logprobs),
-        weight_versions=tuple(traj.weight_versions),
-        reward=traj.reward,
-        temperature=float(getattr(traj, "temperature", default_temperature)),
-        stream_seq=stream_seq,
-    )
-    return without_trailing_context(sample)
+class _UpdateFailed(Exception):
+    """A step's update failed before changing the train state (with the models it used)."""
 
-
-def model_signature(manifest: WeightManifest) -> list[list[Any]]:
-    return sorted([t.name, t.dtype, list(t.shape)] for t in manifest.tensors)
+    def __init__(self, error: Exception, generating: dict[int, Any]) -> None:
+        super().__init__(f"{type(error).__name__}: {error}"[:500])
+        self.generating = generating
 
 
 class TrainerService(Service[TrainerConfig]):
@@ -137,7 +141,7 @@ class TrainerService(Service[TrainerConfig]):
     async def setup(self) -> None:
         manifest = await self._store_manifest()
         self.model_cfg = await asyncio.to_thread(load_model_config, manifest.model_dir)
-        self.signature = model_signature(manifest)
+        self.signature = records.model_signature(manifest)
         await self._restore(manifest)
         filt = self.config.subject_filter or subjects.TRAJECTORIES_ALL
         self.sub = await self.js.pull_subscribe(
@@ -176,7 +180,7 @@ class TrainerService(Service[TrainerConfig]):
                 deterministic=c.deterministic, with_reference=c.grpo.beta > 0,
             )  # fmt: skip
             if c.grpo.beta > 0:
-                await asyncio.to_thread(_save_reference, ref_path, state)
+                await asyncio.to_thread(save_reference, ref_path, state)
             self.state, self.store_version = state, manifest.version
             await self._checkpoint()
             self.log.info("trainer_started", version=manifest.version, model=manifest.model_dir)
@@ -281,7 +285,7 @@ class TrainerService(Service[TrainerConfig]):
             assert self.model_cfg is not None
             validate_sample(sample, self.model_cfg.max_position_embeddings)
         except (BelayerError, ValueError) as exc:
-            await self._dead_letter(msg, seq, exc)
+            await self._dead_letter(msg, seq, str(exc))
             return
         state = self.state
         assert state is not None
@@ -291,36 +295,24 @@ class TrainerService(Service[TrainerConfig]):
             self.held[tid] = msg
         elif verdict is Verdict.TRAINED:
             if tid in self.durable:
-                await _ack(msg, self.log)
+                await records.ack(msg, self.log)
             else:
                 self.unacked[tid] = msg
         elif verdict is Verdict.DUPLICATE and tid in self.held:
             self.held[tid] = msg  # a redelivery of a held one: keep the newest delivery
         else:
-            await self._refuse(msg, tid, verdict.value, _refusal(verdict, sample), seq)
+            await self._refuse(msg, tid, verdict.value, records.refusal(verdict, sample), seq)
 
-    async def _dead_letter(self, msg: Msg, seq: int, exc: Exception) -> None:
-        tid = msg.subject.rsplit(".", 1)[-1]
-        tid = tid if re.fullmatch(ID_PATTERN, tid) else ""
-        headers = {
-            "Nats-Msg-Id": f"trajectories-{seq}",
-            "Belayer-Error": str(exc)[:500],
-            "Belayer-Subject": msg.subject,
-            "Belayer-Stream-Seq": str(seq),
-        }
-        try:
-            await self.js.publish(
-                subjects.dead_letter("trajectories"), msg.data, headers=headers, timeout=2.0
-            )
-        except (TimeoutError, nats.errors.Error) as err:
-            self.log.warning("dead_letter_failed", stream_seq=seq, error=repr(err))
-            return  # not acked: redelivered and tried again
-        self.log.error("trajectory_malformed", stream_seq=seq, subject=msg.subject, error=str(exc))
-        await self._refuse(msg, tid, "malformed", str(exc), seq)
+    async def _dead_letter(self, msg: Msg, seq: int, error: str, reason: str = "malformed") -> None:
+        """Copy the record to the dead-letter subject, then ack and refuse it (``reason``:
+        ``malformed``, or why its update could not be trained — ``core.StepFailure``); a
+        record whose copy failed is not acked: redelivered, it is tried again."""
+        if await records.copy_to_dead_letter(self.js, msg, seq, error, reason, self.log):
+            await self._refuse(msg, records.subject_id(msg), reason, error, seq)
 
     async def _refuse(self, msg: Msg, tid: str, reason: str, detail: str, seq: int) -> None:
         self.refused += 1
-        await _ack(msg, self.log)
+        await records.ack(msg, self.log)
         self.log.warning("trajectory_refused", trajectory_id=tid, reason=reason, detail=detail)
         await self._publish(
             TrajectoryRefused(trajectory_id=tid, reason=reason, detail=detail[:500], stream_seq=seq)
@@ -336,7 +328,7 @@ class TrainerService(Service[TrainerConfig]):
                 msg = self.held.pop(s.trajectory_id, None)
                 if msg is not None:
                     await self._refuse(
-                        msg, s.trajectory_id, "stale", _stale(s, state.version), s.stream_seq
+                        msg, s.trajectory_id, "stale", records.stale(s, state.version), s.stream_seq
                     )
             if self.plans:
                 plan = self.plans[0]
@@ -352,9 +344,65 @@ class TrainerService(Service[TrainerConfig]):
                 if batch is None:
                     return
                 plan = Plan(state.step + 1, state.version, tuple(s.trajectory_id for s in batch))
-                await asyncio.to_thread(journal.write_plan, self.dir, plan)
                 replay = False
-            await self._step(batch, plan, replay)
+            await self._run_step(batch, plan, replay)
+
+    async def _run_step(self, batch: list[Sample], plan: Plan, replay: bool) -> None:
+        """The step, tried until it succeeds or ``core.after_step_failure`` drops what cannot be
+        trained; tries are counted in the durable plan, so a batch trainers died on
+        ``step_attempts`` times goes untried (looking for a culprit might kill this one too)."""
+        c, state = self.config, self.state
+        assert state is not None
+        while True:
+            plan = dataclasses.replace(plan, attempts=plan.attempts + 1)
+            await asyncio.to_thread(journal.write_plan, self.dir, plan)
+            failure, error = None, "the trainer exited during this batch's update"
+            if plan.attempts > c.step_attempts:
+                failure = after_step_failure(
+                    batch, {}, attempts=plan.attempts - 1, max_attempts=c.step_attempts,
+                    error=error,
+                )  # fmt: skip
+            else:
+                try:
+                    return await self._step(batch, plan, replay)
+                except _UpdateFailed as failed:
+                    error = str(failed)
+                    culprits = await asyncio.to_thread(
+                        find_poison, state, batch, group_size=c.group_size, grpo=c.grpo,
+                        pad_id=c.pad_token_id, generating=failed.generating.get,
+                    )  # fmt: skip
+                    failure = after_step_failure(
+                        batch, culprits, attempts=plan.attempts, max_attempts=c.step_attempts,
+                        error=error,
+                    )  # fmt: skip
+                    self.log.error(
+                        "train_step_failed", step=plan.step, attempt=plan.attempts, error=error,
+                        step_attempts=c.step_attempts, action=failure.action.value,
+                        culprits=culprits,
+                    )  # fmt: skip
+            if failure.action is not FailureAction.RETRY:
+                return await self._drop(batch, plan, failure, error)
+            if self.stop_requested.is_set():
+                return  # the plan stays: the next trainer tries again
+            await asyncio.sleep(STEP_RETRY_S)  # a one-off failure: try again shortly
+
+    async def _drop(
+        self, batch: list[Sample], plan: Plan, failure: StepFailure, error: str
+    ) -> None:
+        """Dead-letter what ``failure`` names, hold the rest again, and forget the step's
+        plan (and any after it): the step is planned afresh with the next batch."""
+        by_id = {s.trajectory_id: s for s in batch}
+        for tid, reason, detail in failure.dead_letter:
+            msg = self.held.pop(tid, None)
+            if msg is not None:
+                await self._dead_letter(msg, by_id[tid].stream_seq, detail, reason)
+        self.batcher.give_back(by_id[t] for t in failure.keep)
+        await asyncio.to_thread(journal.remove_plans_from, self.dir, plan.step)
+        self.plans.clear()
+        self.log.error(
+            "batch_dropped", step=plan.step, attempts=plan.attempts, error=error,
+            dead_lettered=len(failure.dead_letter), kept=len(failure.keep),
+        )  # fmt: skip
 
     async def _step(self, batch: list[Sample], plan: Plan, replay: bool) -> None:
         state, c = self.state, self.config
@@ -376,11 +424,7 @@ class TrainerService(Service[TrainerConfig]):
                     replay=replay,
                 )
             )
-            generating = await self._generating_models(batch, state)
-            result: StepResult = await asyncio.to_thread(
-                grpo_step, state, batch, group_size=c.group_size, grpo=c.grpo, optim=c.optim,
-                pad_id=c.pad_token_id, generating=generating.get,
-            )  # fmt: skip
+            result = await self._update(batch, plan, state)
             for s in batch:
                 msg = self.held.pop(s.trajectory_id, None)
                 if msg is not None:
@@ -434,20 +478,47 @@ class TrainerService(Service[TrainerConfig]):
         self.log.info("train_step", **events.fields(metrics))
         await self._publish(metrics)
 
+    async def _update(self, batch: list[Sample], plan: Plan, state: TrainState) -> StepResult:
+        """``update.grpo_step`` in a thread; ``_UpdateFailed`` if it fails before changing
+        ``state`` (it can be tried again), ``FatalError`` after (exit, resume the checkpoint)."""
+        c = self.config
+        generating = await self._generating_models(batch, state)
+        lr_steps, step = state.scheduler.last_epoch, state.step
+        try:
+            result: StepResult = await asyncio.to_thread(
+                grpo_step, state, batch, group_size=c.group_size, grpo=c.grpo, optim=c.optim,
+                pad_id=c.pad_token_id, generating=generating.get,
+            )  # fmt: skip
+        except Exception as exc:  # any failure of the update: core.after_step_failure decides
+            if state.scheduler.last_epoch != lr_steps or state.step != step:
+                raise FatalError(
+                    f"step {plan.step}'s update failed after it moved the weights ({exc!r}); "
+                    "resuming from the checkpoint",
+                    step=plan.step,
+                ) from exc
+            raise _UpdateFailed(exc, generating) from exc
+        return result
+
     async def _generating_models(
         self, batch: list[Sample], state: TrainState
     ) -> dict[int, Qwen3ForCausalLM | None]:
         """Inference models of the older versions the batch's tokens came from (from the weight
-        store while it keeps them; None when gone)."""
+        store while it keeps them; None when gone); a restarting store is waited for."""
         out: dict[int, Qwen3ForCausalLM | None] = {}
         cfg = self.model_cfg
         assert cfg is not None
+        deadline = time.monotonic() + STORE_WAIT_S
         for v in sorted({x for s in batch for x in s.model_versions() if x != state.version}):
-            try:
-                tensors = map_weights(await fetch_manifest(self.nc, v, timeout=5.0))
-                out[v] = build_model(cfg, tensors, deterministic=self.config.deterministic)
-            except NotFound:
-                out[v] = None
+            while v not in out:
+                try:
+                    tensors = map_weights(await fetch_manifest(self.nc, v, timeout=5.0))
+                    out[v] = build_model(cfg, tensors, deterministic=self.config.deterministic)
+                except NotFound:
+                    out[v] = None
+                except (BusUnavailable, Timeout):
+                    if time.monotonic() > deadline or self.stop_requested.is_set():
+                        raise
+                    await asyncio.sleep(0.5)  # the weight store is restarting: bounded wait
         return out
 
     async def _checkpoint(self) -> float:
@@ -471,7 +542,7 @@ class TrainerService(Service[TrainerConfig]):
 
     async def _ack_durable(self) -> None:
         for tid in [t for t in self.unacked if t in self.durable]:
-            await _ack(self.unacked.pop(tid), self.log)
+            await records.ack(self.unacked.pop(tid), self.log)
 
     async def _push(self, state: TrainState, base: int | None = None) -> None:
         """Push the state's weights as ``base + 1`` (default: ``state.version - 1``); while the
@@ -520,39 +591,6 @@ class TrainerService(Service[TrainerConfig]):
 
     async def _publish(self, event: EventBase) -> None:
         await events.publish(self.js, event)
-
-
-def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path), device="cpu")
-
-
-def _save_reference(path: Path, state: TrainState) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(publishable_state_dict(state.model), str(tmp))
-    os.replace(tmp, path)
-
-
-async def _ack(msg: Msg, log: Any) -> None:
-    try:
-        await msg.ack()
-    except nats.errors.Error as exc:  # redelivered later; dedup makes that harmless
-        log.warning("ack_failed", error=repr(exc))
-
-
-def _refusal(verdict: Verdict, s: Sample) -> str:
-    if verdict is Verdict.STALE:
-        return f"oldest weight version {s.oldest_version} is beyond the staleness bound"
-    if verdict is Verdict.INVALID:
-        return f"sample index {s.sample_index} outside the group"
-    return f"group {s.group_id} already holds sample {s.sample_index}"
-
-
-def _stale(s: Sample, version: int) -> str:
-    return f"oldest weight version {s.oldest_version} too old for version {version}"
 
 
 async def run(

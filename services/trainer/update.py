@@ -25,6 +25,7 @@ runs and compares the weights bit for bit.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from model.training import (
     load_weights,
     make_optimizer,
     make_scheduler,
+    publishable_state_dict,
     save_checkpoint,
     train_step,
 )
@@ -327,6 +329,48 @@ def grpo_step(
     )
 
 
+@torch.no_grad()
+def find_poison(
+    state: TrainState,
+    samples: Sequence[Sample],
+    *,
+    group_size: int,
+    grpo: GrpoConfig,
+    pad_id: int,
+    generating: Generating | None = None,
+) -> dict[str, str]:
+    """After a failed :func:`grpo_step`: the trajectories that fail the update on their own.
+    Each sample alone goes through what the step does with it — collation, the behaviour
+    log-probabilities, the training forward and its loss with its group's advantage — under
+    ``no_grad`` (nothing changes in ``state``); trajectory id → what went wrong (an exception,
+    or a non-finite log-probability or loss). Empty: no single trajectory explains it."""
+    state.model.eval()
+    try:
+        rewards = [s.reward for s in samples]
+        adv = group_advantages(rewards, group_size, scale=grpo.scale_rewards)
+    except ValueError:
+        adv = torch.zeros(len(samples))
+    out: dict[str, str] = {}
+    for i, s in enumerate(samples):
+        try:
+            m = collate(samples, [i], adv, pad_id)
+            old, _ = recompute(state, m, generating)
+            logp = token_logprobs(state.model, m.input_ids, m.attention_mask, m.temperature)
+            loss = grpo_loss(
+                logp, old, m.advantages, m.mask, loss_type=grpo.loss_type,
+                eps_low=grpo.eps_low, eps_high=grpo.eps_high,
+                importance_sampling_level=grpo.importance_sampling_level,
+            )  # fmt: skip
+            real = m.mask.bool()
+            if not bool(torch.isfinite(old[real]).all() and torch.isfinite(logp[real]).all()):
+                out[s.trajectory_id] = "non-finite log-probability on its model tokens"
+            elif not bool(torch.isfinite(loss)):
+                out[s.trajectory_id] = f"non-finite loss {float(loss)}"
+        except Exception as exc:  # whatever it raises is what the step raised on it
+            out[s.trajectory_id] = f"{type(exc).__name__}: {exc}"[:500]
+    return out
+
+
 # --- checkpoints ------------------------------------------------------------------------------
 REFERENCE_FILE = "reference.safetensors"
 
@@ -355,6 +399,21 @@ def load_state(
     if reference is not None:
         state.ref_model = reference_model(cfg, reference, deterministic)
     return state, meta
+
+
+def load_weights_file(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path), device="cpu")
+
+
+def save_reference(path: Path, state: TrainState) -> None:
+    """The starting weights (the KL reference), written atomically."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(publishable_state_dict(state.model), str(tmp))
+    os.replace(tmp, path)
 
 
 def weights_equal(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:

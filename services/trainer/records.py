@@ -1,0 +1,90 @@
+"""The trainer's side of its records on the bus: a ``Trajectory`` as the trainer's ``Sample``,
+acks, the dead-letter copy, and the texts of refusals."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from common import subjects
+from schemas.base import ID_PATTERN
+from schemas.rollout import Trajectory
+from schemas.weights import WeightManifest
+from services.trainer.core import Sample, Verdict, without_trailing_context
+
+
+def to_sample(traj: Trajectory, stream_seq: int, default_temperature: float) -> Sample:
+    """The trainer's view of a ``Trajectory`` record (group = rollout + task), without the
+    tokens after its last model token (``core.without_trailing_context``)."""
+    sample = Sample(
+        trajectory_id=traj.trajectory_id,
+        group_id=f"{traj.rollout_id}/{traj.task_id}",
+        sample_index=traj.sample,
+        prompt_ids=tuple(traj.prompt_ids),
+        response_ids=tuple(traj.response_ids),
+        loss_mask=tuple(traj.loss_mask),
+        rollout_logprobs=tuple(traj.logprobs),
+        weight_versions=tuple(traj.weight_versions),
+        reward=traj.reward,
+        temperature=float(getattr(traj, "temperature", default_temperature)),
+        stream_seq=stream_seq,
+    )
+    return without_trailing_context(sample)
+
+
+def model_signature(manifest: WeightManifest) -> list[list[Any]]:
+    return sorted([t.name, t.dtype, list(t.shape)] for t in manifest.tensors)
+
+
+async def ack(msg: Msg, log: Any) -> None:
+    try:
+        await msg.ack()
+    except nats.errors.Error as exc:  # redelivered later; dedup makes that harmless
+        log.warning("ack_failed", error=repr(exc))
+
+
+def subject_id(msg: Msg) -> str:
+    """The trajectory id a record's subject names (its last token; empty when that is not a
+    valid id)."""
+    tid = msg.subject.rsplit(".", 1)[-1]
+    return tid if re.fullmatch(ID_PATTERN, tid) else ""
+
+
+async def copy_to_dead_letter(
+    js: JetStreamContext, msg: Msg, seq: int, error: str, reason: str, log: Any
+) -> bool:
+    """Copy the record as received to ``belayer.deadletter.trajectories`` (stream
+    ``DEADLETTER``) with why, where it came from, and a message id that makes a second copy
+    of the same record a no-op; logged as ``trajectory_<reason>``. False when the copy
+    failed."""
+    headers = {
+        "Nats-Msg-Id": f"trajectories-{seq}",
+        "Belayer-Error": error[:500],
+        "Belayer-Subject": msg.subject,
+        "Belayer-Stream-Seq": str(seq),
+    }
+    try:
+        await js.publish(
+            subjects.dead_letter("trajectories"), msg.data, headers=headers, timeout=2.0
+        )
+    except (TimeoutError, nats.errors.Error) as err:
+        log.warning("dead_letter_failed", stream_seq=seq, error=repr(err))
+        return False
+    log.error(f"trajectory_{reason}", stream_seq=seq, subject=msg.subject, error=error[:500])
+    return True
+
+
+def refusal(verdict: Verdict, s: Sample) -> str:
+    if verdict is Verdict.STALE:
+        return f"oldest weight version {s.oldest_version} is beyond the staleness bound"
+    if verdict is Verdict.INVALID:
+        return f"sample index {s.sample_index} outside the group"
+    return f"group {s.group_id} already holds sample {s.sample_index}"
+
+
+def stale(s: Sample, version: int) -> str:
+    return f"oldest weight version {s.oldest_version} too old for version {version}"
