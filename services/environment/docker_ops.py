@@ -7,6 +7,7 @@ translated into ``SandboxError`` here, with "dockerd is not reachable" when the 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -36,6 +37,7 @@ LABEL_RUN = "belayer.run"
 # PID 1 of every sandbox: a shell that reaps orphans and exits on SIGTERM.
 INIT_COMMAND = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1000 & wait $!; done"]
 RACE_MARKERS = ("already exists", "content sha256")
+NOBODY = 65534
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,23 @@ class DockerOps:
                 self.api._raise_for_status(self.api._post(url, params=params))
 
         self._retry_race(go)
+        self.seal_host_files(container_id)
+
+    def seal_host_files(self, container_id: str) -> None:
+        """Make the files Docker bind-mounts from the host (``/etc/hosts``, ``/etc/hostname``,
+        ``/etc/resolv.conf``) read-only inside: owned by ``nobody``, mode 0444 — a sandbox's
+        root has no capability to override that. They lie outside the writable layer, so a
+        write there would reach the host and escape the checkpoint."""
+        try:
+            info = self.inspect(container_id)
+        except (NotFound, SandboxError):
+            return
+        for key in ("HostsPath", "HostnamePath", "ResolvConfPath"):
+            path = info.get(key) or ""
+            if path:
+                with contextlib.suppress(OSError):
+                    os.chown(path, NOBODY, NOBODY)
+                    os.chmod(path, 0o444)
 
     def _retry_race(self, fn: Callable[[], T]) -> T:
         for attempt in range(self.config.docker_race_retries + 1):

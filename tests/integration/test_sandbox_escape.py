@@ -90,6 +90,8 @@ async def test_no_capability_can_be_gained(env) -> None:  # type: ignore[no-unty
         "mknod /tmp/mem c 1 1",
         "chroot / true",
         "chown 1234 /root",
+        "echo evil > /etc/hostname",  # the one host file Docker bind-mounts here: read-only
+        "chmod 666 /etc/hostname",
         "python3 -c 'import os; os.nice(-5)'",
         "unshare --user --map-root-user true",
         "python3 -c \"import ctypes; ctypes.CDLL(None).sethostname(b'x', 1) == 0 or exit(1)\"",
