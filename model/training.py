@@ -134,7 +134,9 @@ def train_step(
         for item in minibatch:
             loss = loss_fn(item)
             if not bool(torch.isfinite(loss)):
-                raise FloatingPointError(f"non-finite loss {float(loss)} in micro-batch {micro}")
+                raise FloatingPointError(
+                    f"non-finite loss {float(loss.detach())} in micro-batch {micro}"
+                )
             loss.backward()
             total += float(loss.detach())
             micro += 1
