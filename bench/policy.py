@@ -237,8 +237,8 @@ def main(
                 Row(
                     f"p = {p}: {label}: rollout / trajectories / visible checkpoint",
                     f"{r['mean']:.1f} ± {r['sd']:.1f} s / {w['mean']:.1f} s / {v['mean']:.2f} s "
-                    f"({t['env_failures']} failures, {t['env_restores']} restores, "
-                    f"{t['restarts_from_scratch']} scratch)",
+                    f"({t['checkpoints']} checkpoints, {t['env_failures']} failures, "
+                    f"{t['env_restores']} restores, {t['restarts_from_scratch']} scratch)",
                 )
             )
     for key, label, unit in (
