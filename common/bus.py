@@ -404,15 +404,11 @@ electing its meta leader answers "temporarily unavailable")."""
 
 async def ensure_jetstream(js: JetStreamContext, *, replicas: int = 1, update: bool = True) -> None:
     """``declare_jetstream``, retried while JetStream is not ready yet (bounded)."""
-    deadline = time.monotonic() + JETSTREAM_READY_S
-    while True:
-        try:
-            await declare_jetstream(js, replicas=replicas, update=update)
-            return
-        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as exc:
-            if time.monotonic() > deadline:
-                raise BusUnavailable(f"JetStream is not available: {exc!r}") from None
-            await asyncio.sleep(0.25)  # bounded retry while a cluster elects its leaders
+    await js_call(
+        lambda: declare_jetstream(js, replicas=replicas, update=update),
+        what="JetStream is not available",
+        timeout=JETSTREAM_READY_S,
+    )
 
 
 JS_TRANSIENT: tuple[type[BaseException], ...] = (
@@ -436,7 +432,7 @@ async def js_call(
             return await call()
         except JS_TRANSIENT as exc:
             if time.monotonic() > deadline:
-                raise BusUnavailable(f"{what}: JetStream did not answer: {exc!r}") from None
+                raise BusUnavailable(f"{what} (no answer in {timeout:g} s): {exc!r}") from None
             await asyncio.sleep(0.25)  # bounded retry while a stream elects its leader
 
 

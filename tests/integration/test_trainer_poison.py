@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the `bus` fixture is imported from test_trainer_replay; pytest injects it by name)
 """A poison trajectory does not crash-loop the trainer. Real nats-server, the real weight store,
 the trainer as a real process, the real model: a well-formed record whose response holds a
 token id beyond the vocabulary makes the update's forward raise. Before, the trainer died, was
@@ -9,15 +10,12 @@ an update that never saw the poison gives."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 
 from common import subjects
-from common.bus import connect, ensure_jetstream
 from common.natsserver import NatsServer
 from model.config import load_model_config
 from model.loader import load_safetensors
@@ -36,24 +34,13 @@ from tests.integration.test_trainer_replay import (
     OPTIM,
     SMALL,
     TrainerProc,
+    bus,  # noqa: F401  (the fixture; pytest injects it by name)
     make_group,
     publish,
     trainer_config,
 )
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-
-
-@pytest_asyncio.fixture
-async def bus(nats_server: NatsServer) -> AsyncIterator[tuple[object, EventLog]]:
-    nc = await connect(nats_server.url, name="test-poison")
-    await ensure_jetstream(nc.jetstream())
-    log = await EventLog(nc).start()
-    try:
-        yield nc, log
-    finally:
-        await log.stop()
-        await nc.drain()
 
 
 async def test_a_poison_trajectory_is_dead_lettered_and_training_goes_on(
