@@ -14,11 +14,13 @@ import secrets
 import time
 from pathlib import Path
 
+import docker
 import pytest
 
 from common.errors import Timeout
 from schemas.env import SandboxLimits
 from tests.integration.env_helpers import env  # noqa: F401
+from tests.integration.node_helpers import wait_until
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(240)]
 
@@ -125,7 +127,14 @@ async def test_fork_bomb_and_memory_hog_stop_at_their_limits(env) -> None:  # ty
         return time.monotonic() - t0
 
     bombing = asyncio.create_task(sh(env, bomb, fork_bomb, timeout=6))
-    await asyncio.sleep(1.0)  # let the bomb reach its limit before the bystander runs
+    listing = {s.id: s for s in (await env.client.list()).sandboxes}
+    api = docker.APIClient()
+
+    async def at_its_limit() -> bool:  # the bomb's processes, as the host sees them
+        top = await asyncio.to_thread(api.top, listing[bomb].container_id)
+        return len(top["Processes"]) >= 24
+
+    await wait_until(at_its_limit, timeout=5, what="the fork bomb reaches its pids limit")
     assert await bystander_latency() < 5.0
     with pytest.raises(Timeout) as stopped:
         await bombing
