@@ -90,9 +90,15 @@ def parse_answer(text: str) -> str | None:
     return answer or None
 
 
-def format_action(command: str) -> str:
-    """The canonical response that runs ``command`` (demonstrations)."""
-    return f"```bash\n{command.strip()}\n```"
+THOUGHT_PREFIX = "THOUGHT:"
+"""How a response that reasons before it acts starts (mini-swe-agent's convention)."""
+
+
+def format_action(command: str, thought: str = "") -> str:
+    """The canonical response that runs ``command`` (demonstrations), after a
+    ``THOUGHT: …`` paragraph when ``thought`` is given."""
+    block = f"```bash\n{command.strip()}\n```"
+    return f"{THOUGHT_PREFIX} {thought.strip()}\n\n{block}" if thought.strip() else block
 
 
 def format_answer(answer: str) -> str:

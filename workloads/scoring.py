@@ -35,6 +35,12 @@ DEFAULT_TEST_COMMAND = (
 """Test command of a task that names none: pytest with a one-line summary per test
 (``PASSED id`` / ``FAILED id``), which ``parse_test_results`` reads."""
 
+FRESH_BYTECODE = 'export PYTHONPYCACHEPREFIX="$(mktemp -d /tmp/belayer-pycache.XXXXXX)"\n'
+"""Run before the hidden tests: Python compiles into a fresh directory and ignores the
+``__pycache__`` the agent's own runs left, which is stale after a same-size edit within the
+same second (bytecode is checked by source mtime and size): the tests see the files as they
+are."""
+
 WRITE_CHUNK = 48 * 1024
 """Bytes of a file written per ``exec`` (base64 grows it by a third; one argument of a
 command line may hold at most 128 KiB)."""
@@ -161,7 +167,8 @@ async def score_tests(ops: SandboxOps, task: Task, sandbox_id: str) -> Score:
             return Score(reward=0.0, detail=f"test patch does not apply: {r.stderr[-300:]}")
     wanted = [*check.fail_to_pass, *check.pass_to_pass]
     try:
-        r = await _run(ops, sandbox_id, workdir, command_for_tests(check), check.timeout_s)
+        command = FRESH_BYTECODE + command_for_tests(check)
+        r = await _run(ops, sandbox_id, workdir, command, check.timeout_s)
     except Timeout as exc:
         if "subject" in exc.data:  # the bus timed out, not the tests: infrastructure
             raise

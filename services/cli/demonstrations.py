@@ -9,6 +9,11 @@ the workloads and a real sandbox; the training itself is :mod:`model.warm_start`
   ``ls`` then a premature submit), each episode checked against the hidden tests (1, or 0 for
   the noise). The transcript holds the real observations, formatted as the controller formats
   them (``workloads.runner``), and ends with the submit action.
+* **swe-long**: the same tasks, one long episode each in the manner of mini-swe-agent: every
+  response reasons first (a ``THOUGHT:`` paragraph) and then acts; the agent explores the
+  repository and its tests, runs the tests, reads the module, fixes it and runs the tests
+  again (``long_episode``: 8–10 actions). Responses longer than a checkpoint and trajectories
+  of many steps are the regime of the paper's SWE runs; ``belayer bench policy`` uses it.
 
 Both are cached as JSON lines under ``<cache>/demonstrations/`` keyed by what they depend on,
 so a rerun reads them back (no sandbox, no network).
@@ -22,6 +27,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -145,25 +151,109 @@ transcripts branch evenly into the fix and a premature submit, so a policy that 
 demonstrations solves about three episodes in four — some but not all, a signal for GRPO."""
 
 
+Step = tuple[str, str]
+"""One response of a demonstration: (its thought, empty for none; its command)."""
+
+THOUGHTS: dict[str, str] = {
+    "ls": "I start by looking at how the repository is laid out: which modules it has and "
+    "where the tests live, so that I know which files the issue is about.",
+    "ls tests": "Next I list the test directory to see which test files exist and which parts "
+    "of the code they cover.",
+    "cat test": "I read the visible tests to learn how the code is called and what they expect "
+    "from it.",
+    "test before": "Before I change anything I run the visible tests once, so that I know what "
+    "passes now and can tell later whether my fix broke something.",
+    "cat module": "The issue names the module with the bug, so I print its source and look for "
+    "the line that does what the issue describes.",
+    "grep def": "To be sure where each function starts I list the definitions in the modules "
+    "with their line numbers.",
+    "sed": "I have found the faulty line, so I fix it with one small edit in place and change "
+    "nothing else in the file.",
+    "nohup": "The issue wants the fixed server to keep running, so I start it in the background, "
+    "where it stays up after this command returns.",
+    "run": "With the fixed server running I do what the issue asks of it, so that the live "
+    "server holds the right state.",
+    "test after": "With the fix in place I run the visible tests again to check that everything "
+    "still passes.",
+    "submit": "The bug is fixed and the tests pass, so I submit my work.",
+}
+"""The ``THOUGHT:`` of each kind of step of ``long_episode``."""
+
+
+def edited_module(task: Task) -> str:
+    """The ``.py`` file the task's reference actions edit (the module the issue is about)."""
+    for action in task.reference_actions:
+        words = shlex.split(action)
+        if words and words[0] == "sed":
+            for word in reversed(words):
+                if word.endswith(".py"):
+                    return word
+    raise InvalidRequest("no reference action edits a .py file with sed", task_id=task.id)
+
+
+def long_episode(task: Task) -> list[Step]:
+    """The ``swe-long`` recipe: explore (``ls``, ``ls tests``, the visible tests), run the
+    tests, read the module, list the definitions, the reference actions, the tests again — each
+    action after a thought. (The submit follows in ``swe_transcript``.)"""
+    module = edited_module(task)
+    steps: list[Step] = [
+        (THOUGHTS["ls"], "ls"),
+        (THOUGHTS["ls tests"], "ls tests"),
+        (THOUGHTS["cat test"], "cat tests/*.py"),
+        (THOUGHTS["test before"], TEST_COMMAND),
+        (THOUGHTS["cat module"], f"cat {module}"),
+        (THOUGHTS["grep def"], "grep -n 'def ' *.py"),
+    ]
+    for action in task.reference_actions:
+        first = shlex.split(action)[0]
+        steps.append((THOUGHTS.get(first, THOUGHTS["run"]), action))
+    steps.append((THOUGHTS["test after"], TEST_COMMAND))
+    return steps
+
+
+def plain(actions: Sequence[str]) -> list[Step]:
+    return [("", a) for a in actions]
+
+
+SWE_LONG_VARIANTS: dict[str, tuple[Callable[[Task], list[Step]], float]] = {
+    "long": (long_episode, 1.0),
+}
+"""The ``swe-long`` recipes (like ``SWE_VARIANTS``, with a thought before every action)."""
+
+
 def swe_transcript(
-    task: Task, actions: Sequence[str], observations: Sequence[str]
+    task: Task,
+    actions: Sequence[str],
+    observations: Sequence[str],
+    thoughts: Sequence[str] | None = None,
+    finish_thought: str = "",
 ) -> tuple[tuple[str, str], ...]:
-    """The chat of one episode: the prompt, each action (``format_action``) followed by its
-    observation, then the submit action."""
+    """The chat of one episode: the prompt, each action (``format_action``, after its thought
+    if any) followed by its observation, then the submit action."""
     turns = list(prompt_turns(task))
-    for action, observation in zip(actions, observations, strict=True):
-        turns += [("assistant", format_action(action)), ("user", observation)]
-    turns.append(("assistant", format_action(FINISH_COMMAND)))
+    thoughts = list(thoughts) if thoughts is not None else [""] * len(actions)
+    for action, observation, thought in zip(actions, observations, thoughts, strict=True):
+        turns += [("assistant", format_action(action, thought)), ("user", observation)]
+    turns.append(("assistant", format_action(FINISH_COMMAND, finish_thought)))
     return tuple(turns)
 
 
-async def record_swe(ops: SandboxOps, tasks: Sequence[Task]) -> list[Demonstration]:
-    """Run every task × variant in a real sandbox; each episode must score what its variant
-    expects (1, or 0 for the noise variant)."""
+async def record_swe(
+    ops: SandboxOps,
+    tasks: Sequence[Task],
+    variants: dict[str, tuple[Callable[[Task], list[Step]], float]] | None = None,
+) -> list[Demonstration]:
+    """Run every task × variant (``SWE_VARIANTS`` by default) in a real sandbox; each episode
+    must score what its variant expects (1, or 0 for the noise variant)."""
+    if variants is None:
+        variants = {k: (_plain_recipe(f), r) for k, (f, r) in SWE_VARIANTS.items()}
     demos: list[Demonstration] = []
     for task in tasks:
-        for variant, (recipe, expected) in SWE_VARIANTS.items():
-            actions = recipe(task)
+        for variant, (recipe, expected) in variants.items():
+            steps = recipe(task)
+            actions = [command for _, command in steps]
+            thoughts = [thought for thought, _ in steps]
+            finish = THOUGHTS["submit"] if any(thoughts) else ""
             episode = await run_episode(ops, task, actions=actions)
             reward = episode.score.reward if episode.score else -1.0
             if reward != expected:
@@ -178,12 +268,22 @@ async def record_swe(ops: SandboxOps, tasks: Sequence[Task]) -> list[Demonstrati
             demos.append(
                 Demonstration(
                     task_id=task.id,
-                    messages=swe_transcript(task, actions, [s.observation for s in episode.steps]),
+                    messages=swe_transcript(
+                        task,
+                        actions,
+                        [s.observation for s in episode.steps],
+                        thoughts,
+                        finish,
+                    ),
                     variant=variant,
                 )
             )
             log.info("swe_demonstration_recorded", task_id=task.id, variant=variant)
     return demos
+
+
+def _plain_recipe(recipe: Callable[[Task], list[str]]) -> Callable[[Task], list[Step]]:
+    return lambda task: plain(recipe(task))
 
 
 def _task_fingerprint(task: Task) -> dict[str, Any]:
@@ -249,32 +349,36 @@ async def with_private_env(fn: Callable[[SandboxOps], Awaitable[T]]) -> T:
             server.stop()
 
 
-def swe_demonstrations(cache: Path, *, refresh: bool = False) -> list[Demonstration]:
-    """The SWE demonstrations (cached; recorded in real sandboxes when not)."""
+def swe_demonstrations(
+    cache: Path, *, refresh: bool = False, kind: str = "swe"
+) -> list[Demonstration]:
+    """The SWE demonstrations of ``kind`` (``swe`` or ``swe-long``; cached; recorded in real
+    sandboxes when not)."""
     swe = load_workload("swe", check_image=False)
     tasks = sorted(swe.tasks(len(swe.train)), key=lambda t: t.id)  # type: ignore[attr-defined]
-    key = _digest(
-        {
-            "v": DEMO_VERSION,
-            "kind": "swe",
-            "variants": {k: [f(tasks[0]), r] for k, (f, r) in SWE_VARIANTS.items()}
-            if tasks
-            else {},
-            "tasks": [_task_fingerprint(t) for t in tasks],
-        }
-    )
+    if kind == "swe":
+        variants = {k: (_plain_recipe(f), r) for k, (f, r) in SWE_VARIANTS.items()}
+        shown: dict[str, Any] = (
+            {k: [f(tasks[0]), r] for k, (f, r) in SWE_VARIANTS.items()} if tasks else {}
+        )
+        fingerprint: dict[str, Any] = {"v": DEMO_VERSION, "kind": "swe", "variants": shown}
+    else:
+        variants = SWE_LONG_VARIANTS
+        shown = {k: [f(t), r] for k, (f, r) in variants.items() for t in tasks}
+        fingerprint = {"v": DEMO_VERSION, "kind": kind, "variants": shown, "thoughts": THOUGHTS}
+    key = _digest({**fingerprint, "tasks": [_task_fingerprint(t) for t in tasks]})
 
     def make() -> list[Demonstration]:
         load_workload("swe")  # the image must exist: NotFound naming the fix otherwise
-        return asyncio.run(with_private_env(lambda ops: record_swe(ops, tasks)))
+        return asyncio.run(with_private_env(lambda ops: record_swe(ops, tasks, variants)))
 
-    return _cached(cache / "demonstrations" / f"swe-{key}.jsonl", make, refresh)
+    return _cached(cache / "demonstrations" / f"{kind}-{key}.jsonl", make, refresh)
 
 
 def demonstrations(kind: str, cache: Path, *, refresh: bool = False) -> list[Demonstration]:
     """The demonstrations of ``kind`` (``math`` or ``swe``)."""
     if kind == "math":
         return math_demonstrations(cache, refresh=refresh)
-    if kind == "swe":
-        return swe_demonstrations(cache, refresh=refresh)
-    raise InvalidRequest("unknown warm-start kind", kind=kind, known=["math", "swe"])
+    if kind in ("swe", "swe-long"):
+        return swe_demonstrations(cache, refresh=refresh, kind=kind)
+    raise InvalidRequest("unknown warm-start kind", kind=kind, known=["math", "swe", "swe-long"])

@@ -57,8 +57,9 @@ def model_init(
     warm_start: str | None = typer.Option(
         None,
         "--warm-start",
-        help="math|swe: a short supervised warm start on demonstrations (CPU, cached; "
-        "docs/workloads.md) so the model emits valid actions.",
+        help="math|swe|swe-long: a short supervised warm start on demonstrations (CPU, "
+        "cached; docs/workloads.md) so the model emits valid actions (swe-long: long "
+        "episodes that reason before each action, as `bench policy` uses).",
     ),
     cache_dir: Path | None = typer.Option(
         None,
@@ -203,12 +204,16 @@ def bench_policy(
     tasks: int = typer.Option(4, min=1, help="SWE tasks per rollout."),
     n: int = typer.Option(4, min=1, help="Samples per task."),
     model: Path | None = typer.Option(
-        None, "--model", help="Warm-started SWE model directory (default: made for the run)."
+        None,
+        "--model",
+        help="Warm-started model directory (default: `model init --tiny --warm-start "
+        "swe-long`, cached).",
     ),
 ) -> None:
     """Checkpoint policies under injected sandbox failures (risk-aware, always, never).
 
-    On a real node with the environment service and the warm-started tiny SWE model: SWE
+    On a real node with the environment service and the tiny model warm-started on long SWE
+    episodes (a thought before each of 8–10 actions, `--warm-start swe-long`): SWE
     rollouts with `sandbox-kill@p=P` for p = 0, 0.01, 0.05, `--repeats` times per policy;
     total rollout time and critical-path checkpoint time (mean and spread). `never` is the
     restart-from-scratch baseline. Targets: risk-aware's visible checkpoint time ≤ 2 % of

@@ -1,4 +1,4 @@
-"""``belayer model init --tiny [--warm-start math|swe] DIR`` and ``belayer model eval``.
+"""``belayer model init --tiny [--warm-start math|swe|swe-long] DIR`` and ``belayer model eval``.
 
 The warm start: demonstrations (:mod:`services.cli.demonstrations`, cached), a tiny model
 whose tokenizer is trained on their text, a short supervised training (:mod:`model.warm_start`,
@@ -35,11 +35,12 @@ log = get_logger(component="warm_start")
 
 T = TypeVar("T")
 
-KINDS = ("math", "swe")
+KINDS = ("math", "swe", "swe-long")
 
 SFT: dict[str, dict[str, Any]] = {
     "math": {"steps": 450, "batch_size": 32, "lr": 3e-3, "warmup_steps": 20},
     "swe": {"steps": 60, "batch_size": 16, "lr": 2e-3, "warmup_steps": 10},
+    "swe-long": {"steps": 160, "batch_size": 4, "lr": 2e-3, "warmup_steps": 10},
 }
 """The warm start's training per kind (``model.warm_start.SftConfig`` fields; measured on 2
 CPU threads in docs/workloads.md)."""

@@ -51,6 +51,27 @@ async def test_every_bundled_task_scores_0_unfixed_and_1_after_its_reference_fix
     assert not (await env.client.list()).sandboxes
 
 
+@pytest.mark.timeout(120)
+async def test_tests_the_agent_ran_before_a_fix_do_not_hide_it(env) -> None:  # type: ignore[no-untyped-def]
+    """The agent runs the visible tests (Python caches calc.py's bytecode), then fixes calc.py
+    with an edit of the same size and the same mtime (as ``touch -r``, rsync or a checkout
+    can leave it): bytecode validated by mtime and size is stale, and the hidden tests must
+    not run it — the fix scores 1."""
+    ops: SandboxOps = env.client
+    task = load_workload("swe").task("calc_clamp")
+    (fix,) = task.reference_actions
+    actions = [
+        "python3 -m pytest -q",
+        f"cp -p calc.py /tmp/calc.orig && {fix} && touch -r /tmp/calc.orig calc.py",
+        "ls __pycache__ && stat -c %s calc.py /tmp/calc.orig",
+    ]
+    ep = await run_episode(ops, task, actions=actions)
+    assert all(s.exit_code == 0 for s in ep.steps), [s.observation for s in ep.steps]
+    sizes = ep.steps[2].observation.split()[-2:]
+    assert sizes[0] == sizes[1] and "calc" in ep.steps[2].observation  # a stale .pyc is there
+    assert ep.score is not None and ep.score.reward == 1.0, ep.score
+
+
 @pytest.mark.timeout(240)
 async def test_running_process_task_needs_the_process_and_its_state(env) -> None:  # type: ignore[no-untyped-def]
     ops: SandboxOps = env.client

@@ -33,7 +33,14 @@ from model.warm_start import (
     train_sft,
     write_demonstrations,
 )
-from services.cli.demonstrations import math_response, math_working, swe_transcript
+from services.cli.demonstrations import (
+    THOUGHTS,
+    edited_module,
+    long_episode,
+    math_response,
+    math_working,
+    swe_transcript,
+)
 from services.controller.core import Execute, Generate, Limits, Score, TrajectoryCore
 from services.controller.policy import CheckpointPolicy, PolicyConfig
 from tests.unit.model_fixtures import write_small_model
@@ -175,6 +182,30 @@ def test_swe_transcript_acts_then_submits() -> None:
     assert [parse_action(r) for r in replies[:-1]] == [BashAction(a) for a in actions]
     assert parse_action(replies[-1]) == SubmitAction()
     assert [c for r, c in turns[len(task.prompt) :] if r == "user"] == observations
+
+
+def test_long_episodes_explore_fix_and_test_with_a_thought_before_each_action() -> None:
+    swe = load_workload("swe", check_image=False)
+    for task in swe.tasks(len(swe.train)):  # type: ignore[attr-defined]
+        steps = long_episode(task)
+        commands = [c for _, c in steps]
+        module = edited_module(task)
+        assert commands[:6] == [
+            "ls", "ls tests", "cat tests/*.py", "python3 -m pytest -q", f"cat {module}",
+            "grep -n 'def ' *.py",
+        ]  # fmt: skip
+        assert commands[6:-1] == list(task.reference_actions)
+        assert commands[-1] == "python3 -m pytest -q"
+        assert all(thought in THOUGHTS.values() for thought, _ in steps)
+        observations = [f"exit_code: {i}" for i in range(len(steps))]
+        turns = swe_transcript(
+            task, commands, observations, [t for t, _ in steps], THOUGHTS["submit"]
+        )
+        replies = [c for r, c in turns if r == "assistant"]
+        assert all(r.startswith("THOUGHT: ") for r in replies)
+        assert [parse_action(r) for r in replies[:-1]] == [BashAction(c) for c in commands]
+        assert parse_action(replies[-1]) == SubmitAction()
+    assert edited_module(swe.task("kv_daemon")) == "kvd.py"
 
 
 def test_demonstrations_round_trip_through_jsonl(tmp_path: Path) -> None:

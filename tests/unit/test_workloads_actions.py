@@ -61,6 +61,10 @@ def test_invalid_responses_say_why(text: str, reason: str) -> None:
 def test_canonical_forms_parse_back() -> None:
     assert parse_action(format_action("  ls  ")) == BashAction("ls")
     assert parse_action(format_action(FINISH_COMMAND)) == SubmitAction()
+    thought = format_action("ls", " I look around first. ")
+    assert thought == "THOUGHT: I look around first.\n\n```bash\nls\n```"
+    assert parse_action(thought) == BashAction("ls")
+    assert format_action("ls", "  ") == format_action("ls")
     assert parse_action("x\n" + format_answer(" 12 ")) == AnswerAction("12")
     assert parse_answer("Answer: 1\nAnswer: 2") == "2"
 
