@@ -1,5 +1,5 @@
-"""Demonstrations for ``belayer model init --tiny --warm-start math|swe`` (the half that needs
-the workloads and a real sandbox; the training itself is :mod:`model.warm_start`).
+"""Demonstrations for ``belayer model init --tiny --warm-start math|swe|swe-long`` (the half
+that needs the workloads and a real sandbox; the training itself is :mod:`model.warm_start`).
 
 * **math**: problems of the ``math`` workload (reasoning-gym, offline), answered in the
   convention: the left-to-right working, one line per operation, then ``Answer: N``.
