@@ -364,7 +364,7 @@ def swe_demonstrations(
         fingerprint: dict[str, Any] = {"v": DEMO_VERSION, "kind": "swe", "variants": shown}
     else:
         variants = SWE_LONG_VARIANTS
-        shown = {k: [f(t), r] for k, (f, r) in variants.items() for t in tasks}
+        shown = {k: [[f(t) for t in tasks], r] for k, (f, r) in variants.items()}
         fingerprint = {"v": DEMO_VERSION, "kind": kind, "variants": shown, "thoughts": THOUGHTS}
     key = _digest({**fingerprint, "tasks": [_task_fingerprint(t) for t in tasks]})
 
