@@ -97,7 +97,7 @@ def mean_sd(values: list[float]) -> dict[str, float | None]:
 
 
 async def one_rollout(
-    nc: Any, *, policy: str, p: float, seed: int, tasks: int, n: int, tag: str, concurrency: int = 0
+    nc: Any, *, policy: str, p: float, seed: int, tasks: int, n: int, tag: str
 ) -> dict[str, Any]:
     from schemas.rollout import RolloutRequest
     from schemas.serving import SamplingParams
@@ -114,7 +114,6 @@ async def one_rollout(
         sampling=SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS),
         inject=parse_inject(f"sandbox-kill@p={p}") if p > 0 else [],
         max_turns=MAX_TURNS,
-        concurrency=concurrency,
     )
     await submit(nc, req)
     result = await wait(nc, rid, timeout=1800)

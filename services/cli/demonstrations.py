@@ -211,10 +211,6 @@ def long_episode(task: Task) -> list[Step]:
     return steps
 
 
-def plain(actions: Sequence[str]) -> list[Step]:
-    return [("", a) for a in actions]
-
-
 SWE_LONG_VARIANTS: dict[str, tuple[Callable[[Task], list[Step]], float]] = {
     "long": (long_episode, 1.0),
 }
@@ -238,15 +234,22 @@ def swe_transcript(
     return tuple(turns)
 
 
+def plain_variants() -> dict[str, tuple[Callable[[Task], list[Step]], float]]:
+    """``SWE_VARIANTS`` as recipes of steps without thoughts."""
+
+    def steps(recipe: Callable[[Task], list[str]]) -> Callable[[Task], list[Step]]:
+        return lambda task: [("", a) for a in recipe(task)]
+
+    return {k: (steps(f), r) for k, (f, r) in SWE_VARIANTS.items()}
+
+
 async def record_swe(
     ops: SandboxOps,
     tasks: Sequence[Task],
-    variants: dict[str, tuple[Callable[[Task], list[Step]], float]] | None = None,
+    variants: dict[str, tuple[Callable[[Task], list[Step]], float]],
 ) -> list[Demonstration]:
-    """Run every task × variant (``SWE_VARIANTS`` by default) in a real sandbox; each episode
-    must score what its variant expects (1, or 0 for the noise variant)."""
-    if variants is None:
-        variants = {k: (_plain_recipe(f), r) for k, (f, r) in SWE_VARIANTS.items()}
+    """Run every task × variant in a real sandbox; each episode must score what its variant
+    expects (1, or 0 for the noise variant)."""
     demos: list[Demonstration] = []
     for task in tasks:
         for variant, (recipe, expected) in variants.items():
@@ -280,10 +283,6 @@ async def record_swe(
             )
             log.info("swe_demonstration_recorded", task_id=task.id, variant=variant)
     return demos
-
-
-def _plain_recipe(recipe: Callable[[Task], list[str]]) -> Callable[[Task], list[Step]]:
-    return lambda task: plain(recipe(task))
 
 
 def _task_fingerprint(task: Task) -> dict[str, Any]:
@@ -357,7 +356,7 @@ def swe_demonstrations(
     swe = load_workload("swe", check_image=False)
     tasks = sorted(swe.tasks(len(swe.train)), key=lambda t: t.id)  # type: ignore[attr-defined]
     if kind == "swe":
-        variants = {k: (_plain_recipe(f), r) for k, (f, r) in SWE_VARIANTS.items()}
+        variants = plain_variants()
         shown: dict[str, Any] = (
             {k: [f(tasks[0]), r] for k, (f, r) in SWE_VARIANTS.items()} if tasks else {}
         )
@@ -376,7 +375,7 @@ def swe_demonstrations(
 
 
 def demonstrations(kind: str, cache: Path, *, refresh: bool = False) -> list[Demonstration]:
-    """The demonstrations of ``kind`` (``math`` or ``swe``)."""
+    """The demonstrations of ``kind`` (``math``, ``swe`` or ``swe-long``)."""
     if kind == "math":
         return math_demonstrations(cache, refresh=refresh)
     if kind in ("swe", "swe-long"):
