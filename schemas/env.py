@@ -127,7 +127,10 @@ class CheckpointInfo(Message, tag="CheckpointInfo.v1"):
     """Time to dump the processes."""
     total_s: float
     method: str = "runc"
-    """``runc`` (CRIU through runc on the Docker-managed container) or ``docker``."""
+    """``runc`` (CRIU through runc on the Docker-managed container), ``docker``, or ``layer``
+    (the writable layer alone: the sandbox was quiescent — no process but its init, ``/dev``,
+    ``/dev/shm``, ``/dev/mqueue`` and System V IPC as in a fresh container — so its process
+    state is a fresh container's; ``criu_bytes`` is 0)."""
     container_exited: bool = False
     """The container died during the checkpoint, after the dump had completed: the checkpoint
     is complete and ready, the sandbox is ``failed`` (restore it). A death before the dump
@@ -168,8 +171,9 @@ class EnvRestored(Message, tag="EnvRestored.v1"):
     prefix: int
     duration_s: float
     method: str = "docker"
-    """``runtime`` (runc restore under containerd's shim through the ``belayer`` OCI runtime)
-    or ``docker`` (Docker's checkpoint import)."""
+    """``runtime`` (runc restore under containerd's shim through the ``belayer`` OCI runtime),
+    ``docker`` (Docker's checkpoint import) or ``layer`` (a layer-only checkpoint: a fresh
+    container from the image with the layer installed)."""
     fallback_from: str = ""
     """The checkpoints (comma-separated) passed over before this one was used: rejected now or
     quarantined by an earlier restore."""

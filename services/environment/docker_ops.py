@@ -34,8 +34,14 @@ LABEL_SANDBOX = "belayer.sandbox"
 LABEL_NODE = "belayer.node"
 LABEL_RUN = "belayer.run"
 """Stable owner label (``EnvConfig.run_key``, from the run directory): the same in every run."""
+INIT_SLEEP = ("sleep", "1000")
+"""The one child PID 1 keeps (its argv)."""
 # PID 1 of every sandbox: a shell that reaps orphans and exits on SIGTERM.
-INIT_COMMAND = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1000 & wait $!; done"]
+INIT_COMMAND = [
+    "/bin/sh",
+    "-c",
+    f"trap 'exit 0' TERM; while :; do {' '.join(INIT_SLEEP)} & wait $!; done",
+]
 RACE_MARKERS = ("already exists", "content sha256")
 NOBODY = 65534
 

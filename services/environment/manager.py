@@ -40,7 +40,7 @@ from common.errors import (
 )
 from common.logging import get_logger
 from schemas.env import CheckpointInfo, ReadyPointer, SandboxInfo
-from services.environment import core, lifecycle, snapshot
+from services.environment import core, lifecycle, quiescent, snapshot
 from services.environment import criu_ops as ops
 from services.environment.config import EnvConfig
 from services.environment.core import Manifest, SandboxRecord, SandboxState
@@ -76,6 +76,9 @@ class SandboxManager:
         """Removals of containers a restore replaced (off the restore's critical path)."""
         self._freezers: dict[str, Path | None] = {}
         """Container id → its freezer control file (looked up once per container)."""
+        self.dev_baselines: dict[str, quiescent.DevSignature] = {}
+        """Image → a fresh container's ``/dev`` (learned at the image's first ``create``):
+        what a quiescent sandbox's ``/dev`` must match for a layer-only checkpoint."""
 
     # --- start-up and stop (``lifecycle``) ------------------------------------------------
     async def adopt(self) -> None:
@@ -185,6 +188,8 @@ class SandboxManager:
         try:
             await asyncio.to_thread(self.docker.put_files, cid, files)
             await asyncio.to_thread(self.docker.start, cid)
+            if image not in self.dev_baselines and self.config.layer_only_when_quiescent:
+                await asyncio.to_thread(self._learn_dev, image, cid)
         except BaseException:
             await asyncio.to_thread(self.docker.remove, cid)
             raise
@@ -201,6 +206,13 @@ class SandboxManager:
         self.save(rec)
         log.info("sandbox_created", sandbox_id=sid, container_id=cid[:12], image=image)
         return rec
+
+    def _learn_dev(self, image: str, container_id: str) -> None:
+        """Record a just-started container's ``/dev`` as its image's fresh ``/dev``."""
+        pid = int(self.docker.inspect(container_id)["State"]["Pid"] or 0)
+        signature = quiescent.dev_signature(pid) if pid > 0 else None
+        if signature is not None:
+            self.dev_baselines[image] = signature
 
     async def destroy(self, sandbox_id: str) -> None:
         rec = self.get(sandbox_id)
@@ -424,7 +436,15 @@ class SandboxManager:
         try:
             return await asyncio.wait_for(
                 snapshot.capture(
-                    self.docker, self.config, rec, tmp, ck_id, prefix, trajectory_id, progress
+                    self.docker,
+                    self.config,
+                    rec,
+                    tmp,
+                    ck_id,
+                    prefix,
+                    trajectory_id,
+                    progress,
+                    self.dev_baselines.get(rec.image),
                 ),
                 timeout,
             )

@@ -43,7 +43,8 @@ class Restored:
     """The checkpoint now running."""
     seconds: float
     method: str
-    """``runtime`` or ``docker`` (``snapshot.restore_method``)."""
+    """``runtime`` or ``docker`` (``snapshot.restore_method``), or ``layer`` (a layer-only
+    checkpoint: a fresh container with the layer installed)."""
     attempts: list[RestoreAttempt]
     """Every candidate, in order, with its outcome."""
 
@@ -133,16 +134,17 @@ async def full_restore(mgr: SandboxManager, rec: SandboxRecord, checkpoint_id: s
             )
             await _take_over(mgr, rec, cid, m, ptr, rev)
             seconds = time.monotonic() - start
+            how = snapshot.LAYER if m.method == snapshot.LAYER else method
             log.info(
                 "sandbox_restored",
                 sandbox_id=rec.id,
                 checkpoint_id=m.checkpoint_id,
                 prefix=m.prefix,
-                method=method,
+                method=how,
                 seconds=round(seconds, 4),
                 passed_over=len(attempts) - 1,
             )
-            return Restored(rec, m, seconds, method, attempts)
+            return Restored(rec, m, seconds, how, attempts)
     finally:
         if rec.status is SandboxState.RESTORING:  # no candidate restored (or an abort)
             alive = previous is SandboxState.RUNNING and await snapshot.container_alive(

@@ -13,12 +13,15 @@ from pathlib import Path
 
 from common.errors import BelayerError, CheckpointInvalid, NotFound, SandboxError
 from schemas.env import CheckpointInfo
-from services.environment import core
+from services.environment import core, quiescent
 from services.environment import criu_ops as ops
 from services.environment.archive import validate_archive
 from services.environment.config import EnvConfig
 from services.environment.core import Manifest, SandboxRecord, SandboxState
 from services.environment.docker_ops import DockerOps
+
+LAYER = "layer"
+"""The method of a checkpoint that is the writable layer alone (a quiescent sandbox)."""
 
 
 class Progress:
@@ -40,11 +43,16 @@ async def capture(
     prefix: int,
     trajectory_id: str,
     progress: Progress,
+    baseline: quiescent.DevSignature | None = None,
 ) -> Manifest:
     """Freeze → archive the upper dir → dump processes → back to the previous freeze state →
     hash → manifest → fsync. A sandbox Docker has paused (``docker pause``) stays paused (thawing
     it behind Docker's back would wedge it: exec says "is paused", unpause is refused); any other
-    frozen cgroup is a freeze a killed service left behind, and is thawed."""
+    frozen cgroup is a freeze a killed service left behind, and is thawed.
+
+    A quiescent sandbox (``quiescent``; ``baseline``: a fresh container's ``/dev``) is not
+    dumped when ``config.layer_only_when_quiescent``: its checkpoint is the layer alone
+    (method ``layer``)."""
     info = await asyncio.to_thread(docker.inspect, rec.container_id)
     if not info["State"]["Running"]:
         rec.move(SandboxState.FAILED)
@@ -60,10 +68,15 @@ async def capture(
     t0 = time.monotonic()
     await ops.freeze(control)
     try:
+        if config.layer_only_when_quiescent and not paused:
+            why = await quiescent.reason(control, pid, baseline)
+            method = LAYER if why is None else method
         t1 = time.monotonic()
         fs_bytes = await ops.archive_layer(upper, tmp / core.FS_ARCHIVE, timeout=60.0)
         t2 = time.monotonic()
-        if method == "runc":
+        if method == LAYER:
+            (tmp / core.CRIU_DIR).mkdir()
+        elif method == "runc":
             await ops.runc_checkpoint(
                 config.runc_bin,
                 root,
@@ -150,7 +163,14 @@ def validate(
         raise CheckpointInvalid("checkpoint manifest is corrupt", checkpoint_id=m.checkpoint_id)
     core.check_manifest_digest(m.checkpoint_id, core.manifest_digest(d), recorded)
     core.check_manifest(m, sandbox_id=rec.id, checkpoint_id=d.name)
-    core.check_criu_files(d, m)
+    if m.method == LAYER:
+        images = d / core.CRIU_DIR
+        if m.criu_files or m.criu_sha256 or (images.is_dir() and any(images.iterdir())):
+            raise CheckpointInvalid(
+                "a layer-only checkpoint holds process images", checkpoint_id=m.checkpoint_id
+            )
+    else:
+        core.check_criu_files(d, m)
     archive = d / core.FS_ARCHIVE
     if not archive.is_file() or ops.sha256_file(archive) != m.fs_sha256:
         raise CheckpointInvalid(
@@ -174,11 +194,14 @@ async def restore_one(
     method: str,
     recorded: dict[str, str] | None = None,
 ) -> str:
-    """Validate one checkpoint, then fresh container ← layer ← processes, then check that the
-    new container runs. Returns the new container's id; on any failure the new container is
+    """Validate one checkpoint, then fresh container ← layer ← processes (none for a ``layer``
+    checkpoint: the fresh container's init is its process state), then check that the new
+    container runs. Returns the new container's id; on any failure the new container is
     removed (the sandbox's current container is untouched). ``NotTheCheckpoint`` when the
     failure is not the checkpoint's (no fresh container, dockerd unreachable)."""
     await asyncio.to_thread(validate, config, rec, d, m, recorded)
+    if m.method == LAYER:
+        method = LAYER  # a fresh container from the image: no process images to restore
     runtime = config.restore_runtime if method == "runtime" else None
     try:
         cid = await asyncio.to_thread(
@@ -189,13 +212,16 @@ async def restore_one(
     try:
         upper = await asyncio.to_thread(docker.upper_dir, cid)
         await ops.install_layer(d / core.FS_ARCHIVE, upper, timeout=120.0)
-        cdir = Path(await asyncio.to_thread(docker.container_dir, cid))
-        images = cdir / "checkpoints" / ("belayer-" + m.checkpoint_id[-16:])
-        ops.link_or_copy_tree(d / core.CRIU_DIR, images)
-        if method == "runtime":
-            await asyncio.to_thread(start_restoring, docker, config, cid, images)
+        if method == LAYER:
+            await asyncio.to_thread(docker.start, cid)
         else:
-            await asyncio.to_thread(docker.start, cid, images.name)
+            cdir = Path(await asyncio.to_thread(docker.container_dir, cid))
+            images = cdir / "checkpoints" / ("belayer-" + m.checkpoint_id[-16:])
+            ops.link_or_copy_tree(d / core.CRIU_DIR, images)
+            if method == "runtime":
+                await asyncio.to_thread(start_restoring, docker, config, cid, images)
+            else:
+                await asyncio.to_thread(docker.start, cid, images.name)
         if not await container_alive(docker, cid):
             raise SandboxError(
                 "the restored container is not running", checkpoint_id=m.checkpoint_id

@@ -122,6 +122,10 @@ class EnvHarness:
 
 
 def make_config(tmp_path: Path, **kw: object) -> EnvConfig:
+    """A test service's config. These tests exercise CRIU's checkpoints (tampered images,
+    kills mid-dump), so a quiescent sandbox is dumped with CRIU too unless a test asks for
+    the product default, ``layer_only_when_quiescent=True`` (``test_env_layer``)."""
+    kw.setdefault("layer_only_when_quiescent", False)
     node = "test-" + secrets.token_hex(4)
     return EnvConfig(run_dir=tmp_path / "run", node=node, lock_wait_s=20.0, **kw)  # type: ignore[arg-type]
 

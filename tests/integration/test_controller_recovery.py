@@ -38,6 +38,7 @@ from schemas.serving import SamplingParams
 from services.controller.client import submit, trajectories, wait
 from services.controller.inject import parse_inject
 from services.environment.client import EnvClient
+from services.environment.docker_ops import INIT_COMMAND, INIT_SLEEP
 from tests.integration.env_helpers import require_docker
 from tests.integration.node_helpers import EventLog, Node, cli, start_node, stop_node
 
@@ -192,8 +193,17 @@ async def test_sandbox_killed_after_a_ready_checkpoint(warm_node: Node, warm_mod
             want = archive_files(ck_dir / "fs.tar", "root/repo")
             assert want, "the checkpoint archived no workdir file"
             assert upper_dir_files(sb.container_id, "root/repo") == want
-            # the processes: every task CRIU dumped (core-<tid>.img) runs again, same tid
             manifest = json.loads((ck_dir / "manifest.json").read_text())
+            if manifest["method"] == "layer":
+                # C_k was quiescent (no process but init): the restored sandbox runs init and
+                # its sleep, nothing the agent started after C_k
+                ps = await EnvClient(ops).exec(ev.sandbox_id, "ps -eo args=", timeout_s=10)
+                lines = ps.stdout.splitlines()
+                live_args = {a.strip() for a in lines if "ps -eo args=" not in a}
+                assert live_args == {" ".join(INIT_COMMAND), " ".join(INIT_SLEEP)}, live_args
+                checked_files.append(ev.trajectory_id)
+                return
+            # the processes: every task CRIU dumped (core-<tid>.img) runs again, same tid
             dumped = {
                 int(name[5:-4])
                 for name in manifest["criu_files"]
