@@ -29,6 +29,10 @@ SKIPPED = ("pts", "shm", "mqueue")
 """``/dev`` entries not in the signature: ``pts`` (a pty lives only as long as a process holds
 it) and the two checked for emptiness instead."""
 
+MAX_DEV_ENTRIES = 1024
+"""A ``/dev`` with more entries than this is not compared (not quiescent): the walk runs while
+the sandbox is frozen and must stay short whatever the agent put there."""
+
 SYSV = ("shm", "sem", "msg")
 """``/proc/sysvipc`` tables (each a header line, then one line per object)."""
 
@@ -83,6 +87,8 @@ def dev_signature(init_pid: int) -> DevSignature | None:
                 dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED)
                 filenames = [f for f in filenames if f not in SKIPPED]
             for name in [*dirnames, *filenames]:
+                if len(out) >= MAX_DEV_ENTRIES:
+                    return None
                 path = os.path.join(dirpath, name)
                 st = os.lstat(path)
                 target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else ""
@@ -112,8 +118,9 @@ def dev_reason(init_pid: int, baseline: DevSignature | None) -> str | None:
         return "/dev differs from a fresh container's"
     for name in ("shm", "mqueue"):
         try:
-            if os.listdir(f"/proc/{init_pid}/root/dev/{name}"):
-                return f"/dev/{name} is not empty"
+            with os.scandir(f"/proc/{init_pid}/root/dev/{name}") as entries:
+                if next(entries, None) is not None:
+                    return f"/dev/{name} is not empty"
         except OSError:
             return f"/dev/{name} is unreadable"
     return None

@@ -68,3 +68,13 @@ def test_dev_signature_sees_entries_and_their_kind() -> None:
     names = {entry[0] for entry in sig}
     assert "null" in names and "shm" not in names and "pts" not in names
     assert quiescent.dev_signature(2**22 + 12345) is None  # no such process
+
+
+def test_a_huge_dev_is_not_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk is bounded: past ``MAX_DEV_ENTRIES`` the answer is "unreadable" (a CRIU dump)."""
+    full = quiescent.dev_signature(os.getpid())
+    assert full is not None and len(full) > 2
+    monkeypatch.setattr(quiescent, "MAX_DEV_ENTRIES", len(full) - 1)
+    assert quiescent.dev_signature(os.getpid()) is None
+    monkeypatch.setattr(quiescent, "MAX_DEV_ENTRIES", len(full))
+    assert quiescent.dev_signature(os.getpid()) == full
