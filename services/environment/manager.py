@@ -376,8 +376,8 @@ class SandboxManager:
                 )
                 exited = not await snapshot.container_alive(self.docker, rec.container_id)
                 tmp.rename(final)
-                if self.config.fsync:
-                    ops.fsync_dir(final.parent)
+                if self.config.fsync:  # off the event loop: a journal commit can take seconds
+                    await asyncio.to_thread(ops.fsync_dir, final.parent)
                 manifest.durations["total_s"] = time.monotonic() - start
                 digest = core.manifest_digest(final)
                 info = snapshot.checkpoint_info(
