@@ -79,7 +79,7 @@ def _raise(exc: OSError) -> None:
 def dev_signature(init_pid: int) -> DevSignature | None:
     """The container's ``/dev`` (seen through its init's root), ``None`` when unreadable."""
     root = f"/proc/{init_pid}/root/dev"
-    out = []
+    out: list[tuple[str, int, int, int, int, int, str]] = []
     try:
         for dirpath, dirnames, filenames in os.walk(root, onerror=_raise):
             rel_dir = os.path.relpath(dirpath, root)
