@@ -15,6 +15,7 @@ import docker
 import pytest
 import pytest_asyncio
 
+from schemas.env import CheckpointInfo
 from services.environment.client import EnvClient
 from services.environment.config import EnvConfig
 from services.environment.docker_ops import LABEL_NODE
@@ -119,6 +120,15 @@ class EnvHarness:
             self.stop.set()
             await asyncio.wait_for(self.task, 60)
             self.task = None
+
+
+async def versioned_checkpoints(c: EnvClient, sandbox_id: str, n: int) -> list[CheckpointInfo]:
+    """For k = 1..n: write ``v<k>`` to /root/v, then checkpoint at prefix k."""
+    out = []
+    for k in range(1, n + 1):
+        await c.exec(sandbox_id, f"echo v{k} > /root/v")
+        out.append(await c.checkpoint(sandbox_id, k))
+    return out
 
 
 def make_config(tmp_path: Path, **kw: object) -> EnvConfig:

@@ -20,6 +20,7 @@ from tests.integration.env_helpers import (
     TREE_HASH,
     EnvHarness,
     running_env,
+    versioned_checkpoints,
 )
 from tests.integration.test_env_service import env_kill
 
@@ -139,10 +140,7 @@ async def test_a_layer_checkpoint_with_planted_process_images_is_refused(
     refused on restore; the previous ready checkpoint is used."""
     c = layer_env.client
     sid = (await c.create()).sandbox_id
-    await c.exec(sid, "echo v1 > /root/v")
-    first = await c.checkpoint(sid, 1)
-    await c.exec(sid, "echo v2 > /root/v")
-    second = await c.checkpoint(sid, 2)
+    first, second = await versioned_checkpoints(c, sid, 2)
     assert first.method == second.method == "layer"
     planted = layer_env.config.checkpoint_root / sid / second.checkpoint_id / "criu" / "core-1.img"
     planted.write_bytes(b"not a process")

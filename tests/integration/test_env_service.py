@@ -35,6 +35,7 @@ from tests.integration.env_helpers import (  # noqa: F401
     env,
     make_config,
     running_env,
+    versioned_checkpoints,
 )
 
 pytestmark = [pytest.mark.docker]
@@ -109,10 +110,7 @@ async def test_hostile_and_corrupt_checkpoints_fall_back(env, js, tmp_path) -> N
 
     c = env.client
     sid = (await c.create()).sandbox_id
-    await c.exec(sid, "echo v1 > /root/v")
-    first = await c.checkpoint(sid, 1)
-    await c.exec(sid, "echo v2 > /root/v")
-    second = await c.checkpoint(sid, 2)
+    first, second = await versioned_checkpoints(c, sid, 2)
     d = env.config.checkpoint_root / sid / second.checkpoint_id
     # a hostile archive whose checksum matches the manifest: the validator must refuse it
     evil = tmp_path / "evil.tar"
@@ -169,10 +167,7 @@ async def test_tampered_checkpoints_are_refused_and_fall_back(
 async def _tampered(env: EnvHarness, js) -> None:  # type: ignore[no-untyped-def]
     c = env.client
     sid = (await c.create()).sandbox_id
-    cks = []
-    for k in (1, 2, 3, 4):
-        await c.exec(sid, f"echo v{k} > /root/v")
-        cks.append(await c.checkpoint(sid, k))
+    cks = await versioned_checkpoints(c, sid, 4)
     ptr = await _pointer(js, sid)
     assert ptr.manifests == {ck.checkpoint_id: ck.manifest_sha256 for ck in cks}
     for ck in cks:
