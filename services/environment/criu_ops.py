@@ -2,6 +2,10 @@
 installing its overlay upper dir, dumping its processes with CRIU through runc, and making
 files durable. Every child process dies with the service (PR_SET_PDEATHSIG) and runs under a
 timeout, so a killed or stuck service leaves no half-running dump behind.
+
+The death signal is set by util-linux's ``setpriv --pdeathsig`` in front of the command where it
+is installed: Python then spawns with ``vfork`` (no ``preexec_fn``), ~1 ms of CPU less a child
+than a ``fork`` of the service that runs ``prctl`` in Python (two children a checkpoint).
 """
 
 from __future__ import annotations
@@ -31,21 +35,30 @@ TAR_EXTRACT = [
 ]
 
 
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""The search path of every child (the service's own environment is not passed on)."""
+SETPRIV = shutil.which("setpriv", path=PATH)
+"""util-linux ``setpriv`` (sets the death signal, then execs the command), or None."""
+
+
 def _die_with_parent() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 async def run(argv: list[str], *, timeout: float, what: str, **ctx: object) -> str:
     """Run ``argv``; return stdout; raise ``Timeout``/``SandboxError`` (with stderr's tail)."""
-    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    if SETPRIV:
+        spawn, preexec = [SETPRIV, "--pdeathsig", "KILL", "--", *argv], None
+    else:
+        spawn, preexec = argv, _die_with_parent
     try:
         proc = await asyncio.create_subprocess_exec(
-            *argv,
+            *spawn,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_die_with_parent,
-            env=env,
+            preexec_fn=preexec,
+            env={"PATH": PATH},
         )
     except OSError as exc:
         raise SandboxError(f"{what}: cannot run {argv[0]}: {exc}", **ctx) from None

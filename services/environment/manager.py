@@ -374,7 +374,7 @@ class SandboxManager:
                 manifest = await self._capture(
                     rec, tmp, ck_id, prefix, trajectory_id, timeout, progress
                 )
-                exited = not await snapshot.container_alive(self.docker, rec.container_id)
+                exited = not ops.process_alive(progress.pid)  # its init (no dockerd call)
                 tmp.rename(final)
                 if self.config.fsync:  # off the event loop: a journal commit can take seconds
                     await asyncio.to_thread(ops.fsync_dir, final.parent)

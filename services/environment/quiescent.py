@@ -14,8 +14,11 @@ quiescent" and the checkpoint uses CRIU."""
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import os
 import stat
+import threading
 from pathlib import Path
 
 from common.errors import BelayerError
@@ -126,18 +129,60 @@ def dev_reason(init_pid: int, baseline: DevSignature | None) -> str | None:
     return None
 
 
+_CLONE_NEWIPC = 0x08000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _sysvipc_tables(init_pid: int) -> str:
+    """``/proc/sysvipc/*`` as seen in ``init_pid``'s IPC namespace, read by a thread of its own
+    that joins the namespace (``setns`` moves only the calling thread) and then ends, so no
+    thread of the service is left in a sandbox's namespace. Raises ``OSError``."""
+    out: list[str] = []
+    errors: list[OSError] = []
+
+    def read() -> None:
+        try:
+            fd = os.open(f"/proc/{init_pid}/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if _libc.setns(fd, _CLONE_NEWIPC) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns: {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            out.extend(Path(f"/proc/sysvipc/{t}").read_text() for t in SYSV)
+        except OSError as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=read, name="sysvipc-reader", daemon=True)
+    reader.start()
+    reader.join()
+    if errors or len(out) != len(SYSV):
+        raise errors[0] if errors else OSError("the System V IPC tables were not read")
+    return "".join(out)
+
+
 async def ipc_reason(init_pid: int) -> str | None:
-    """``None`` when the container's IPC namespace holds no System V object (read from inside
-    it: ``/proc/sysvipc`` shows the reader's namespace)."""
-    paths = [f"/proc/sysvipc/{t}" for t in SYSV]
+    """``None`` when the container's IPC namespace holds no System V object (``/proc/sysvipc``
+    shows the reader's namespace: read from a thread in the container's, else — ``setns``
+    refused — by ``nsenter``)."""
     try:
-        text = await ops.run(
-            ["nsenter", "-t", str(init_pid), "-i", "cat", *paths],
-            timeout=10.0,
-            what="read the sandbox's System V IPC",
-        )
-    except (BelayerError, OSError):
-        return "its System V IPC is unreadable"
+        text = await asyncio.to_thread(_sysvipc_tables, init_pid)
+    except OSError:
+        try:
+            text = await ops.run(
+                [
+                    "nsenter",
+                    "-t",
+                    str(init_pid),
+                    "-i",
+                    "cat",
+                    *(f"/proc/sysvipc/{t}" for t in SYSV),
+                ],
+                timeout=10.0,
+                what="read the sandbox's System V IPC",
+            )
+        except (BelayerError, OSError):
+            return "its System V IPC is unreadable"
     if len(text.strip().splitlines()) > len(SYSV):  # more than the three header lines
         return "System V IPC objects exist"
     return None

@@ -78,3 +78,51 @@ def test_a_huge_dev_is_not_compared(monkeypatch: pytest.MonkeyPatch) -> None:
     assert quiescent.dev_signature(os.getpid()) is None
     monkeypatch.setattr(quiescent, "MAX_DEV_ENTRIES", len(full))
     assert quiescent.dev_signature(os.getpid()) == full
+
+
+SHMGET = "import ctypes; assert ctypes.CDLL(None).shmget(4321, 4096, 0o1666) >= 0"
+
+
+@pytest.fixture
+def ipc_namespaces() -> Iterator[tuple[int, int]]:
+    """Two processes in IPC namespaces of their own: (empty one, one holding a SysV segment).
+    Each says "ready" once its namespace (and segment) exists."""
+    procs = [
+        subprocess.Popen(
+            ["unshare", "--ipc", "sh", "-c", f"{setup}echo ready && exec sleep 999"],
+            stdout=subprocess.PIPE,
+        )
+        for setup in ("", f'python3 -c "{SHMGET}" && ')
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        yield procs[0].pid, procs[1].pid
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+async def test_sysv_objects_are_read_in_the_sandboxes_namespace(
+    ipc_namespaces: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread joins the process's IPC namespace (this process's stays as it was); the
+    ``nsenter`` fallback, where ``setns`` is refused, gives the same answers."""
+    empty, holder = ipc_namespaces
+    mine = os.readlink("/proc/self/ns/ipc")
+    assert "4321" in quiescent._sysvipc_tables(holder)
+    assert "4321" not in quiescent._sysvipc_tables(empty)
+    assert (
+        os.readlink("/proc/self/ns/ipc") == mine and os.readlink("/proc/thread-self/ns/ipc") == mine
+    )
+    assert await quiescent.ipc_reason(empty) is None
+    assert await quiescent.ipc_reason(holder) == "System V IPC objects exist"
+    assert await quiescent.ipc_reason(2**22 + 12345) == "its System V IPC is unreadable"
+
+    def refused(pid: int) -> str:
+        raise OSError(1, "setns: Operation not permitted")
+
+    monkeypatch.setattr(quiescent, "_sysvipc_tables", refused)
+    assert await quiescent.ipc_reason(empty) is None
+    assert await quiescent.ipc_reason(holder) == "System V IPC objects exist"
