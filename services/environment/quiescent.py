@@ -9,8 +9,8 @@ CPU. A restore starts a fresh container from the image with the layer installed.
 
 Everything here is read from the host (``/proc``, the cgroup's task list, the container's root
 through ``/proc/<pid>/root``) while the container is frozen, so nothing can change under the
-check. Any doubt (an unreadable file, an unknown baseline, ``nsenter`` missing) answers "not
-quiescent" and the checkpoint uses CRIU."""
+check. Any doubt (an unreadable file, an unknown baseline, IPC tables readable neither through
+``setns`` nor by ``nsenter``) answers "not quiescent" and the checkpoint uses CRIU."""
 
 from __future__ import annotations
 
