@@ -22,7 +22,8 @@ from pathlib import Path
 
 from common.errors import SandboxError, Timeout
 
-_libc = ctypes.CDLL(None, use_errno=True)
+LIBC = ctypes.CDLL(None, use_errno=True)
+"""The C library (``prctl`` here, ``setns`` for ``quiescent``), errno kept."""
 _PR_SET_PDEATHSIG = 1
 TAR_CREATE = ["--xattrs", "--xattrs-include=trusted.*", "--numeric-owner", "--sparse"]
 # Only overlay metadata (whiteouts, opaque dirs) and user xattrs are installed back.
@@ -43,7 +44,7 @@ SETPRIV = shutil.which("setpriv", path=PATH)
 
 
 def _die_with_parent() -> None:
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 async def run(argv: list[str], *, timeout: float, what: str, **ctx: object) -> str:

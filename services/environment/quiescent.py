@@ -38,6 +38,7 @@ the sandbox is frozen and must stay short whatever the agent put there."""
 
 SYSV = ("shm", "sem", "msg")
 """``/proc/sysvipc`` tables (each a header line, then one line per object)."""
+SYSV_PATHS = tuple(f"/proc/sysvipc/{t}" for t in SYSV)
 
 
 def task_ids(control: Path) -> set[int] | None:
@@ -130,7 +131,6 @@ def dev_reason(init_pid: int, baseline: DevSignature | None) -> str | None:
 
 
 _CLONE_NEWIPC = 0x08000000
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _sysvipc_tables(init_pid: int) -> str:
@@ -144,12 +144,12 @@ def _sysvipc_tables(init_pid: int) -> str:
         try:
             fd = os.open(f"/proc/{init_pid}/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
             try:
-                if _libc.setns(fd, _CLONE_NEWIPC) != 0:
+                if ops.LIBC.setns(fd, _CLONE_NEWIPC) != 0:
                     err = ctypes.get_errno()
                     raise OSError(err, f"setns: {os.strerror(err)}")
             finally:
                 os.close(fd)
-            out.extend(Path(f"/proc/sysvipc/{t}").read_text() for t in SYSV)
+            out.extend(Path(p).read_text() for p in SYSV_PATHS)
         except OSError as exc:
             errors.append(exc)
 
@@ -170,14 +170,7 @@ async def ipc_reason(init_pid: int) -> str | None:
     except OSError:
         try:
             text = await ops.run(
-                [
-                    "nsenter",
-                    "-t",
-                    str(init_pid),
-                    "-i",
-                    "cat",
-                    *(f"/proc/sysvipc/{t}" for t in SYSV),
-                ],
+                ["nsenter", "-t", str(init_pid), "-i", "cat", *SYSV_PATHS],
                 timeout=10.0,
                 what="read the sandbox's System V IPC",
             )
