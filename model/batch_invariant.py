@@ -8,12 +8,12 @@ row-wise with a fixed per-row shape, or one of the primitives below, each measur
 row-invariant with this repository's torch/MKL on CPU with one intra-op thread
 (``tests/unit/test_batch_invariant.py`` checks every claim on the machine it runs on):
 
-- :func:`linear`: MKL's sgemm gives each output row the same bits for any number of rows
-  ``M >= MIN_GEMM_ROWS`` (4), in any position and order; ``M = 1`` (a GEMV) and ``M = 2, 3``
-  use other kernels with other reduction orders. So a matmul with fewer rows is padded with
-  zero rows up to ``MIN_GEMM_ROWS``. With two or more threads MKL splits the rows and a
-  thread's share can fall below 4, so the deterministic forward runs on one thread
-  (:func:`one_thread`).
+- :func:`linear`: the CPU sgemm gives each output row the same bits for any number of rows
+  ``M >= MIN_GEMM_ROWS`` (16), in any position and order; fewer rows use other kernels with
+  other reduction orders (on AVX2 machines ``M = 1..3``; on AVX-512 ones every ``M`` up to 15,
+  measured for K from 64 to 8192). So a matmul with fewer rows is padded with zero rows up to
+  ``MIN_GEMM_ROWS``. With two or more threads the rows are split and a thread's share can fall
+  below the minimum, so the deterministic forward runs on one thread (:func:`one_thread`).
 - :func:`silu`: ``F.silu`` finishes a tensor whose size is not a multiple of the vector width
   with a scalar loop whose ``exp`` differs from the vectorised one in the last bit, so a row's
   result would depend on the tensor's total size; ``x / (1 + exp(-x))`` uses ops that are
@@ -21,7 +21,7 @@ row-invariant with this repository's torch/MKL on CPU with one intra-op thread
 - :func:`attend`: attention of each query row over its own sequence's keys in fixed chunks of
   ``ATTENTION_CHUNK`` positions, in position order, with an online softmax. Every reduction
   (``amax``, ``sum`` over one chunk, the ``q·k`` and ``p·v`` products as batched matmuls with at
-  least 4 rows) has a fixed length and order per row; keys past a query's position are masked
+  least ``MIN_GEMM_ROWS`` rows) has a fixed length and order per row; keys past a query's position are masked
   to ``-inf`` and contribute exact zeros, and chunks wholly past it leave the running state
   bitwise unchanged (``exp(0) == 1``). A query therefore gets the same bits whether it is one
   of a 1000-token prefill, a decode step in a batch of 8 with longer neighbours, or a row of a
@@ -41,8 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-MIN_GEMM_ROWS = 4
-"""Fewest rows a deterministic matmul runs with (smaller ones are zero-padded)."""
+MIN_GEMM_ROWS = 16
+"""Fewest rows a deterministic matmul runs with (smaller ones are zero-padded): the largest
+threshold measured (AVX-512 sgemm; AVX2 needs 4)."""
 ATTENTION_CHUNK = 128
 """Key positions per step of the deterministic attention's online softmax. Part of the
 numerics: the engine and the trainer must use the same value."""

@@ -1,7 +1,7 @@
 """The batch-invariant primitives of deterministic mode, checked on the machine the tests run on.
 
 ``model/batch_invariant.py`` rests on measured properties of torch/MKL on CPU with one thread
-(a matmul with >= 4 rows gives each row the same bits whatever the other rows; ``exp``,
+(a matmul with >= ``MIN_GEMM_ROWS`` rows gives each row the same bits whatever the other rows; ``exp``,
 division, RMSNorm, ``log_softmax`` are row-wise); these tests fail if a torch or BLAS upgrade
 breaks one, before any engine test does.
 """
