@@ -8,6 +8,7 @@ scaling, sliding windows, attention biases, another activation) is refused here 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,11 @@ class ModelConfig:
     """End-of-sequence tokens (HF allows an int or a list; always a tuple here)."""
     model_type: str = "qwen3"
     """HF model type; only ``qwen3`` is supported."""
+    output_vocab_size: int = 0
+    """Ids the model may emit: one past the tokenizer's largest id when the output layer has
+    more rows than the tokenizer has tokens (padding rows, as in the tiny models and Qwen3).
+    :meth:`~model.qwen3.Qwen3ForCausalLM.compute_logits` masks the rows beyond it to −inf, as
+    serving engines do, so no sampled id lacks a token. 0: every row (no tokenizer found)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -112,10 +118,18 @@ class ModelConfig:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read ``<model_dir>/config.json`` into a :class:`ModelConfig`."""
+    """Read ``<model_dir>/config.json`` into a :class:`ModelConfig`; with a ``tokenizer.json``
+    beside it, ``output_vocab_size`` is the tokenizer's id range."""
     path = Path(model_dir) / "config.json"
     with path.open() as f:
-        return ModelConfig.from_dict(json.load(f))
+        cfg = ModelConfig.from_dict(json.load(f))
+    if (Path(model_dir) / "tokenizer.json").is_file():
+        from model.tokenizer import load_tokenizer  # a light import (no transformers)
+
+        limit = load_tokenizer(model_dir).id_limit
+        if 0 < limit < cfg.vocab_size:
+            cfg = dataclasses.replace(cfg, output_vocab_size=limit)
+    return cfg
 
 
 def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:

@@ -431,11 +431,19 @@ class Qwen3ForCausalLM(nn.Module):
             return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Output-layer logits ``[..., vocab]`` for hidden states ``[..., hidden]``."""
+        """Output-layer logits ``[..., vocab]`` for hidden states ``[..., hidden]``; rows past
+        the tokenizer (``config.output_vocab_size``) are −inf, so no sampler picks them and
+        their log-probability is −inf in the engine and the trainer alike."""
         if self.deterministic:
             with bi.one_thread():
-                return bi.linear(hidden, self.lm_head.weight)
-        return F.linear(hidden, self.lm_head.weight)
+                logits = bi.linear(hidden, self.lm_head.weight)
+        else:
+            logits = F.linear(hidden, self.lm_head.weight)
+        limit = self.config.output_vocab_size
+        if 0 < limit < logits.shape[-1]:
+            padding = torch.arange(logits.shape[-1], device=logits.device) >= limit
+            logits = logits.masked_fill(padding, float("-inf"))
+        return logits
 
 
 def logprobs_at_temperature(logits: Tensor, temperatures: Tensor) -> Tensor:

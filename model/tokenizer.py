@@ -32,6 +32,16 @@ class Tokenizer:
         """Text of ``ids``."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def text(self, ids: list[int]) -> str:
+        """The text the model meant by ``ids``: special tokens (``<|im_end|>``, …) dropped.
+        What is scored, parsed for an action or shown as a response."""
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    @property
+    def id_limit(self) -> int:
+        """One past the largest id the tokenizer has (its entries need not be dense)."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string (e.g. ``"<|im_end|>"``), or None if unknown."""
         return self._tok.token_to_id(token)

@@ -86,7 +86,9 @@ class GenerateResult(Message, tag="GenerateResult.v1"):
     token_ids: list[int]
     """Generated tokens (not the prompt)."""
     text: str
-    """Decoded ``token_ids``."""
+    """The text the model meant by ``token_ids``: decoded with special tokens dropped (no
+    ``<|im_end|>``); what is scored, parsed for an action and shown. ``token_ids`` keep every
+    id, the end-of-sequence one included."""
     logprobs: list[float]
     """Log-probability of each generated token under the sampling distribution."""
     weight_version: int

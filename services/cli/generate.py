@@ -116,6 +116,6 @@ def _local_decoder() -> Callable[[list[int]], str] | None:
     try:
         from model.tokenizer import load_tokenizer
 
-        return load_tokenizer(node.model_dir).decode
+        return load_tokenizer(node.model_dir).text
     except (OSError, ValueError):
         return None

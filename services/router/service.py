@@ -86,7 +86,7 @@ class Router:
         self.nc = nc
         self.js = js
         self.tokenizer = load_tokenizer(config.model_dir)
-        self.core = RouterCore(config, decode=self.tokenizer.decode, router_id=secrets.token_hex(6))
+        self.core = RouterCore(config, decode=self.tokenizer.text, router_id=secrets.token_hex(6))
         self.server = Server(nc, service="router")
         self.status = Status.STARTING
         self.persist_q: asyncio.Queue[PersistChunk | EmitEvent | SendToCaller | AcceptedRequest] = (

@@ -40,12 +40,14 @@ def hf_model(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
-    """Reference: argmax over a full forward of the whole sequence, n times (no HF cache)."""
+def hf_greedy(hf_model: Any, prompt: list[int], n: int, limit: int) -> list[int]:
+    """Reference: argmax over a full forward of the whole sequence, n times (no HF cache),
+    among the ``limit`` ids the tokenizer has (HF's ``suppress_tokens`` for the padding rows,
+    which our engine masks as serving engines do)."""
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            logits = hf_model(torch.tensor([ids])).logits[0, -1, :limit]
             ids.append(int(logits.argmax()))
     return ids[len(prompt) :]
 
@@ -91,8 +93,12 @@ def test_logits_match_transformers(model_dir: Path, hf_model: Any) -> None:
         ours_decode = model.compute_logits(hidden)[0]
     with torch.no_grad():
         ref = hf_model(torch.tensor([[*prompt, nxt]])).logits[0]
-    torch.testing.assert_close(ours, ref[:-1], atol=1e-4, rtol=0)
-    torch.testing.assert_close(ours_decode, ref[-1], atol=1e-4, rtol=0)
+    # The output layer has padding rows past the tokenizer: masked to -inf, the rest as HF's.
+    limit = cfg.output_vocab_size
+    assert 0 < limit == load_tokenizer(model_dir).vocab_size < cfg.vocab_size
+    assert torch.isneginf(ours[:, limit:]).all() and torch.isneginf(ours_decode[limit:]).all()
+    torch.testing.assert_close(ours[:, :limit], ref[:-1, :limit], atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours_decode[:limit], ref[-1, :limit], atol=1e-4, rtol=0)
 
 
 def test_batched_paged_greedy_matches_transformers_token_for_token(
@@ -111,9 +117,10 @@ def test_batched_paged_greedy_matches_transformers_token_for_token(
     ]
     sampling = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     results = engine.generate(prompts, sampling)
+    limit = load_model_config(model_dir).output_vocab_size
     for prompt, result in zip(prompts, results, strict=True):
         assert result.finish_reason == "length"
-        assert result.token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS)
+        assert result.token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS, limit)
 
 
 def test_build_model_is_zero_copy_and_ties_embeddings(tmp_path: Path) -> None:
