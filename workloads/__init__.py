@@ -31,7 +31,7 @@ from workloads.base import (
     Workload,
 )
 from workloads.registry import load_workload, register_workload, workload_names
-from workloads.scoring import score, score_answer, score_tests
+from workloads.scoring import exact_match, score, score_answer, score_tests
 
 __all__ = [
     "FINISH_COMMAND",
@@ -51,6 +51,7 @@ __all__ = [
     "Task",
     "TaskLimits",
     "Workload",
+    "exact_match",
     "format_action",
     "format_answer",
     "format_observation",

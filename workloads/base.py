@@ -150,6 +150,9 @@ class Score(msgspec.Struct, frozen=True, kw_only=True):
     """Listed test ids that did not pass (failed, errored or never ran)."""
     detail: str = ""
     """Why the reward is what it is, in words (e.g. ``tests timed out``)."""
+    exact: bool | None = None
+    """Answer tasks: the parsed answer equals the reference after normalisation (exact-match
+    accuracy, reported beside a reward that may give partial credit); ``None`` otherwise."""
 
 
 class SandboxOps(Protocol):

@@ -84,19 +84,34 @@ def _rg_dataset(name: str) -> Any:
 
 
 def score_answer(task: Task, response: str) -> Score:
-    """Reward of a single-turn task from the model's full response text."""
+    """Reward of a single-turn task from the model's response text (the text it meant: no
+    special tokens, ``GenerateResult.text``), with its exact match beside it."""
     check = task.reward
     if not isinstance(check, AnswerCheck):
         raise InvalidRequest("task is not scored by its answer", task_id=task.id)
     answer = parse_answer(response)
     if answer is None:
-        return Score(reward=0.0, answer=None, detail="no 'Answer:' line")
+        return Score(reward=0.0, answer=None, detail="no 'Answer:' line", exact=False)
+    exact = normalize_answer(answer) == normalize_answer(check.ground_truth)
     if check.checker == "reasoning_gym":
         entry = json.loads(check.entry_json)
         value = float(_rg_dataset(check.dataset).score_answer(answer.rstrip(". "), entry))
-        return Score(reward=max(0.0, min(1.0, value)), answer=answer, detail="reasoning_gym")
-    ok = normalize_answer(answer) == normalize_answer(check.ground_truth)
-    return Score(reward=1.0 if ok else 0.0, answer=answer, detail="match" if ok else "mismatch")
+        reward = max(0.0, min(1.0, value))
+        return Score(reward=reward, answer=answer, detail="reasoning_gym", exact=exact)
+    return Score(
+        reward=1.0 if exact else 0.0,
+        answer=answer,
+        detail="match" if exact else "mismatch",
+        exact=exact,
+    )
+
+
+def exact_match(task: Task, response: str) -> bool | None:
+    """Whether ``response``'s final answer equals the task's reference (answer tasks; ``None``
+    for a task scored otherwise): the exact-match accuracy reported beside the reward."""
+    if not isinstance(task.reward, AnswerCheck):
+        return None
+    return score_answer(task, response).exact
 
 
 # --- hidden tests --------------------------------------------------------------------------

@@ -91,12 +91,17 @@ class Ui:
             self.console.print(f"  step {self.step} {name}: {done}/{total}")
 
     def end_step(self, r: dict[str, Any]) -> None:
+        exact = r.get("heldout_exact")
+        held = f"held-out {r['heldout_reward']:.3f}"
+        held += f" (exact {exact:.3f})" if isinstance(exact, float) else ""
+        diff = r["logprob_diff_max"]
         self.console.print(
-            f"  step {r['step']}: reward {r['reward_mean']:.3f}, held-out {r['heldout_reward']:.3f}, "
+            f"  step {r['step']}: reward {r['reward_mean']:.3f}, {held}, "
             f"{r['tokens']} tokens, rollout {r['rollout_s']:.1f} s, train {r['train_s']:.1f} s, "
             f"push {r['push_s']:.2f} s, eval {r['eval_s']:.1f} s, injected "
             f"{r['failures_injected']}, recovered {r['failures_recovered']}, logprob diff "
-            f"{r['logprob_diff_max']:.2g}, weights v{r['weight_version']}"
+            f"{'none compared' if diff is None else format(diff, '.2g')}, "
+            f"weights v{r['weight_version']}"
         )
 
 

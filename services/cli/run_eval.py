@@ -27,6 +27,7 @@ from workloads import (
     SubmitAction,
     Task,
     Workload,
+    exact_match,
     invalid_action_observation,
     parse_action,
     score,
@@ -49,6 +50,8 @@ class EvalResult:
 
     rewards: dict[str, float] = field(default_factory=dict)
     """Task id → reward."""
+    exact: dict[str, bool] = field(default_factory=dict)
+    """Task id → exact match of the final answer (answer tasks only)."""
     turns: dict[str, int] = field(default_factory=dict)
     """Task id → model turns."""
     versions: set[int] = field(default_factory=set)
@@ -60,6 +63,11 @@ class EvalResult:
     @property
     def mean(self) -> float:
         return sum(self.rewards.values()) / len(self.rewards) if self.rewards else 0.0
+
+    @property
+    def exact_mean(self) -> float | None:
+        """Exact-match accuracy over the answer tasks (``None`` when there were none)."""
+        return sum(self.exact.values()) / len(self.exact) if self.exact else None
 
 
 async def evaluate(
@@ -82,15 +90,17 @@ async def evaluate(
         async with limit:
             for attempt in range(2):  # an infrastructure failure: the episode once more
                 try:
-                    reward, turns, versions = await _episode(
+                    reward, exact, turns, versions = await _episode(
                         nc, env, workload, task, chat, request_prefix=f"{tag}-{i}-a{attempt}"
                     )
                     break
                 except BelayerError as exc:
                     if attempt == 1:
                         out.errors.append(f"{task.id}: {exc.code}: {exc}")
-                        reward, turns, versions = 0.0, 0, set()
+                        reward, exact, turns, versions = 0.0, None, 0, set()
         out.rewards[task.id] = reward
+        if exact is not None:
+            out.exact[task.id] = exact
         out.turns[task.id] = turns
         out.versions |= versions
         if on_done is not None:
@@ -109,7 +119,7 @@ async def _episode(
     chat: ChatFormat,
     *,
     request_prefix: str,
-) -> tuple[float, int, set[int]]:
+) -> tuple[float, bool | None, int, set[int]]:
     context = chat.prompt((m.role, m.content) for m in task.prompt)
     sid = await open_sandbox(env, task) if task.sandbox is not None and env else ""
     turns = invalid = 0
@@ -134,9 +144,10 @@ async def _episode(
             text = result.text
             action = parse_action(text)
             if task.sandbox is None or env is None:  # single-turn: the answer is final
+                exact = exact_match(task, text)
                 if isinstance(action, AnswerAction):
-                    return float(await workload.reward(task, text)), turns, versions
-                return 0.0, turns, versions
+                    return float(await workload.reward(task, text)), exact, turns, versions
+                return 0.0, exact, turns, versions
             context = context + list(result.token_ids)
             if isinstance(action, SubmitAction):
                 break
@@ -152,9 +163,10 @@ async def _episode(
                 observation = invalid_action_observation(reason)
             context = context + chat.observation(result.token_ids, observation)
         if task.sandbox is None or env is None:
-            return float((await score(task, text)).reward), turns, versions
+            scored = await score(task, text)
+            return float(scored.reward), scored.exact, turns, versions
         handle = SandboxHandle(ops=env, sandbox_id=sid)
-        return float(await workload.reward(task, handle)), turns, versions
+        return float(await workload.reward(task, handle)), None, turns, versions
     finally:
         if sid and env is not None:
             await env.destroy(sid)

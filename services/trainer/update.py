@@ -91,6 +91,11 @@ class StepResult:
     logprob_diff_max: float
     logprob_diff_mean: float
     unchecked_tokens: int
+    compared_tokens: int
+    """Model tokens whose training log-probability was compared with the rollout's (counted
+    where they are compared, not derived; 0 means the step compared nothing)."""
+    trajectory_ids: tuple[str, ...]
+    """The trajectories trained on, in training order."""
     clip_low: float
     clip_high: float
     kl: float
@@ -318,6 +323,8 @@ def grpo_step(
         logprob_diff_max=float(all_diffs.max()) if all_diffs.numel() else 0.0,
         logprob_diff_mean=float(all_diffs.mean()) if all_diffs.numel() else 0.0,
         unchecked_tokens=unchecked,
+        compared_tokens=int(all_diffs.numel()),
+        trajectory_ids=tuple(s.trajectory_id for s in samples),
         clip_low=sum(c[0] * c[2] for c in clip_stats) / weight,
         clip_high=sum(c[1] * c[2] for c in clip_stats) / weight,
         kl=sum(kls) / len(kls) if kls else 0.0,
