@@ -13,13 +13,16 @@ Paired steps: both nodes run deterministically, every step rolls out the same ta
 same seed, and the learning rate is tiny (1e-12: the update's work is all done, the weights
 do not move), so every step of both nodes generates the same tokens and the comparison is
 step for step. Failure-free: ``pairs`` pairs; overhead = median over pairs of
-t_belayer / t_baseline − 1 (target ≤ 1 %). Then on each node one step with ``worker-kill``
-(SIGKILL of the worker at the first token of a response) and one with ``sandbox-kill`` (the
-first ``kv_daemon`` trajectory, after its second action: Belayer can restore the checkpoint its
-policy took after the first; the baseline restarts the trajectory from scratch); time added =
-that step's time − the node's median failure-free step. Reported as baseline / Belayer ratios;
-where Belayer's added time is within the noise of its failure-free steps (their median absolute
-deviation) the ratio uses that noise instead and is a lower bound.
+t_belayer / t_baseline − 1 (target ≤ 1 %), with its 95 % bootstrap interval over the pairs;
+the verdict reads the interval (``bench.stats``: PASS only when all of it meets the target).
+Then on each node ``kills`` (default 5) steps with ``worker-kill`` (SIGKILL of the worker at
+the first token of a response) and as many with ``sandbox-kill`` (the first ``kv_daemon``
+trajectory, after its second action: Belayer can restore the checkpoint its policy took after
+the first; the baseline restarts the trajectory from scratch), the two sides alternating; time
+added = a step's time − the node's median failure-free step. Reported as baseline / Belayer
+ratios of the mean added time, with a bootstrap interval over the kill pairs; where Belayer's
+added time is within the noise of its failure-free steps (their median absolute deviation) the
+ratio uses that noise instead and is a lower bound.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,19 +43,20 @@ from bench.report import (
     machine_info,
     print_table,
     progress,
-    ratio,
     target_text,
     targets_json,
     timestamp,
-    verdicts,
     write_json,
 )
+from bench.stats import Interval, bootstrap, interval_verdict
 
 NAME = "train"
 FAILURE_RATE = 0.02
 """λ (failures per second) the Belayer side's risk-aware policy plans for."""
 ROLLOUT_SEED = 1234
 TARGETS: dict[str, Target] = {"overhead": ("<=", 0.01)}
+KILLS = 5
+"""Failures of each kind per side (pairs of the failure-cost intervals)."""
 
 
 @dataclass
@@ -157,7 +162,9 @@ async def one_step(side: Side, faults: Any, label: str) -> dict[str, Any]:
     return row
 
 
-async def measure(sides: list[Side], pairs: int, model_dir: Path, tasks: int, n: int) -> None:
+async def measure(
+    sides: list[Side], pairs: int, kills: int, model_dir: Path, tasks: int, n: int
+) -> None:
     from schemas.rollout import FaultSpec
     from services.cli.run_setup import StepFaults
 
@@ -182,8 +189,9 @@ async def measure(sides: list[Side], pairs: int, model_dir: Path, tasks: int, n:
             ]
         )
         for label, faults in (("worker-kill", worker), ("sandbox-kill", sandbox)):
-            for side in sides:
-                await one_step(side, faults, label)
+            for i in range(kills):  # kill i of each side forms pair i of the interval
+                for side in sides if i % 2 == 0 else sides[::-1]:
+                    await one_step(side, faults, label)
     finally:
         for side in sides:
             if side.ctx is not None and side.ctx.events is not None:
@@ -207,15 +215,41 @@ def noise_floor(side: Side) -> float:
     return max(0.1, statistics.median(abs(t - med) for t in side.free))
 
 
-def added(side: Side, label: str) -> float | None:
+def added(side: Side, label: str) -> list[float]:
+    """The time each of the side's ``label`` steps (those whose injection fired) added to its
+    median failure-free step, in the order they ran."""
+    if not side.free:
+        return []
+    free = statistics.median(side.free)
     rows = [r for r in side.steps if r["label"] == label and r["failures_injected"]]
-    if not rows or not side.free:
-        return None
-    return round(rows[0]["step_s"] - statistics.median(side.free), 3)
+    return [round(r["step_s"] - free, 3) for r in rows]
+
+
+def overhead_interval(belayer: list[float], baseline: list[float]) -> Interval | None:
+    """Median over pairs of t_belayer / t_baseline − 1, with its bootstrap interval over pairs."""
+    pairs = [(b, a) for b, a in zip(belayer, baseline, strict=False) if a]
+    return bootstrap(pairs, lambda ps: statistics.median(b / a for b, a in ps) - 1)
+
+
+def cost_interval(belayer: list[float], baseline: list[float], floor: float) -> Interval | None:
+    """Baseline / Belayer ratio of the mean time a failure added, over pairs of kills (kill i
+    of each side), Belayer's mean floored at its failure-free noise (``_ratio``)."""
+    pairs = list(zip(belayer, baseline, strict=False))
+
+    def stat(ps: Sequence[tuple[float, float]]) -> float | None:
+        return _ratio(statistics.mean(a for _, a in ps), statistics.mean(b for b, _ in ps), floor)
+
+    return bootstrap(pairs, stat)
 
 
 def main(
-    json_path: Path, *, pairs: int = 4, tasks: int = 4, n: int = 2, model: Path | None = None
+    json_path: Path,
+    *,
+    pairs: int = 4,
+    kills: int = KILLS,
+    tasks: int = 4,
+    n: int = 2,
+    model: Path | None = None,
 ) -> dict[str, Any]:
     """Both nodes, interleaved steps, the table and the JSON."""
     from services.cli.run_node import stop_node
@@ -231,46 +265,64 @@ def main(
         for side in sides:
             progress(NAME, f"starting the {side.name} node")
             start(side, model_dir, tasks, n)
-        asyncio.run(measure(sides, pairs, model_dir, tasks, n))
+        asyncio.run(measure(sides, pairs, kills, model_dir, tasks, n))
     finally:
         for side in sides:
             if side.node is not None:
                 stop_node(side.node.paths)
         shutil.rmtree(tmp, ignore_errors=True)
+    return report(belayer, baseline, pairs, kills, tasks, n, machine, json_path)
+
+
+def report(
+    belayer: Side,
+    baseline: Side,
+    pairs: int,
+    kills: int,
+    tasks: int,
+    n: int,
+    machine: dict[str, Any],
+    json_path: Path,
+) -> dict[str, Any]:
+    """The result (every verdict from an interval), its table and its JSON file."""
+    sides = [belayer, baseline]
     pair_ratios = [b / a for b, a in zip(belayer.free, baseline.free, strict=True) if a]
-    overhead = statistics.median(pair_ratios) - 1 if pair_ratios else None
+    floor = noise_floor(belayer)
+    intervals = {
+        "overhead": overhead_interval(belayer.free, baseline.free),
+        "worker_ratio": cost_interval(
+            added(belayer, "worker-kill"), added(baseline, "worker-kill"), floor
+        ),
+        "sandbox_ratio": cost_interval(
+            added(belayer, "sandbox-kill"), added(baseline, "sandbox-kill"), floor
+        ),
+    }
+    costs = {
+        f"{kind}_added_{side.name}_s": added(side, f"{kind}-kill")
+        for kind in ("worker", "sandbox")
+        for side in sides
+    }
     values: dict[str, float | None] = {
         "belayer_step_s": statistics.median(belayer.free) if belayer.free else None,
         "baseline_step_s": statistics.median(baseline.free) if baseline.free else None,
-        "overhead": overhead,
-        "overhead_of_sums": ratio(sum(belayer.free), sum(baseline.free)),
-        "worker_added_belayer_s": added(belayer, "worker-kill"),
-        "worker_added_baseline_s": added(baseline, "worker-kill"),
-        "sandbox_added_belayer_s": added(belayer, "sandbox-kill"),
-        "sandbox_added_baseline_s": added(baseline, "sandbox-kill"),
+        **{k: (i.value if i else None) for k, i in intervals.items()},
+        **{k: (statistics.mean(v) if v else None) for k, v in costs.items()},
     }
-    if values["overhead_of_sums"] is not None:
-        values["overhead_of_sums"] = values["overhead_of_sums"] - 1
-    floor = noise_floor(belayer)
-    values["worker_ratio"] = _ratio(
-        values["worker_added_baseline_s"], values["worker_added_belayer_s"], floor
-    )
-    values["sandbox_ratio"] = _ratio(
-        values["sandbox_added_baseline_s"], values["sandbox_added_belayer_s"], floor
-    )
     noise = {s.name: round(max(s.free) - min(s.free), 3) if s.free else None for s in sides}
     result: dict[str, Any] = {
         "bench": NAME, "timestamp": timestamp(), "machine": machine, "pairs": pairs,
-        "tasks": tasks, "n": n, "failure_rate": FAILURE_RATE, "rollout_seed": ROLLOUT_SEED,
-        "targets": targets_json(TARGETS), **{k: _round(v) for k, v in values.items()},
-        "pair_ratios": [round(r, 4) for r in pair_ratios], "free_spread_s": noise,
-        "noise_floor_s": round(floor, 3),
+        "kills": kills, "tasks": tasks, "n": n, "failure_rate": FAILURE_RATE,
+        "rollout_seed": ROLLOUT_SEED, "targets": targets_json(TARGETS),
+        **{k: _round(v) for k, v in values.items()},
+        "intervals": {k: i.as_json() if i else None for k, i in intervals.items()},
+        "kill_costs_s": costs, "pair_ratios": [round(r, 4) for r in pair_ratios],
+        "free_spread_s": noise, "noise_floor_s": round(floor, 3),
         "ratios_are_lower_bounds": {
             k: (values[f"{k}_added_belayer_s"] or 0.0) < floor for k in ("worker", "sandbox")
         },
         "steps": belayer.steps + baseline.steps,
     }  # fmt: skip
-    result["verdicts"] = verdicts(TARGETS, values)
+    result["verdicts"] = {k: interval_verdict(intervals[k], *TARGETS[k]) for k in TARGETS}
     print_table(f"bench {NAME}: time per step, Belayer vs baseline", rows(result, noise))
     write_json(json_path, result)
     return result
@@ -300,14 +352,24 @@ def _x(v: Any, r: dict[str, Any], kind: str) -> str:
     return f"{v:.1f}x"
 
 
+def _ci(r: dict[str, Any], key: str, scale: float = 1.0, unit: str = "") -> str:
+    """`` [low … high]`` of the key's 95 % interval (empty without one)."""
+    i = r["intervals"].get(key)
+    if not i:
+        return ""
+    lo, hi = (x * scale for x in i["ci95"])
+    return f" [95 % CI {lo:+.2f} … {hi:+.2f}{unit}]" if unit else f" [95 % CI {lo:.1f} … {hi:.1f}]"
+
+
 def rows(r: dict[str, Any], noise: dict[str, Any]) -> list[Row]:
     ov = r["overhead"]
+    k = r["kills"]
     return [
         Row("failure-free step, Belayer (median)", _s(r["belayer_step_s"])),
         Row("failure-free step, baseline (median)", _s(r["baseline_step_s"])),
         Row(
             f"overhead (median of {r['pairs']} paired steps)",
-            "n/a" if ov is None else f"{ov * 100:+.2f} %",
+            "n/a" if ov is None else f"{ov * 100:+.2f} %" + _ci(r, "overhead", 100, " %"),
             target_text(TARGETS["overhead"], "%"),
             r["verdicts"].get("overhead", ""),
         ),
@@ -315,10 +377,23 @@ def rows(r: dict[str, Any], noise: dict[str, Any]) -> list[Row]:
             "spread of failure-free steps (max − min)",
             f"{noise.get('belayer')} s / {noise.get('baseline')} s",
         ),
-        Row("worker failure: time added, Belayer", _s(r["worker_added_belayer_s"])),
-        Row("worker failure: time added, baseline", _s(r["worker_added_baseline_s"])),
-        Row("worker failure: baseline / Belayer", _x(r["worker_ratio"], r, "worker")),
-        Row("sandbox failure: time added, Belayer", _s(r["sandbox_added_belayer_s"])),
-        Row("sandbox failure: time added, baseline", _s(r["sandbox_added_baseline_s"])),
-        Row("sandbox failure: baseline / Belayer", _x(r["sandbox_ratio"], r, "sandbox")),
+        Row(f"worker failure: time added, Belayer (mean of {k})", _s(r["worker_added_belayer_s"])),
+        Row(
+            f"worker failure: time added, baseline (mean of {k})", _s(r["worker_added_baseline_s"])
+        ),
+        Row(
+            "worker failure: baseline / Belayer",
+            _x(r["worker_ratio"], r, "worker") + _ci(r, "worker_ratio"),
+        ),
+        Row(
+            f"sandbox failure: time added, Belayer (mean of {k})", _s(r["sandbox_added_belayer_s"])
+        ),
+        Row(
+            f"sandbox failure: time added, baseline (mean of {k})",
+            _s(r["sandbox_added_baseline_s"]),
+        ),
+        Row(
+            "sandbox failure: baseline / Belayer",
+            _x(r["sandbox_ratio"], r, "sandbox") + _ci(r, "sandbox_ratio"),
+        ),
     ]

@@ -234,6 +234,9 @@ def bench_train(
     as_json: bool = _BENCH_JSON,
     out: Path = _bench_out("train"),
     pairs: int = typer.Option(4, min=1, help="Failure-free step pairs (Belayer, baseline)."),
+    kills: int = typer.Option(
+        5, min=2, help="Steps with each failure kind per node (pairs of the cost intervals)."
+    ),
     tasks: int = typer.Option(4, min=1, max=4, help="SWE tasks per step."),
     n: int = typer.Option(2, min=1, help="Samples per task."),
     model: Path | None = typer.Option(
@@ -247,14 +250,55 @@ def bench_train(
     Belayer (shadows, risk-aware sandbox checkpoints) and the baseline (`--recovery baseline`,
     policy never). Steps (rollout → reward → train → push weights) run interleaved with the
     same content on both (same tasks and seed each step, deterministic, lr 1e-12). Target:
-    failure-free overhead ≤ 1 %. Then one worker-kill step and one sandbox-kill step per node:
-    the time each adds, as baseline / Belayer ratios. About ten minutes.
+    failure-free overhead ≤ 1 %, judged on its 95 % bootstrap interval over the pairs. Then
+    --kills worker-kill steps and as many sandbox-kill steps per node: the time each adds, as
+    baseline / Belayer ratios with 95 % intervals over the kill pairs. About 20 minutes.
     """
     from bench.train import main as bench_main
 
     _run_bench(
-        lambda path: bench_main(path, pairs=pairs, tasks=tasks, n=n, model=model), out, as_json
+        lambda path: bench_main(path, pairs=pairs, kills=kills, tasks=tasks, n=n, model=model),
+        out,
+        as_json,
     )
+
+
+@bench_app.command("transparency")
+def bench_transparency(
+    as_json: bool = _BENCH_JSON,
+    out: Path = _bench_out("transparency"),
+    workload: str = typer.Option("math", "--workload", help="math or swe."),
+    steps: int = typer.Option(3, "--steps", min=1, max=100, help="Training steps of each run."),
+    inject: str | None = typer.Option(
+        None,
+        "--inject",
+        help="The faulted run's failures (default: every kind, spread over "
+        "the steps; `belayer run --inject` grammar).",
+    ),
+    model: Path | None = typer.Option(
+        None, "--model", help="Model directory (default: the workload's warm-started tiny one)."
+    ),
+    tasks: int | None = typer.Option(None, "--tasks", min=1, help="Tasks per step."),
+    n: int | None = typer.Option(None, "--n", min=1, help="Samples per task."),
+    held_out: int | None = typer.Option(None, "--held-out", min=1, help="Held-out tasks."),
+) -> None:
+    """Failure transparency: the same deterministic run twice (same seed, a fresh node each),
+    without failures and with failures of every kind (worker, shadow, controller and trainer
+    kills; on swe also sandbox kills at several turns and a sandbox pause). Per step: are the
+    weights' sha256, the batch's sha256, the rewards and the loss equal? PASS when every step
+    is, every injection fired and neither run had an error. Minutes (math), longer (swe)."""
+    if workload not in ("math", "swe"):
+        raise typer.BadParameter("math or swe", param_hint="--workload")
+    from bench.transparency import main as bench_main
+
+    _run_bench(
+        lambda path: bench_main(
+            path, workload=workload, steps=steps, inject=inject, model=model, tasks=tasks, n=n,
+            held_out=held_out,
+        ),
+        out,
+        as_json,
+    )  # fmt: skip
 
 
 def bench_env(
