@@ -14,18 +14,20 @@ warm start (no bus, no services: a loss callback decides what is being learnt).
   temporary directory, each file flushed to disk, then one ``rename`` — a reader sees the whole
   checkpoint or none of it.
 - :func:`publishable_state_dict`: the weights under the names the weight store keeps (a tied
-  ``lm_head.weight`` left out), ready for ``push_weights``.
+  ``lm_head.weight`` left out), ready for ``push_weights``; :func:`weights_sha256`: their
+  digest in a canonical order (what a run reports per step).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,6 +49,7 @@ __all__ = [
     "save_checkpoint",
     "seed_everything",
     "train_step",
+    "weights_sha256",
 ]
 
 M = TypeVar("M")
@@ -178,6 +181,20 @@ def publishable_state_dict(model: nn.Module) -> dict[str, Tensor]:
             continue
         out[name] = t.detach().contiguous()
     return out
+
+
+def weights_sha256(tensors: Mapping[str, Tensor]) -> str:
+    """The sha256 of ``tensors`` (``name → tensor``, e.g. :func:`publishable_state_dict`) in a
+    canonical order: names sorted; for each, a JSON header ``[name, dtype, shape]`` and the
+    raw bytes of the tensor, contiguous on the CPU. Equal digests: bitwise-equal weights,
+    whatever order a model keeps its tensors in."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        digest.update(json.dumps([name, dtype, list(t.shape)]).encode() + b"\n")
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 # --- checkpoints ------------------------------------------------------------------------------

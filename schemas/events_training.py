@@ -232,6 +232,13 @@ class TrainStep(TrainerEvent, tag="TrainStep.v1"):
     """A checkpoint holds this step (its trajectories are acked)."""
     replay: bool
     """Redone from a durable plan after a restart."""
+    weights_sha256: str = ""
+    """sha256 of the updated weights, names sorted, each name, dtype, shape and raw bytes
+    (equal: bitwise-equal weights); empty from an older trainer."""
+    batch_sha256: str = ""
+    """sha256 of the batch in training order: each sample's slot, index, tokens, loss mask,
+    weight versions, reward and temperature (no ids: they name the run); empty from an older
+    trainer."""
 
 
 class LogprobMismatch(TrainerEvent, tag="LogprobMismatch.v1"):

@@ -367,7 +367,7 @@ class TrajectoryState(Message, tag="TrajectoryState.v1"):
     weight_versions: list[int] = []
     actions: list[ActionRecord] = []
     generations: int = 0
-    """LLM requests made so far (names and seeds the next one)."""
+    """LLM requests made so far (names the next one; its seed comes from its turn)."""
     recovery: RecoveryLog = msgspec.field(default_factory=RecoveryLog)
     timings: Timings = msgspec.field(default_factory=Timings)
     fired: list[str] = []

@@ -195,7 +195,7 @@ def markdown(report: dict[str, Any], records: list[dict[str, Any]]) -> str:
     ]
     lines += [f"| {k} | {report.get(k)} |" for k in CONTRACT]
     for k in ("heldout_reward_start", "heldout_reward_last", "restarts_from_scratch",
-              "env_checkpoints", "inject"):  # fmt: skip
+              "env_checkpoints", "weights_sha256", "inject"):  # fmt: skip
         lines.append(f"| {k} | {report.get(k)} |")
     lines += [
         "",

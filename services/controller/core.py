@@ -227,8 +227,17 @@ class TrajectoryCore:
             request_id=f"{self.trajectory_id}-g{self.generations}",
             prompt_ids=context,
             max_tokens=min(self.limits.max_response_tokens, room),
-            seed=derive_seed(self.sample_seed, self.generations),
+            seed=self.turn_seed(),
         )
+
+    def turn_seed(self) -> int:
+        """The seed of the next response: ``(sample seed, its turn)``, not the request count.
+        A response regenerated after a restore to C_k (or by a controller that adopted the
+        attempt) is the same turn of the same history, so it draws the same tokens as the
+        one it replaces, and the trajectory a failure touched is the failure-free one
+        (failure transparency). The request id still counts requests: the router never takes
+        a regeneration for a request it already answered."""
+        return derive_seed(self.sample_seed, self.turn + 1)
 
     def on_response(
         self,

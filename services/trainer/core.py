@@ -32,7 +32,9 @@ implemented.
 ``groups_per_step`` groups of ``group_size`` samples are complete, refuses duplicates (by
 trajectory id, and a second sample for the same group slot) and samples staler than
 ``max_staleness`` versions (default 0: on-policy), and holds samples from a version the
-trainer has not reached yet.
+trainer has not reached yet. A batch is ordered by rollout, slot and sample index, never by
+arrival (a killed worker or controller changes which trajectory finishes first, and the order
+of the batch decides its micro-batches and the order of every float reduction of the update).
 
 **A failed update** (:func:`after_step_failure`): trajectories whose own forward or loss fails
 are dead-lettered with the rest of their groups and the batch's other groups go back to the
@@ -209,7 +211,10 @@ class Sample:
     temperature: float = 1.0
     """Sampling temperature of the rollout (0, greedy, is scored at 1)."""
     stream_seq: int = 0
-    """Position in the trajectory stream (orders groups: first complete, first trained)."""
+    """Position in the trajectory stream (where it arrived: reported, never an order)."""
+    slot: int = 0
+    """Slot in its rollout (task ``slot // n``, sample ``slot % n``): orders the groups of a
+    batch, so a batch's order never depends on which trajectory finished first."""
 
     def model_versions(self) -> list[int]:
         return [v for v, m in zip(self.weight_versions, self.loss_mask, strict=True) if m]
@@ -341,16 +346,17 @@ class Batcher:
 
     def ready_groups(self, version: int) -> list[str]:
         """Complete groups trainable at ``version`` (none of their tokens newer than it), in
-        stream order of their last sample."""
+        slot order: by rollout, then by their first slot (:func:`group_order`) — never by
+        arrival, which a failure changes (failure transparency)."""
         done = [
-            (max(s.stream_seq for s in g.values()), gid)
+            gid
             for gid, g in self.groups.items()
             if len(g) == self.group_size
             and all(
                 s.newest_version <= version and not self.is_stale(s, version) for s in g.values()
             )
         ]
-        return [gid for _, gid in sorted(done)]
+        return sorted(done, key=lambda gid: group_order(gid, self.groups[gid].values()))
 
     def next_batch(self, version: int) -> list[Sample] | None:
         """The next batch (``groups_per_step`` groups, each in sample order) and take it out of
@@ -388,6 +394,13 @@ class Batcher:
         """Hold again samples taken for a batch that was not trained (whole groups)."""
         for s in samples:
             self.groups.setdefault(s.group_id, {})[s.sample_index] = s
+
+
+def group_order(group_id: str, samples: Iterable[Sample]) -> tuple[str, int, str]:
+    """Where a group goes in a batch: its rollout (the group id's part before ``/``), its first
+    slot, its id. A function of the group's content, so the batch a failure delayed is the
+    batch a failure-free run trains, in the same order."""
+    return group_id.partition("/")[0], min((s.slot for s in samples), default=0), group_id
 
 
 # --- a failed update ----------------------------------------------------------------------------

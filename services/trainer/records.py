@@ -1,9 +1,12 @@
 """The trainer's side of its records on the bus: a ``Trajectory`` as the trainer's ``Sample``,
-acks, the dead-letter copy, and the texts of refusals."""
+acks, the dead-letter copy, the texts of refusals, and the ``train_step`` event of an update."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import nats.errors
@@ -12,9 +15,11 @@ from nats.js import JetStreamContext
 
 from common import subjects
 from schemas.base import ID_PATTERN
+from schemas.events import TrainStep
 from schemas.rollout import Trajectory
 from schemas.weights import WeightManifest
 from services.trainer.core import Sample, Verdict, without_trailing_context
+from services.trainer.update import StepResult
 
 
 def to_sample(traj: Trajectory, stream_seq: int, default_temperature: float) -> Sample:
@@ -32,6 +37,7 @@ def to_sample(traj: Trajectory, stream_seq: int, default_temperature: float) -> 
         reward=traj.reward,
         temperature=float(getattr(traj, "temperature", default_temperature)),
         stream_seq=stream_seq,
+        slot=traj.slot,
     )
     return without_trailing_context(sample)
 
@@ -88,3 +94,41 @@ def refusal(verdict: Verdict, s: Sample) -> str:
 
 def stale(s: Sample, version: int) -> str:
     return f"oldest weight version {s.oldest_version} too old for version {version}"
+
+
+def train_step(
+    result: StepResult,
+    *,
+    version: int,
+    checkpoint_s: float,
+    push_s: float,
+    step_s: float,
+    checkpointed: bool,
+    replay: bool,
+    weights_sha256: str,
+    batch_sha256: str,
+) -> TrainStep:
+    """The ``train_step`` event of an update (``version``: the weights' number after the push,
+    which may have renumbered them)."""
+    r = result
+    return TrainStep(
+        step=r.step, version=version, loss=r.loss, reward_mean=r.reward_mean,
+        reward_std=r.reward_std, samples=r.samples, groups=r.groups, tokens=r.model_tokens,
+        logprob_diff_max=r.logprob_diff_max, logprob_diff_mean=r.logprob_diff_mean,
+        unchecked_tokens=r.unchecked_tokens, clip_low=r.clip_low, clip_high=r.clip_high,
+        kl=r.kl, grad_norm=r.grad_norm, lr=r.lr, recompute_s=round(r.recompute_s, 4),
+        train_s=round(r.train_s, 4), checkpoint_s=round(checkpoint_s, 4),
+        push_s=round(push_s, 4), step_s=round(step_s, 4), checkpointed=checkpointed,
+        replay=replay, weights_sha256=weights_sha256, batch_sha256=batch_sha256,
+    )  # fmt: skip
+
+
+def batch_sha256(batch: Sequence[Sample]) -> str:
+    """The digest of what an update trains on, in its order (``TrainStep.batch_sha256``): two
+    runs that train the same batches agree on it step for step, whatever their ids."""
+    digest = hashlib.sha256()
+    for s in batch:
+        content = [s.slot, s.sample_index, s.prompt_ids, s.response_ids, s.loss_mask,
+                   s.weight_versions, s.reward, s.temperature]  # fmt: skip
+        digest.update(json.dumps(content).encode() + b"\n")
+    return digest.hexdigest()

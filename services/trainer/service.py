@@ -50,13 +50,12 @@ from common.errors import (
 from common.service import Service, run_service
 from model.config import ModelConfig, load_model_config
 from model.qwen3 import Qwen3ForCausalLM, build_model
-from model.training import publishable_state_dict, read_meta
+from model.training import publishable_state_dict, read_meta, weights_sha256
 from schemas.events import (
     EventBase,
     LogprobMismatch,
     TrainerCheckpointed,
     TrainerResumed,
-    TrainStep,
     TrainStepStarted,
     TrajectoryRefused,
 )
@@ -464,16 +463,11 @@ class TrainerService(Service[TrainerConfig]):
                 await self._ack_durable()
         finally:
             self.idle.set()
-        metrics = TrainStep(
-            step=result.step, version=state.version, loss=result.loss,
-            reward_mean=result.reward_mean, reward_std=result.reward_std,
-            samples=result.samples, groups=result.groups, tokens=result.model_tokens,
-            logprob_diff_max=result.logprob_diff_max, logprob_diff_mean=result.logprob_diff_mean,
-            unchecked_tokens=result.unchecked_tokens, clip_low=result.clip_low,
-            clip_high=result.clip_high, kl=result.kl, grad_norm=result.grad_norm, lr=result.lr,
-            recompute_s=round(result.recompute_s, 4), train_s=round(result.train_s, 4),
-            checkpoint_s=round(checkpoint_s, 4), push_s=round(push_s, 4),
-            step_s=round(time.perf_counter() - t0, 4), checkpointed=checkpointed, replay=replay,
+        digest = await asyncio.to_thread(weights_sha256, publishable_state_dict(state.model))
+        metrics = records.train_step(
+            result, version=state.version, checkpoint_s=checkpoint_s, push_s=push_s,
+            step_s=time.perf_counter() - t0, checkpointed=checkpointed, replay=replay,
+            weights_sha256=digest, batch_sha256=records.batch_sha256(batch),
         )  # fmt: skip
         self.log.info("train_step", **events.fields(metrics))
         await self._publish(metrics)

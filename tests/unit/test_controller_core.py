@@ -140,6 +140,30 @@ def test_generations_have_distinct_ids_and_seeds(chat: ChatFormat) -> None:
     assert gen.request_id == "r1-s0-a0-g3" and gen.prompt_ids == core.context[: len(gen.prompt_ids)]
 
 
+def test_a_regenerated_turn_draws_the_seed_of_the_turn_it_replaces(chat: ChatFormat) -> None:
+    """Failure transparency: after a restore to C_k (or a restart from L_0) the next response
+    is the same turn of the same history, so it is seeded as the lost one was (the sampler
+    then draws the same tokens); only the request id is new."""
+    core = make(chat)
+    _, _, p1 = run_action(core, chat, "echo 1 > f")
+    assert p1 is not None
+    c1 = core.on_checkpoint_ready(p1, "ck1", 0.1, now=2.0)
+    lost = core.next_generation(3.0)
+    assert isinstance(lost, Generate)
+    core.on_response([chat.im_end], [0.0], [1], "```bash\nls\n```", llm_s=0.1)
+    core.on_sandbox_failure("exec", "sandbox_error", "container is dead", now=4.0)
+    core.on_restored(c1, 0.3, now=5.0)
+    again = core.next_generation(6.0)
+    assert isinstance(again, Generate)
+    assert again.seed == lost.seed and again.prompt_ids == lost.prompt_ids
+    assert again.request_id != lost.request_id
+    core.on_restarted_from_scratch(0.5, now=7.0, had_checkpoint=True)
+    first = core.next_generation(8.0)
+    fresh = make(chat).next_generation(1.0)
+    assert isinstance(first, Generate) and isinstance(fresh, Generate)
+    assert first.seed == fresh.seed and first.prompt_ids == fresh.prompt_ids
+
+
 def test_restore_truncates_to_exactly_l_k_and_drops_later_checkpoints(chat: ChatFormat) -> None:
     core = make(chat)
     _, d1, p1 = run_action(core, chat, "echo 1 > f")

@@ -3,6 +3,7 @@ small model over rollouts the real engine generated (agreement, determinism, che
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from model.config import ModelConfig, load_model_config
 from model.loader import load_safetensors
-from model.training import OptimConfig, publishable_state_dict
+from model.training import OptimConfig, publishable_state_dict, weights_sha256
 from services.trainer.config import GrpoConfig
 from services.trainer.core import Batcher, Sample, Verdict, validate_sample
 from services.trainer.update import (
@@ -56,6 +57,38 @@ def test_a_batch_is_whole_groups_in_slot_order_once_enough_are_complete() -> Non
     assert batch is not None
     assert [s.trajectory_id for s in batch] == ["a0", "a1", "c0", "c1"]
     assert set(b.groups) == {"B"}
+
+
+def test_a_batch_is_ordered_by_slot_never_by_arrival() -> None:
+    """Failure transparency: a killed worker or controller changes which trajectory finishes
+    first; the batch (its order decides the micro-batches and every float sum) must not."""
+    slots = [(f"r1/t{task}", task, sample) for task in range(3) for sample in range(2)]
+
+    def batch_after(arrival: list[tuple[str, int, int]]) -> list[str]:
+        b = Batcher(group_size=2, groups_per_step=3)
+        for seq, (gid, task, i) in enumerate(arrival):
+            s = dataclasses.replace(sample(f"{gid}-{i}", gid, i, seq=seq), slot=task * 2 + i)
+            assert b.offer(s, 1) is Verdict.ACCEPTED
+        got = b.next_batch(1)
+        assert got is not None
+        return [s.trajectory_id for s in got]
+
+    in_order = batch_after(slots)
+    assert in_order == [f"r1/t{t}-{i}" for t in range(3) for i in range(2)]
+    assert batch_after(slots[::-1]) == in_order
+    assert batch_after([slots[i] for i in (3, 0, 5, 2, 4, 1)]) == in_order
+
+
+def test_weights_sha256_is_canonical_and_bitwise() -> None:
+    a = {"b.weight": torch.ones(2, 3), "a.bias": torch.zeros(3, dtype=torch.bfloat16)}
+    digest = weights_sha256(a)
+    assert len(digest) == 64 and weights_sha256(dict(reversed(list(a.items())))) == digest
+    flipped = a["b.weight"].clone()
+    flipped.view(torch.int32)[0, 0] ^= 1  # one bit of one float
+    assert weights_sha256({**a, "b.weight": flipped}) != digest
+    assert weights_sha256({**a, "b.weight": torch.ones(3, 2)}) != digest  # shape counts
+    assert weights_sha256({**a, "a.bias": torch.zeros(3)}) != digest  # dtype counts
+    assert weights_sha256({**a, "b.weight": torch.ones(3, 2).t()}) == digest  # not the layout
 
 
 def test_duplicates_and_trained_ids_are_not_taken_twice() -> None:

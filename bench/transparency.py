@@ -1,0 +1,214 @@
+"""``belayer bench transparency``: failures leave no trace in what training learns.
+
+The same deterministic run (``belayer run``, same model, seed, tasks and options, a fresh node
+each) twice: once without failures, once with failures of every kind the run knows — on math
+``worker-kill``, ``shadow-kill``, ``controller-kill`` and ``trainer-kill``; on swe also
+``sandbox-kill`` (after the first action of trajectory #0 in one step, after the second of
+another trajectory in every step) and ``sandbox-pause``. Per step it compares what the trainer
+reports (``metrics.jsonl``): the sha256 of the weights after the update, the sha256 of the
+batch it trained on (tokens, masks, rewards, in training order), every trajectory's reward by
+slot, and the loss, bit for bit. PASS: every step agrees, every injection fired in the faulted
+run (and none in the clean one), and neither run reported an error.
+
+The runs are the ``belayer run`` command itself (a subprocess each, ``$BELAYER_HOME`` pointing at
+an empty directory so no running node is used): what is compared is what a user runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.report import MISS, PASS, Row, machine_info, print_table, progress, timestamp, write_json
+
+NAME = "transparency"
+SEED = 7
+RUN_TIMEOUT_S = 3600.0
+"""Bound on one ``belayer run`` (a 3-step swe run takes minutes on a busy 2-core machine)."""
+COMPARED = ("weights_sha256", "batch_sha256", "rewards", "loss")
+"""What must be equal in every step's record (``metrics.jsonl``)."""
+
+FAULTS: dict[str, list[list[str]]] = {
+    "math": [["worker-kill", "shadow-kill"], ["controller-kill"], ["trainer-kill"]],
+    "swe": [
+        ["worker-kill", "sandbox-kill"],
+        ["controller-kill", "shadow-kill"],
+        ["trainer-kill", "sandbox-pause"],
+    ],
+}
+"""Kinds per step (the last group takes every step past it when there are fewer steps)."""
+EVERY_STEP: dict[str, list[str]] = {"math": [], "swe": ["sandbox-kill@turn=2/3"]}
+"""Rollout injections of every step (swe: a sandbox killed at another turn, another slot)."""
+
+
+def default_inject(workload: str, steps: int) -> str:
+    """Every kind of failure of ``workload``, spread over ``steps`` steps."""
+    items = list(EVERY_STEP[workload])
+    for i, kinds in enumerate(FAULTS[workload]):
+        items += [f"{kind}@step={min(i + 1, steps)}" for kind in kinds]
+    return ",".join(items)
+
+
+def warm_model(workload: str, out: Path) -> Path:
+    from services.cli.model import warm_start
+
+    return warm_start(workload, out)[0]
+
+
+def belayer_run(
+    root: Path, label: str, workload: str, model: Path, steps: int, inject: str, options: list[str]
+) -> dict[str, Any]:
+    """One ``belayer run`` on a fresh node under ``root/label``; its ``--json`` report."""
+    out = root / label
+    home = root / f"{label}-home"
+    home.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "services.cli.main", "run", workload, "--steps", str(steps),
+           "--model", str(model), "--seed", str(SEED), "--out", str(out), "--json", *options]  # fmt: skip
+    if inject:
+        cmd += ["--inject", inject]
+    progress(NAME, f"{label} run: belayer run {workload} --steps {steps} --inject {inject!r}")
+    t0 = time.monotonic()
+    env = {**os.environ, "BELAYER_HOME": str(home)}
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S, check=False
+    )
+    seconds = time.monotonic() - t0
+    (root / f"{label}.stderr").write_text(proc.stderr)
+    try:
+        report: dict[str, Any] = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        report = {}
+    if proc.returncode != 0 or not report:
+        tail = proc.stderr.strip().splitlines()[-3:]
+        report.setdefault("errors", []).append(
+            f"belayer run exited {proc.returncode}: {' / '.join(tail)}"
+        )
+    report["bench_seconds"] = round(seconds, 2)
+    progress(NAME, f"{label} run: {seconds:.0f} s, exit {proc.returncode}")
+    return report
+
+
+def steps_of(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {r["step"]: r for r in report.get("per_step", []) if r.get("step", 0) >= 1}
+
+
+def compare(clean: dict[str, Any], faulted: dict[str, Any], steps: int) -> list[dict[str, Any]]:
+    """Per step: each compared value of both runs and whether they are equal (a value missing
+    on either side, or an empty digest, compares unequal: nothing compared is no match)."""
+    a, b = steps_of(clean), steps_of(faulted)
+    out = []
+    for step in range(1, steps + 1):
+        row: dict[str, Any] = {"step": step}
+        for key in COMPARED:
+            x, y = a.get(step, {}).get(key), b.get(step, {}).get(key)
+            row[key] = {"clean": x, "faulted": y, "equal": x == y and x not in (None, "", [])}
+        row["equal"] = all(row[k]["equal"] for k in COMPARED)
+        row["inject"] = b.get(step, {}).get("inject", [])
+        out.append(row)
+    return out
+
+
+def problems_of(
+    clean: dict[str, Any], faulted: dict[str, Any], per_step: list[dict[str, Any]]
+) -> list[str]:
+    """Why the verdict is MISS (empty: PASS)."""
+    out = [f"clean run: {e}" for e in clean.get("errors", [])]
+    out += [f"faulted run: {e}" for e in faulted.get("errors", [])]
+    if clean.get("failures_injected"):
+        out.append(f"the clean run injected {clean['failures_injected']} failures")
+    if not faulted.get("failures_injected"):
+        out.append("no failure fired in the faulted run: nothing was compared")
+    if not any(r.get("grad_norm") for r in steps_of(clean).values()):
+        out.append("no step of the clean run had a gradient: the weights never moved")
+    for r in per_step:
+        differ = [k for k in COMPARED if not r[k]["equal"]]
+        if differ:
+            out.append(f"step {r['step']}: {', '.join(differ)} differ")
+    return out
+
+
+def main(
+    json_path: Path,
+    *,
+    workload: str = "math",
+    steps: int = 3,
+    inject: str | None = None,
+    model: Path | None = None,
+    tasks: int | None = None,
+    n: int | None = None,
+    held_out: int | None = None,
+) -> dict[str, Any]:
+    """Both runs, the per-step comparison, the table and the JSON."""
+    if workload not in FAULTS:
+        raise ValueError(f"workload must be math or swe, got {workload!r}")
+    machine = machine_info()
+    progress(NAME, f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
+    inject = default_inject(workload, steps) if inject is None else inject
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in
+               (("tasks", tasks), ("n", n), ("held_out", held_out)) if v is not None]  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="belayer-bench-transparency-"))
+    try:
+        model_dir = model or warm_model(workload, tmp / "model")
+        clean = belayer_run(tmp, "clean", workload, model_dir, steps, "", options)
+        faulted = belayer_run(tmp, "faulted", workload, model_dir, steps, inject, options)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    per_step = compare(clean, faulted, steps)
+    problems = problems_of(clean, faulted, per_step)
+    first = next((r["step"] for r in per_step if not r["equal"]), None)
+    result: dict[str, Any] = {
+        "bench": NAME, "timestamp": timestamp(), "machine": machine, "workload": workload,
+        "steps": steps, "seed": SEED, "inject": inject, "options": options,
+        "per_step": per_step, "first_divergence": first,
+        "weights_sha256": {"clean": clean.get("weights_sha256"),
+                           "faulted": faulted.get("weights_sha256")},
+        "runs": {label: summary(r) for label, r in (("clean", clean), ("faulted", faulted))},
+        "problems": problems, "verdict": PASS if not problems else MISS,
+    }  # fmt: skip
+    print_table(f"bench {NAME}: {workload}, {steps} steps, with and without failures", rows(result))
+    write_json(json_path, result)
+    return result
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    keys = ("run_id", "steps", "failures_injected", "failures_recovered", "handovers",
+            "trainer_restarts", "env_restores", "restarts_from_scratch", "weight_version",
+            "deterministic", "wall_seconds", "bench_seconds", "errors")  # fmt: skip
+    return {k: report.get(k) for k in keys}
+
+
+def _same(cell: dict[str, Any]) -> str:
+    return "equal" if cell["equal"] else "DIFFER"
+
+
+def rows(r: dict[str, Any]) -> list[Row]:
+    out = []
+    for s in r["per_step"]:
+        faults = ", ".join(s["inject"]) or "none"
+        value = " / ".join(_same(s[k]) for k in COMPARED)
+        out.append(Row(f"step {s['step']} ({faults})", value, "all equal",
+                       PASS if s["equal"] else MISS))  # fmt: skip
+    runs = r["runs"]
+    out.append(Row("compared per step", "weights sha256 / batch sha256 / rewards / loss"))
+    for label in ("clean", "faulted"):
+        x = runs[label]
+        out.append(
+            Row(
+                f"{label} run: injected / recovered, handovers, trainer restarts",
+                f"{x['failures_injected']} / {x['failures_recovered']}, {x['handovers']}, "
+                f"{x['trainer_restarts']} ({x['bench_seconds']} s)",
+            )
+        )
+    w = r["weights_sha256"]
+    out.append(Row("final weights sha256, clean", str(w["clean"])[:16]))
+    out.append(Row("final weights sha256, faulted", str(w["faulted"])[:16]))
+    out.extend(Row("problem", p) for p in r["problems"])
+    out.append(Row("verdict", r["verdict"], "no trace of failures", r["verdict"]))
+    return out
