@@ -105,7 +105,7 @@ async def one_rollout(
 
     rid = f"bench-{tag}-{policy.replace(':', '')}-p{int(p * 1000)}-s{seed}"
     req = RolloutRequest(
-        workload="swe",
+        workload="swe-bundled",  # the tasks the swe-long policy was warm-started on
         rollout_id=rid,
         tasks=tasks,
         n=n,

@@ -36,6 +36,12 @@ def _swe(**options: Any) -> Workload:
     return SweWorkload(**options)
 
 
+def _swe_bundled(**options: Any) -> Workload:
+    from workloads.swe import SweWorkload
+
+    return SweWorkload(**options, generated=False)
+
+
 def _swe_gym(**options: Any) -> Workload:
     from workloads.swe_gym import SweGymWorkload
 
@@ -52,12 +58,22 @@ def _target(name: str) -> Callable[..., Any]:
         from workloads.swe import SweWorkload
 
         return SweWorkload
+    if name == "swe-bundled":
+        from workloads.swe import bundled_options
+
+        return bundled_options
     from workloads.swe_gym import SweGymWorkload
 
     return SweGymWorkload
 
 
-_REGISTRY: dict[str, Factory] = {"math": _math, "dapo": _dapo, "swe": _swe, "swe-gym": _swe_gym}
+_REGISTRY: dict[str, Factory] = {
+    "math": _math,
+    "dapo": _dapo,
+    "swe": _swe,
+    "swe-bundled": _swe_bundled,
+    "swe-gym": _swe_gym,
+}
 _BUILTIN = frozenset(_REGISTRY)
 
 

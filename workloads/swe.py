@@ -1,6 +1,8 @@
-"""``swe``: the bundled bug-fix tasks (``workloads/swe_tasks/<task_id>/``), tiny Python
-repositories scored by hidden tests in the locally built ``belayer-swe:1`` image (python3 +
-pytest, no network; ``deploy/install_env.sh`` builds it).
+"""``swe``: tiny Python bug-fix repositories scored by hidden tests in the locally built
+``belayer-swe:1`` image (python3 + pytest, no network; ``deploy/install_env.sh`` builds it):
+generated ones (``workloads.swe_gen``: bug families × instances, with held-out instances and
+held-out families) by default, and the bundled ones (``workloads/swe_tasks/<task_id>/``),
+loadable by id and as the task list of the ``swe-bundled`` workload.
 
 A task directory holds ``task.toml`` (problem statement, ``fail_to_pass``, ``pass_to_pass``,
 ``reference_actions``, optional ``held_out``, ``setup``, ``max_turns``), ``repo/`` (the files
@@ -28,6 +30,8 @@ from workloads.base import (
     find_task,
 )
 from workloads.scoring import score
+from workloads.swe_families import TRAIN_FAMILIES
+from workloads.swe_gen import Instance, held_out_ids, instance, parse_instance_id, training_ids
 
 SWE_IMAGE = "belayer-swe:1"
 """The sandbox image of the bundled tasks (``belayer-sandbox:1`` + pytest)."""
@@ -42,6 +46,19 @@ SWE_LIMITS = TaskLimits(
     max_turns=20, action_timeout_s=30.0, observation_chars=1000, max_response_tokens=256
 )
 """Limits of the bundled tasks (a tiny model's context is 2048 tokens)."""
+
+GENERATED_LIMITS = TaskLimits(
+    max_turns=10, action_timeout_s=30.0, observation_chars=1000, max_response_tokens=256
+)
+"""Limits of the generated tasks: their fix takes 4 actions, so 10 turns leave room to look
+around without letting a lost episode run for 20."""
+
+HELD_OUT_SIZE = 96
+"""Length of the fixed held-out list of the generated tasks."""
+
+HELD_OUT_DEFAULT = 12
+"""Held-out tasks a caller without a count takes (``SweWorkload.evaluation``): 8 held-out
+instances and 4 held-out-family tasks."""
 
 MAX_TASK_BYTES = 4 * 1024 * 1024
 """Largest total size of a task's files (they travel in one sandbox-create message)."""
@@ -172,10 +189,56 @@ def load_task_dir(directory: Path, *, image: str = SWE_IMAGE, workload: str = "s
     )
 
 
+def generated_task(inst: Instance, *, image: str = SWE_IMAGE, workload: str = "swe") -> Task:
+    """A generated instance (``workloads.swe_gen``) as a ``Task``: its repository in
+    ``/root/repo``, the hidden tests plus the repository's own test files restored for scoring,
+    ``GENERATED_LIMITS``, its ``sed`` fix as the reference action, metadata ``family`` and
+    ``split``."""
+    restore = {
+        p: inst.files[p]
+        for p in files_of_tests(inst.fail_to_pass + inst.pass_to_pass)
+        if p in inst.files
+    }
+    return Task(
+        id=inst.id,
+        workload=workload,
+        prompt=[
+            ChatMessage(role="system", content=SWE_INSTRUCTION.format(workdir=WORKDIR)),
+            ChatMessage(role="user", content=inst.statement),
+        ],
+        reward=HiddenTests(
+            fail_to_pass=list(inst.fail_to_pass),
+            pass_to_pass=list(inst.pass_to_pass),
+            files={**restore, **inst.hidden},
+        ),
+        sandbox=SandboxSpec(image=image, workdir=WORKDIR, files=dict(inst.files)),
+        limits=GENERATED_LIMITS,
+        reference_actions=[inst.fix],
+        metadata={
+            "source": "generated",
+            "family": inst.family,
+            "split": inst.split,
+            "held_out": str(inst.split != "train").lower(),
+            "module": inst.module,
+        },
+    )
+
+
 class SweWorkload:
-    """``swe``: the bundled tasks. Options: ``image`` (default ``belayer-swe:1``),
+    """``swe``: generated bug-fix tasks (``workloads.swe_gen``) by default; the bundled tasks
+    stay loadable by their ids. Options: ``image`` (default ``belayer-swe:1``),
     ``check_image`` (default true: ``NotFound`` at load when the image is missing),
-    ``tasks_dir`` (another directory of tasks in the same format)."""
+    ``tasks_dir`` (another directory of tasks in the bundled format), ``generated`` (default
+    true; false: ``tasks``/``held_out`` are the directory's own, the ``swe-bundled``
+    workload).
+
+    Generated: ``tasks(count, seed)`` are training instances of the training families (any
+    count); ``held_out(count)`` is a fixed list mixing held-out instances of the training
+    families and instances of the held-out families, two to one (task metadata ``family``
+    and ``split`` = ``heldout-instance`` | ``heldout-family``, so reports can split the
+    reward). ``train`` / ``evaluation`` are the first round (one instance per training
+    family) and the first ``HELD_OUT_DEFAULT`` held-out tasks: what a caller without a count
+    takes."""
 
     name = "swe"
 
@@ -185,6 +248,7 @@ class SweWorkload:
         image: str = SWE_IMAGE,
         check_image: bool = True,
         tasks_dir: str | Path = BUNDLED_DIR,
+        generated: bool = True,
     ) -> None:
         root = Path(tasks_dir)
         if not root.is_dir():
@@ -195,22 +259,50 @@ class SweWorkload:
         if check_image:
             require_image(image)
         self.image = image
+        self.generated = generated
         self.all = [load_task_dir(d, image=image, workload=self.name) for d in dirs]
-        self.train = [t for t in self.all if t.metadata["held_out"] != "true"]
-        self.evaluation = [t for t in self.all if t.metadata["held_out"] == "true"]
+        if generated:
+            self.train = self.tasks(len(TRAIN_FAMILIES))
+            self.evaluation = self.held_out(HELD_OUT_DEFAULT)
+        else:
+            self.train = [t for t in self.all if t.metadata["held_out"] != "true"]
+            self.evaluation = [t for t in self.all if t.metadata["held_out"] == "true"]
+
+    def _generated(self, task_id: str) -> Task:
+        found = parse_instance_id(task_id)
+        if found is None:
+            raise NotFound("unknown task id", workload=self.name, task_id=task_id)
+        return generated_task(instance(*found), image=self.image, workload=self.name)
 
     def tasks(self, count: int, seed: int = 0) -> list[Task]:
+        if self.generated:
+            check_count(count, None, what="swe tasks")
+            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+                raise InvalidRequest("seed must be a non-negative integer", seed=seed)
+            return [self._generated(i) for i in training_ids(count, seed)]
         check_count(count, len(self.train), what="swe tasks")
         order = list(self.train)
         random.Random(seed).shuffle(order)
         return order[:count]
 
     def held_out(self, count: int) -> list[Task]:
+        if self.generated:
+            check_count(count, HELD_OUT_SIZE, what="swe held-out tasks")
+            return [self._generated(i) for i in held_out_ids(count)]
         check_count(count, len(self.evaluation), what="swe held-out tasks")
         return self.evaluation[:count]
 
     def task(self, task_id: str) -> Task:
+        if parse_instance_id(task_id) is not None:
+            return self._generated(task_id)
         return find_task(self.all, task_id, self.name)
 
     async def reward(self, task: Task, outcome: Outcome) -> float:
         return (await score(task, outcome)).reward
+
+
+def bundled_options(
+    *, image: str = SWE_IMAGE, check_image: bool = True, tasks_dir: str | Path = BUNDLED_DIR
+) -> None:
+    """The options of ``swe-bundled`` (``SweWorkload`` with ``generated=False``), for
+    ``load_workload``'s option check."""

@@ -33,7 +33,7 @@ KILL_SERVER = (
 @pytest.mark.timeout(300)
 async def test_every_bundled_task_scores_0_unfixed_and_1_after_its_reference_fix(env) -> None:  # type: ignore[no-untyped-def]
     ops: SandboxOps = env.client  # EnvClient satisfies the workloads protocol structurally
-    swe = load_workload("swe")
+    swe = load_workload("swe-bundled")
     tasks = swe.tasks(len(swe.train)) + swe.held_out(len(swe.evaluation))  # type: ignore[attr-defined]
     assert len(tasks) >= 4 and {t.id for t in tasks} >= {"kv_daemon"}
     for task in tasks:

@@ -21,7 +21,7 @@ CALC = BUNDLED_DIR / "calc_clamp" / "repo"
 
 
 def _swe():  # type: ignore[no-untyped-def]
-    return load_workload("swe", check_image=False)
+    return load_workload("swe-bundled", check_image=False)
 
 
 def test_bundled_tasks_are_complete_and_hide_their_tests() -> None:
