@@ -234,6 +234,9 @@ def bench_train(
     as_json: bool = _BENCH_JSON,
     out: Path = _bench_out("train"),
     pairs: int = typer.Option(4, min=1, help="Failure-free step pairs (Belayer, baseline)."),
+    kills: int = typer.Option(
+        5, min=2, help="Steps with each failure kind per node (pairs of the cost intervals)."
+    ),
     tasks: int = typer.Option(4, min=1, max=4, help="SWE tasks per step."),
     n: int = typer.Option(2, min=1, help="Samples per task."),
     model: Path | None = typer.Option(
@@ -247,13 +250,16 @@ def bench_train(
     Belayer (shadows, risk-aware sandbox checkpoints) and the baseline (`--recovery baseline`,
     policy never). Steps (rollout → reward → train → push weights) run interleaved with the
     same content on both (same tasks and seed each step, deterministic, lr 1e-12). Target:
-    failure-free overhead ≤ 1 %. Then one worker-kill step and one sandbox-kill step per node:
-    the time each adds, as baseline / Belayer ratios. About ten minutes.
+    failure-free overhead ≤ 1 %, judged on its 95 % bootstrap interval over the pairs. Then
+    --kills worker-kill steps and as many sandbox-kill steps per node: the time each adds, as
+    baseline / Belayer ratios with 95 % intervals over the kill pairs. About 20 minutes.
     """
     from bench.train import main as bench_main
 
     _run_bench(
-        lambda path: bench_main(path, pairs=pairs, tasks=tasks, n=n, model=model), out, as_json
+        lambda path: bench_main(path, pairs=pairs, kills=kills, tasks=tasks, n=n, model=model),
+        out,
+        as_json,
     )
 
 
