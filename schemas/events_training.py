@@ -239,6 +239,12 @@ class TrainStep(TrainerEvent, tag="TrainStep.v1"):
     """sha256 of the batch in training order: each sample's slot, index, tokens, loss mask,
     weight versions, reward and temperature (no ids: they name the run); empty from an older
     trainer."""
+    logprob_tokens_compared: int = 0
+    """Model tokens whose training log-probability was compared with the engine's (counted
+    where compared; ``logprob_diff_*`` mean nothing when it is 0)."""
+    trajectory_ids: list[str] = []
+    """The trajectories trained on, in training order (what ``trajectories_lost`` counts
+    against the slots a run submitted)."""
 
 
 class LogprobMismatch(TrainerEvent, tag="LogprobMismatch.v1"):

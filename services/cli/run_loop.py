@@ -45,6 +45,7 @@ from schemas.events import (
 from schemas.rollout import RolloutRequest, RolloutResult, Trajectory
 from schemas.seeds import derive_seed
 from schemas.serving import GenerateRequest, RouterStatus, SamplingParams, StatusRequest
+from services.cli.run_counters import compared_nothing, exact_share, lost_slots
 from services.cli.run_eval import EvalResult, evaluate
 from services.cli.run_node import EventTail, NodeHandle, kill_process, supervisor_procs
 from services.cli.run_report import RunLogs
@@ -413,6 +414,7 @@ def step0_record(ctx: RunContext, held: EvalResult) -> dict[str, Any]:
         "step": 0,
         "run_id": ctx.state.run_id,
         "heldout_reward": round(held.mean, 4),
+        "heldout_exact": _rounded(held.exact_mean),
         "heldout_rewards": held.rewards,
         "eval_s": round(held.seconds, 3),
         "weight_version": min(held.versions) if held.versions else None,
@@ -438,19 +440,27 @@ def step_record(
     handovers = len(events.of(HandoverComplete, after=t_start))
     for sample in batch.samples:
         sample["step"] = step
+    slots = len(step_tasks(ctx.state.pool, step, ctx.state.tasks)) * ctx.state.n
+    lost = lost_slots(slots, batch.trajectories, set(trained.trajectory_ids))
+    compared = trained.logprob_tokens_compared
+    if (error := compared_nothing(step, compared)) is not None:
+        ctx.errors.append(error)
     return {
         "step": step,
         "rollout_id": rid,
         "weight_version": trained.version,
         "reward_mean": round(batch.reward_mean, 4),
         "reward_std": round(batch.reward_std, 4),
+        "reward_exact": _rounded(exact_share(ctx.workload, batch.trajectories, ctx.chat.tokenizer)),
         "heldout_reward": round(held.mean, 4),
+        "heldout_exact": _rounded(held.exact_mean),
         "heldout_rewards": held.rewards,
         "tokens": trained.tokens,
         "trajectories": s.trajectories,
         "trajectories_completed": s.trajectories_completed,
         "trajectories_trained": trained.samples,
-        "trajectories_lost": max(0, s.trajectories - trained.samples),
+        "trajectories_lost": len(lost),
+        "slots_lost": lost,
         "attempts_failed": s.trajectories_failed,
         "loss": trained.loss,
         "grad_norm": trained.grad_norm,
@@ -458,8 +468,9 @@ def step_record(
         "clip_high": trained.clip_high,
         "kl": trained.kl,
         "lr": trained.lr,
-        "logprob_diff_max": trained.logprob_diff_max,
-        "logprob_diff_mean": trained.logprob_diff_mean,
+        "logprob_diff_max": trained.logprob_diff_max if compared else None,
+        "logprob_diff_mean": trained.logprob_diff_mean if compared else None,
+        "logprob_tokens_compared": compared,
         "weights_sha256": trained.weights_sha256,
         "batch_sha256": trained.batch_sha256,
         "rewards": [t.reward for t in sorted(batch.trajectories, key=lambda t: t.slot)],
@@ -486,6 +497,10 @@ def step_record(
         "t_end": round(time.time() - ctx.t0, 3),
         "ts": time.time(),
     }
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
 
 
 def timeline(ctx: RunContext, events: EventTail, rollout_ids: set[str]) -> list[dict[str, Any]]:
@@ -544,11 +559,17 @@ def totals(ctx: RunContext, records: list[dict[str, Any]], wall: float) -> dict[
         "weight_version": steps[-1]["weight_version"] if steps else None,
         "reward_first_step": steps[0]["reward_mean"] if steps else None,
         "reward_last_step": steps[-1]["reward_mean"] if steps else None,
-        "logprob_diff_max": max((r["logprob_diff_max"] for r in steps), default=None),
+        "logprob_diff_max": max(
+            (r["logprob_diff_max"] for r in steps if r["logprob_diff_max"] is not None),
+            default=None,
+        ),
+        "logprob_tokens_compared": sum(r.get("logprob_tokens_compared", 0) for r in steps),
         "wall_seconds": round(wall, 2),
         "weights_sha256": steps[-1].get("weights_sha256") if steps else None,
         "heldout_reward_start": held[0]["heldout_reward"] if held else None,
         "heldout_reward_last": held[-1]["heldout_reward"] if held else None,
+        "heldout_exact_start": held[0].get("heldout_exact") if held else None,
+        "heldout_exact_last": held[-1].get("heldout_exact") if held else None,
         "weight_version_start": (steps[0]["weight_version"] - 1) if steps else None,
         "restarts_from_scratch": sum(r["restarts_from_scratch"] for r in steps),
         "env_checkpoints": sum(r["env_checkpoints"] for r in steps),

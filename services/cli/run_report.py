@@ -32,6 +32,8 @@ SCALARS = (
     "reward_mean",
     "reward_std",
     "heldout_reward",
+    "reward_exact",
+    "heldout_exact",
     "tokens",
     "loss",
     "grad_norm",
@@ -154,18 +156,18 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 def step_table(records: list[dict[str, Any]], title: str) -> Table:
     """The per-step table (step 0 is the evaluation before training)."""
     t = Table(title=title)
-    cols = ("step", "reward", "held-out", "tokens", "rollout s", "train s", "push s",
+    cols = ("step", "reward", "held-out", "exact", "tokens", "rollout s", "train s", "push s",
             "eval s", "injected", "recovered", "logprob diff")  # fmt: skip
     for c in cols:
         t.add_column(c, justify="right")
     for r in records:
         if r.get("step", 0) == 0:
-            t.add_row("0", "", _f(r.get("heldout_reward")), "", "", "", "", _f(r.get("eval_s"), 1),
-                      "", "", "")  # fmt: skip
+            t.add_row("0", "", _f(r.get("heldout_reward")), _f(r.get("heldout_exact")), "", "",
+                      "", "", _f(r.get("eval_s"), 1), "", "", "")  # fmt: skip
             continue
         t.add_row(
             str(r["step"]), _f(r.get("reward_mean")), _f(r.get("heldout_reward")),
-            str(r.get("tokens", "")), _f(r.get("rollout_s"), 1), _f(r.get("train_s"), 1),
+            _f(r.get("heldout_exact")), str(r.get("tokens", "")), _f(r.get("rollout_s"), 1), _f(r.get("train_s"), 1),
             _f(r.get("push_s"), 2), _f(r.get("eval_s"), 1), str(r.get("failures_injected", 0)),
             str(r.get("failures_recovered", 0)), _g(r.get("logprob_diff_max")),
         )  # fmt: skip
@@ -195,17 +197,19 @@ def markdown(report: dict[str, Any], records: list[dict[str, Any]]) -> str:
     ]
     lines += [f"| {k} | {report.get(k)} |" for k in CONTRACT]
     for k in ("heldout_reward_start", "heldout_reward_last", "restarts_from_scratch",
+              "heldout_exact_start", "heldout_exact_last", "logprob_tokens_compared",
               "env_checkpoints", "weights_sha256", "inject"):  # fmt: skip
         lines.append(f"| {k} | {report.get(k)} |")
     lines += [
         "",
-        "| step | reward | held-out | tokens | rollout s | train s | push s | eval s | "
+        "| step | reward | held-out | exact | tokens | rollout s | train s | push s | eval s | "
         "injected | recovered | logprob diff |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in records:
         lines.append(
             f"| {r['step']} | {_f(r.get('reward_mean'))} | {_f(r.get('heldout_reward'))} | "
+            f"{_f(r.get('heldout_exact'))} | "
             f"{r.get('tokens', '')} | {_f(r.get('rollout_s'), 1)} | {_f(r.get('train_s'), 1)} | "
             f"{_f(r.get('push_s'), 2)} | {_f(r.get('eval_s'), 1)} | "
             f"{r.get('failures_injected', '')} | {r.get('failures_recovered', '')} | "
@@ -253,6 +257,9 @@ def make_plots(
     held = [(r["step"], r["heldout_reward"]) for r in records if "heldout_reward" in r]
     if held:
         ax.plot([h[0] for h in held], [h[1] for h in held], "s--", label="held-out (greedy)")
+    exact = [(r["step"], r["heldout_exact"]) for r in records if r.get("heldout_exact") is not None]
+    if exact:
+        ax.plot([e[0] for e in exact], [e[1] for e in exact], "^:", label="held-out exact (greedy)")
     ax.set_xticks(sorted({h[0] for h in held} | set(xs)))
     ax.set_xlabel("step (0: before training)")
     ax.set_ylabel("reward")

@@ -120,6 +120,7 @@ def train_step(
         train_s=round(r.train_s, 4), checkpoint_s=round(checkpoint_s, 4),
         push_s=round(push_s, 4), step_s=round(step_s, 4), checkpointed=checkpointed,
         replay=replay, weights_sha256=weights_sha256, batch_sha256=batch_sha256,
+        logprob_tokens_compared=r.compared_tokens, trajectory_ids=list(r.trajectory_ids),
     )  # fmt: skip
 
 
