@@ -3,13 +3,14 @@ that needs the workloads and a real sandbox; the training itself is :mod:`model.
 
 * **math**: problems of the ``math`` workload (reasoning-gym, offline), answered in the
   convention: the left-to-right working, one line per operation, then ``Answer: N``.
-* **swe**: every bundled *training* task run for real — a private nats-server and environment
-  service, real sandboxes of the task's image — once per variant (``SWE_VARIANTS``: its
-  reference actions; ``ls`` first; the visible tests after the fix; and, as deliberate noise,
-  ``ls`` then a premature submit), each episode checked against the hidden tests (1, or 0 for
-  the noise). The transcript holds the real observations, formatted as the controller formats
-  them (``workloads.runner``), and ends with the submit action.
-* **swe-long**: the same tasks, one long episode each in the manner of mini-swe-agent: every
+* **swe**: generated training instances of every *training* bug family
+  (``workloads.swe_gen``; ``SWE_DEMO_PER_FAMILY`` each, never a held-out instance or family)
+  run for real — a private nats-server and environment service, real sandboxes of the task's
+  image — with the general recipe (``SWE_VARIANTS``: run the tests, read the module the
+  statement names, fix the line with one ``sed``, run the tests again), each episode checked
+  against the hidden tests. The transcript holds the real observations, formatted as the
+  controller formats them (``workloads.runner``), and ends with the submit action.
+* **swe-long**: the bundled training tasks (``swe-bundled``), one long episode each in the manner of mini-swe-agent: every
   response reasons first (a ``THOUGHT:`` paragraph) and then acts; the agent explores the
   repository and its tests, runs the tests, reads the module, fixes it and runs the tests
   again (``long_episode``: 8–10 actions). Responses longer than a checkpoint and trajectories
@@ -39,6 +40,7 @@ from model.warm_start import Demonstration, read_demonstrations, write_demonstra
 from workloads import FINISH_COMMAND, format_action, format_answer, load_workload
 from workloads.base import SandboxOps, Task
 from workloads.runner import run_episode
+from workloads.swe_families import TRAIN_FAMILIES
 
 log = get_logger(component="warm_start")
 
@@ -52,6 +54,18 @@ DEMO_VERSION = 1
 
 MATH_DEMOS = 4000
 """Math demonstrations (training problems of the ``math`` workload, never held-out ones)."""
+
+SWE_DEMO_VERSION = 2
+"""Bumped when the ``swe`` recipe changes (2: generated tasks and the general recipe)."""
+
+SWE_DEMO_PER_FAMILY = 3
+"""``swe`` demonstrations per training family."""
+
+SWE_DEMO_SEED = 1000
+"""Seed of the demonstrated training instances (a run's default seed 0 draws others)."""
+
+SWE_RECORD_CONCURRENCY = 3
+"""Demonstration episodes recorded at once."""
 
 TEST_COMMAND = "python3 -m pytest -q"
 """The visible tests, as the SWE system prompt tells the agent to run them."""
@@ -139,16 +153,19 @@ def math_demonstrations(
 
 
 # --- swe --------------------------------------------------------------------------------
+def general_actions(task: Task) -> list[str]:
+    """The general skill on one task: run the tests (the failing one shows the call and what
+    it returned), read the module the statement names, fix it (the reference ``sed``), run
+    the tests again."""
+    return [TEST_COMMAND, f"cat {edited_module(task)}", *task.reference_actions, TEST_COMMAND]
+
+
 SWE_VARIANTS: dict[str, tuple[Callable[[Task], list[str]], float]] = {
-    "reference": (lambda t: list(t.reference_actions), 1.0),
-    "look-first": (lambda t: ["ls", *t.reference_actions], 1.0),
-    "test-after": (lambda t: [*t.reference_actions, TEST_COMMAND], 1.0),
-    "look-then-submit": (lambda t: ["ls"], 0.0),
+    "general": (general_actions, 1.0),
 }
-"""The action lists recorded per training task (each then ends with the submit action) and
-the reward each must get. ``look-then-submit`` is the deliberate noise: after ``ls`` the
-transcripts branch evenly into the fix and a premature submit, so a policy that matches its
-demonstrations solves about three episodes in four — some but not all, a signal for GRPO."""
+"""The action lists recorded per demonstrated task (each then ends with the submit action) and
+the reward each must get. No noise variant: the instances a run trains on are new to the model
+(other seeds), so its own copying mistakes already make some episodes fail."""
 
 
 Step = tuple[str, str]
@@ -247,42 +264,40 @@ async def record_swe(
     ops: SandboxOps,
     tasks: Sequence[Task],
     variants: dict[str, tuple[Callable[[Task], list[Step]], float]],
+    *,
+    concurrency: int = SWE_RECORD_CONCURRENCY,
 ) -> list[Demonstration]:
-    """Run every task × variant in a real sandbox; each episode must score what its variant
-    expects (1, or 0 for the noise variant)."""
-    demos: list[Demonstration] = []
-    for task in tasks:
-        for variant, (recipe, expected) in variants.items():
-            steps = recipe(task)
-            actions = [command for _, command in steps]
-            thoughts = [thought for thought, _ in steps]
-            finish = THOUGHTS["submit"] if any(thoughts) else ""
+    """Run every task × variant in a real sandbox (``concurrency`` episodes at once; the result
+    in task × variant order); each episode must score what its variant expects."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def record(task: Task, variant: str) -> Demonstration:
+        recipe, expected = variants[variant]
+        steps = recipe(task)
+        actions = [command for _, command in steps]
+        thoughts = [thought for thought, _ in steps]
+        finish = THOUGHTS["submit"] if any(thoughts) else ""
+        async with gate:
             episode = await run_episode(ops, task, actions=actions)
-            reward = episode.score.reward if episode.score else -1.0
-            if reward != expected:
-                raise SandboxError(
-                    "a demonstration did not score what its recipe expects",
-                    task_id=task.id,
-                    variant=variant,
-                    reward=reward,
-                    expected=expected,
-                    detail=episode.score.detail if episode.score else "",
-                )
-            demos.append(
-                Demonstration(
-                    task_id=task.id,
-                    messages=swe_transcript(
-                        task,
-                        actions,
-                        [s.observation for s in episode.steps],
-                        thoughts,
-                        finish,
-                    ),
-                    variant=variant,
-                )
+        reward = episode.score.reward if episode.score else -1.0
+        if reward != expected:
+            raise SandboxError(
+                "a demonstration did not score what its recipe expects",
+                task_id=task.id,
+                variant=variant,
+                reward=reward,
+                expected=expected,
+                detail=episode.score.detail if episode.score else "",
             )
-            log.info("swe_demonstration_recorded", task_id=task.id, variant=variant)
-    return demos
+        log.info("swe_demonstration_recorded", task_id=task.id, variant=variant)
+        observations = [s.observation for s in episode.steps]
+        return Demonstration(
+            task_id=task.id,
+            messages=swe_transcript(task, actions, observations, thoughts, finish),
+            variant=variant,
+        )
+
+    return list(await asyncio.gather(*(record(t, v) for t in tasks for v in variants)))
 
 
 def _task_fingerprint(task: Task) -> dict[str, Any]:
@@ -353,15 +368,20 @@ def swe_demonstrations(
 ) -> list[Demonstration]:
     """The SWE demonstrations of ``kind`` (``swe`` or ``swe-long``; cached; recorded in real
     sandboxes when not)."""
-    swe = load_workload("swe", check_image=False)
-    tasks = sorted(swe.tasks(len(swe.train)), key=lambda t: t.id)  # type: ignore[attr-defined]
     if kind == "swe":
+        count = SWE_DEMO_PER_FAMILY * len(TRAIN_FAMILIES)
+        tasks = load_workload("swe", check_image=False).tasks(count, seed=SWE_DEMO_SEED)
         variants = plain_variants()
-        shown: dict[str, Any] = (
-            {k: [f(tasks[0]), r] for k, (f, r) in SWE_VARIANTS.items()} if tasks else {}
-        )
-        fingerprint: dict[str, Any] = {"v": DEMO_VERSION, "kind": "swe", "variants": shown}
+        shown: dict[str, Any] = {k: [f(tasks[0]), r] for k, (f, r) in SWE_VARIANTS.items()}
+        fingerprint: dict[str, Any] = {
+            "v": DEMO_VERSION,
+            "swe_v": SWE_DEMO_VERSION,
+            "kind": "swe",
+            "variants": shown,
+        }
     else:
+        swe = load_workload("swe-bundled", check_image=False)
+        tasks = sorted(swe.tasks(len(swe.train)), key=lambda t: t.id)  # type: ignore[attr-defined]
         variants = SWE_LONG_VARIANTS
         shown = {k: [[f(t) for t in tasks], r] for k, (f, r) in variants.items()}
         fingerprint = {"v": DEMO_VERSION, "kind": kind, "variants": shown, "thoughts": THOUGHTS}
