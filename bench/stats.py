@@ -70,7 +70,7 @@ def bootstrap(
     values.sort()
     tail = (1.0 - LEVEL) / 2
     low = values[int(tail * (len(values) - 1))]
-    high = values[int(round((1.0 - tail) * (len(values) - 1)))]
+    high = values[round((1.0 - tail) * (len(values) - 1))]
     return Interval(value=value, low=low, high=high, n=len(pairs))
 
 

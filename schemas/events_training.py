@@ -242,7 +242,7 @@ class TrainStep(TrainerEvent, tag="TrainStep.v1"):
     logprob_tokens_compared: int = 0
     """Model tokens whose training log-probability was compared with the engine's (counted
     where compared; ``logprob_diff_*`` mean nothing when it is 0)."""
-    trajectory_ids: list[str] = []
+    trajectory_ids: list[Id] = []
     """The trajectories trained on, in training order (what ``trajectories_lost`` counts
     against the slots a run submitted)."""
 

@@ -281,30 +281,47 @@ class Sampler:
         return [r.token_ids for r in self.engine.generate(prompts, params)]
 
     def text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.text(ids)
 
 
 def evaluate_math(
     model_dir: Path, count: int = 64, *, temperature: float = 1.0, seed: int = 0
 ) -> EvalReport:
-    """Sample one response for each of the first ``count`` held-out math problems (batched)."""
+    """Sample one response for each of the first ``count`` held-out math problems (batched):
+    each an episode of the controller's (``workloads.episode``), their generations batched."""
     from workloads import AnswerAction, load_workload, parse_action
+    from workloads.episode import Episode, Generate, Score, task_limits
     from workloads.scoring import score
 
     t0 = time.perf_counter()
     sampler = Sampler(Path(model_dir))
     tasks = load_workload("math").held_out(count)
-    prompts = [sampler.chat.prompt((m.role, m.content) for m in t.prompt) for t in tasks]
+    episodes = [
+        Episode(
+            trajectory_id=f"eval-{t.id}",
+            prompt_ids=sampler.chat.prompt((m.role, m.content) for m in t.prompt),
+            limits=task_limits(t, vocab_size=sampler.chat.tokenizer.vocab_size),
+            sample_seed=seed + i,
+            has_sandbox=False,
+            started_at=0.0,
+            observation_ids=sampler.chat.observation,
+        )
+        for i, t in enumerate(tasks)
+    ]
+    gens = [e.next_generation(0.0) for e in episodes]
+    assert all(isinstance(g, Generate) for g in gens)
     outs = sampler.sample(
-        prompts,
+        [g.prompt_ids for g in gens if isinstance(g, Generate)],
         temperature=temperature,
         max_tokens=tasks[0].limits.max_response_tokens,
         seed=seed,
     )
     report = EvalReport(kind="math")
-    for task, ids in zip(tasks, outs, strict=True):
+    for task, episode, ids in zip(tasks, episodes, outs, strict=True):
         text = sampler.text(ids)
-        reward = asyncio.run(score(task, text)).reward
+        step = episode.on_response(ids, [0.0] * len(ids), [0] * len(ids), text, llm_s=0.0)
+        assert isinstance(step, Score)  # a single-turn episode ends with its one response
+        reward = asyncio.run(score(task, step.text)).reward
         report.episodes += 1
         report.responses += 1
         report.parsed += isinstance(parse_action(text), AnswerAction)
@@ -316,58 +333,92 @@ def evaluate_math(
     return report
 
 
+@dataclass
+class _LocalIO:
+    """The episode's world in process: the local engine, the task's sandbox, hidden tests."""
+
+    sampler: Sampler
+    ops: Any
+    task: Any
+    sandbox_id: str
+    temperature: float
+    seed: int
+    report: EvalReport
+    actions: list[str] = field(default_factory=list)
+
+    async def generate(self, step: Any) -> Any:
+        from workloads.episode import Response
+
+        (ids,) = await asyncio.to_thread(
+            self.sampler.sample,
+            [step.prompt_ids],
+            temperature=self.temperature,
+            max_tokens=step.max_tokens,
+            seed=self.seed * 1000 + len(self.actions),
+        )
+        self.report.responses += 1
+        text = self.sampler.text(ids)
+        self.actions.append(_action_label(text))
+        self.report.parsed += self.actions[-1] != "?"
+        return Response(ids, [0.0] * len(ids), [0] * len(ids), text)
+
+    async def execute(self, step: Any) -> Any:
+        from workloads.episode import Observed
+        from workloads.runner import run_action
+
+        r = await run_action(self.ops, self.task, self.sandbox_id, step.command)
+        return Observed(
+            r.stdout, r.stderr, r.exit_code, timed_out=r.timed_out, truncated=r.truncated
+        )
+
+    async def score(self, step: Any) -> float:
+        from workloads.scoring import score_tests
+
+        return (await score_tests(self.ops, self.task, self.sandbox_id)).reward
+
+
+def _action_label(text: str) -> str:
+    """What a response asks for, for the report: its command, ``submit``, or ``?``."""
+    from workloads import FINISH_COMMAND, BashAction, SubmitAction, parse_action
+
+    action = parse_action(text)
+    if isinstance(action, SubmitAction):
+        return FINISH_COMMAND
+    return action.command if isinstance(action, BashAction) else "?"
+
+
 async def _swe_episode(
     sampler: Sampler, ops: Any, task: Any, *, temperature: float, seed: int, report: EvalReport
 ) -> float:
-    from workloads import (
-        FINISH_COMMAND,
-        BashAction,
-        SubmitAction,
-        invalid_action_observation,
-        parse_action,
-    )
-    from workloads.runner import open_sandbox, run_action
-    from workloads.scoring import score_tests
+    """One sampled episode of ``task``: the controller's episode (``workloads.episode``)
+    played over the in-process engine and a real sandbox."""
+    from workloads.episode import Episode, play, task_limits
+    from workloads.runner import open_sandbox
 
     chat = sampler.chat
-    context = chat.prompt((m.role, m.content) for m in task.prompt)
+    episode = Episode(
+        trajectory_id=f"eval-{task.id}",
+        prompt_ids=chat.prompt((m.role, m.content) for m in task.prompt),
+        limits=task_limits(
+            task,
+            vocab_size=chat.tokenizer.vocab_size,
+            max_context_tokens=sampler.max_model_len,
+            max_prompt_tokens=sampler.max_model_len - 8,
+        ),
+        sample_seed=seed,
+        has_sandbox=True,
+        started_at=time.monotonic(),
+        observation_ids=chat.observation,
+    )
     sid = await open_sandbox(ops, task)
-    turns, reward = 0, 0.0
-    actions: list[str] = []
+    io = _LocalIO(sampler, ops, task, sid, temperature, seed, report)
     try:
-        while turns < task.limits.max_turns and len(context) < sampler.max_model_len - 8:
-            (ids,) = await asyncio.to_thread(
-                sampler.sample,
-                [context],
-                temperature=temperature,
-                max_tokens=task.limits.max_response_tokens,
-                seed=seed * 1000 + turns,
-            )
-            turns += 1
-            report.responses += 1
-            text = sampler.text(ids)
-            action = parse_action(text)
-            context = context + ids
-            if isinstance(action, SubmitAction):
-                report.parsed += 1
-                actions.append(FINISH_COMMAND)
-                reward = (await score_tests(ops, task, sid)).reward
-                break
-            if isinstance(action, BashAction):
-                report.parsed += 1
-                actions.append(action.command)
-                step = await run_action(ops, task, sid, action.command)
-                observation = step.observation
-            else:
-                actions.append("?")
-                reason = getattr(action, "reason", "a final 'Answer:' does not end a sandbox task")
-                observation = invalid_action_observation(reason)
-            context = context + chat.observation(ids, observation)
+        finish = await play(episode, io, time.monotonic)
     finally:
         await ops.destroy(sid)
-    report.turns.append(turns)
-    report.actions.append(actions)
-    return reward
+    report.turns.append(episode.turn)
+    report.actions.append(io.actions)
+    return finish.reward
 
 
 def evaluate_swe(

@@ -3,10 +3,10 @@ the node's current weights — through the router like any rollout, in a real sa
 tasks — scored by the task's own reward function (``workloads.score``). The episodes are not
 published to ``TRAJECTORIES``, so the trainer never trains on them.
 
-The agent loop is the controller's convention (``workloads.actions``, ``model.chat``): the
-prompt turns and the generation header, one response per turn, its action run in the
-sandbox, the observation as the next user turn; three unparseable responses in a row, the
-turn limit or the context limit end the episode, and it is scored as it stands."""
+Each episode is the controller's own (``workloads.episode``: the same prompt and observation
+texts, the same limits, the same invalid-response rule), played at temperature 0 through the
+router and a fresh sandbox; only checkpoints and recovery are left out (an infrastructure
+failure fails the episode, which is then run once more)."""
 
 from __future__ import annotations
 
@@ -15,31 +15,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.errors import BelayerError
+from common.errors import BelayerError, InvalidRequest
 from model.chat import ChatFormat
 from schemas.serving import GenerateRequest, SamplingParams
 from services.environment.client import EnvClient
 from services.router.client import generate
-from workloads import (
-    AnswerAction,
-    BashAction,
-    SandboxHandle,
-    SubmitAction,
-    Task,
-    Workload,
-    exact_match,
-    invalid_action_observation,
-    parse_action,
-    score,
+from workloads import SandboxHandle, Task, Workload, exact_match
+from workloads.episode import (
+    Episode,
+    Execute,
+    Generate,
+    Observed,
+    Response,
+    Score,
+    play,
+    task_limits,
 )
 from workloads.runner import open_sandbox, run_action
 
-MAX_INVALID_IN_ROW = 3
-"""As the controller: this many unparseable responses in a row end an episode."""
-MAX_CONTEXT = 2048
-"""Prompt + response tokens (the tiny model's context)."""
-MAX_PROMPT = 1536
-"""Longest prompt the router takes."""
 CONCURRENCY = 8
 """Episodes at once."""
 
@@ -111,6 +104,46 @@ async def evaluate(
     return out
 
 
+@dataclass
+class _BusIO:
+    """The episode's world over the bus: the router (greedy), the task's sandbox, its reward."""
+
+    nc: Any
+    env: EnvClient | None
+    workload: Workload
+    task: Task
+    sandbox_id: str = ""
+    versions: set[int] = field(default_factory=set)
+    exact: bool | None = None
+
+    async def generate(self, step: Generate) -> Response:
+        req = GenerateRequest(
+            request_id=step.request_id,
+            prompt_token_ids=step.prompt_ids,
+            sampling=SamplingParams(temperature=0.0, max_tokens=step.max_tokens),
+            stream=False,
+        )
+        result = await generate(self.nc, req, timeout=120.0)
+        versions = result.token_weight_versions or [result.weight_version] * len(result.token_ids)
+        self.versions |= set(versions)
+        return Response(list(result.token_ids), list(result.logprobs), list(versions), result.text)
+
+    async def execute(self, step: Execute) -> Observed:
+        assert self.env is not None
+        r = await run_action(self.env, self.task, self.sandbox_id, step.command)
+        return Observed(
+            r.stdout, r.stderr, r.exit_code, timed_out=r.timed_out, truncated=r.truncated
+        )
+
+    async def score(self, step: Score) -> float:
+        if self.task.sandbox is None:
+            self.exact = exact_match(self.task, step.text)
+            return float(await self.workload.reward(self.task, step.text))
+        assert self.env is not None
+        handle = SandboxHandle(ops=self.env, sandbox_id=self.sandbox_id)
+        return float(await self.workload.reward(self.task, handle))
+
+
 async def _episode(
     nc: Any,
     env: EnvClient | None,
@@ -120,53 +153,25 @@ async def _episode(
     *,
     request_prefix: str,
 ) -> tuple[float, bool | None, int, set[int]]:
-    context = chat.prompt((m.role, m.content) for m in task.prompt)
-    sid = await open_sandbox(env, task) if task.sandbox is not None and env else ""
-    turns = invalid = 0
-    text = ""
-    versions: set[int] = set()
+    """One held-out episode: the controller's episode (``workloads.episode``), greedy, played
+    through the router and a fresh sandbox, published nowhere."""
+    episode = Episode(
+        trajectory_id=request_prefix,
+        prompt_ids=chat.prompt((m.role, m.content) for m in task.prompt),
+        limits=task_limits(task, vocab_size=chat.tokenizer.vocab_size),
+        sample_seed=0,
+        has_sandbox=task.sandbox is not None,
+        started_at=time.monotonic(),
+        observation_ids=chat.observation,
+    )
+    io = _BusIO(nc, env if task.sandbox is not None else None, workload, task)
+    if task.sandbox is not None:
+        if env is None:
+            raise InvalidRequest("a sandbox task needs the environment service", task_id=task.id)
+        io.sandbox_id = await open_sandbox(env, task)
     try:
-        while turns < task.limits.max_turns:
-            room = MAX_CONTEXT - len(context)
-            if len(context) > MAX_PROMPT or room < 1:
-                break
-            turns += 1
-            req = GenerateRequest(
-                request_id=f"{request_prefix}-g{turns}",
-                prompt_token_ids=context,
-                sampling=SamplingParams(
-                    temperature=0.0, max_tokens=min(task.limits.max_response_tokens, room)
-                ),
-                stream=False,
-            )
-            result = await generate(nc, req, timeout=120.0)
-            versions |= set(result.token_weight_versions or [result.weight_version])
-            text = result.text
-            action = parse_action(text)
-            if task.sandbox is None or env is None:  # single-turn: the answer is final
-                exact = exact_match(task, text)
-                if isinstance(action, AnswerAction):
-                    return float(await workload.reward(task, text)), exact, turns, versions
-                return 0.0, exact, turns, versions
-            context = context + list(result.token_ids)
-            if isinstance(action, SubmitAction):
-                break
-            if isinstance(action, BashAction):
-                invalid = 0
-                step = await run_action(env, task, sid, action.command)
-                observation = step.observation
-            else:
-                invalid += 1
-                if invalid >= MAX_INVALID_IN_ROW:
-                    break
-                reason = getattr(action, "reason", "a final 'Answer:' does not end a sandbox task")
-                observation = invalid_action_observation(reason)
-            context = context + chat.observation(result.token_ids, observation)
-        if task.sandbox is None or env is None:
-            scored = await score(task, text)
-            return float(scored.reward), scored.exact, turns, versions
-        handle = SandboxHandle(ops=env, sandbox_id=sid)
-        return float(await workload.reward(task, handle)), None, turns, versions
+        finish = await play(episode, io, time.monotonic)
     finally:
-        if sid and env is not None:
-            await env.destroy(sid)
+        if io.sandbox_id and env is not None:
+            await env.destroy(io.sandbox_id)
+    return finish.reward, io.exact, episode.turn, io.versions

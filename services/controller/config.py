@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from common.auth import BusConfig
 from services.controller.policy import PolicyConfig
+from workloads.episode import MAX_CONTEXT_TOKENS, MAX_INVALID_IN_ROW, MAX_PROMPT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,12 @@ class ControllerConfig:
     """Trajectory attempts running at once on this controller, over all rollouts."""
     default_concurrency: int = 8
     """Attempts of one rollout running at once when the request says 0."""
-    max_invalid_in_row: int = 3
+    max_invalid_in_row: int = MAX_INVALID_IN_ROW
     """Unparseable responses in a row before a trajectory ends as ``malformed``."""
-    max_prompt_tokens: int = 1536
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
     """Longest context sent as a prompt (the router's ``max_prompt_tokens``); longer ends the
     trajectory as ``length``."""
-    max_context_tokens: int = 2048
+    max_context_tokens: int = MAX_CONTEXT_TOKENS
     """Prompt + response tokens the model takes (its ``max_position_embeddings``)."""
     recovery_attempts: int = 6
     """Restore / restart tries after one sandbox failure before the attempt ends ``failed``."""
