@@ -18,10 +18,11 @@ from model.config import load_model_config
 from model.loader import load_safetensors
 from model.tokenizer import load_tokenizer
 from model.warm_start import STAMP_FILE, demonstrations_digest, read_stamp
-from services.cli.demonstrations import cache_root, swe_demonstrations
+from services.cli.demonstrations import cache_root, general_actions, swe_demonstrations
 from services.cli.model import evaluate_math, evaluate_swe
 from tests.model_fixtures import warm_start_cli
-from workloads import BashAction, SubmitAction, parse_action
+from workloads import BashAction, SubmitAction, load_workload, parse_action
+from workloads.swe_families import TRAIN_FAMILIES
 
 pytestmark = [pytest.mark.slow]
 
@@ -84,17 +85,26 @@ def test_swe_warm_start_is_built_from_real_sandbox_observations_and_acts(
         assert [(r, stable(c)) for r, c in new.messages] == [
             (r, stable(c)) for r, c in old.messages
         ]
-    by_variant = {(d.task_id, d.variant): d for d in fresh}
-    ls = by_variant[("calc_clamp", "look-first")].messages
-    assert ls[3] == ("user", "exit_code: 0\ncalc.py\ntests\n")  # `ls` of the real repository
-    tests = by_variant[("calc_clamp", "test-after")].messages
-    assert "passed" in tests[-2][1] and tests[-2][1].startswith("exit_code: 0")
-    for demo in fresh:
+    # Generated training instances of every training family, never a held-out one; each the
+    # general recipe: the failing test run, the module, the fix, the passing run, submit.
+    swe = load_workload("swe", check_image=False)
+    tasks = [swe.task(d.task_id) for d in fresh]
+    assert {t.metadata["split"] for t in tasks} == {"train"}
+    assert {t.metadata["family"] for t in tasks} == set(TRAIN_FAMILIES)
+    for demo, task in zip(fresh, tasks, strict=True):
         replies = [c for r, c in demo.messages if r == "assistant"]
-        assert all(isinstance(parse_action(r), BashAction) for r in replies[:-1])
-        assert parse_action(replies[-1]) == SubmitAction()
+        assert [parse_action(r) for r in replies] == [
+            BashAction(a) for a in general_actions(task)
+        ] + [SubmitAction()]
+        seen = [c for r, c in demo.messages[len(task.prompt) :] if r == "user"]
+        assert seen[0].startswith("exit_code: 1") and "1 failed" in seen[0]
+        assert seen[1] == "exit_code: 0\n" + task.sandbox.files[task.metadata["module"]].decode()  # type: ignore[union-attr]
+        assert (
+            seen[2] == "exit_code: 0" and seen[3].startswith("exit_code: 0") and "passed" in seen[3]
+        )
 
-    # Real episodes: the model's own sampled actions run in real sandboxes.
+    # Real episodes on training instances it never saw (another seed): the model's own
+    # sampled actions run in real sandboxes.
     report = evaluate_swe(model_dir, 1, temperature=1.0, seed=0)
     print(json.dumps(report.as_dict()))
     assert report.parse_rate > 0.5, report.as_dict()
