@@ -41,10 +41,12 @@ SANDBOX_KINDS = ("sandbox-kill", "sandbox-pause")
 RUN_FILE = "run.json"
 DEFAULTS: dict[str, dict[str, int]] = {
     "math": {"tasks": 8, "n": 4, "held_out": 32},
-    "swe": {"tasks": 4, "n": 2, "held_out": 2},
+    "swe": {"tasks": 4, "n": 2, "held_out": 9},
 }
 """Per workload: tasks per step, samples per task (the GRPO group), held-out tasks — sized so
-20 steps fit in about ten minutes on two CPU cores (docs/training.md)."""
+20 steps fit in about ten minutes on two CPU cores (docs/training.md); swe's 9 held-out tasks
+are 6 held-out instances of training families and one task of each of the 3 held-out
+families (``workloads.swe``), about fifteen minutes for 20 steps."""
 
 
 @dataclass(frozen=True)
