@@ -16,7 +16,7 @@ import pytest
 
 from common.bus import connect
 from schemas.events import HandoverComplete, ShadowReady
-from tests.chaos.test_worker_chaos import check, launch, mark, prompt, references
+from tests.chaos.chaos_helpers import check, launch, mark, prompt, references
 from tests.integration.node_helpers import EventLog, Node, main_pids, sampled
 
 pytestmark = pytest.mark.timeout(180)

@@ -172,3 +172,12 @@ async def env(nc, js, nats_server, tmp_path: Path) -> AsyncIterator[EnvHarness]:
     container and no checkpoint directory is left behind."""
     async with running_env(nc, nats_server.url, tmp_path) as harness:
         yield harness
+
+
+async def env_kill(env, sandbox_id: str) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL the container of ``sandbox_id`` behind the environment service's back."""
+    import docker
+
+    listing = {s.id: s for s in (await env.client.list()).sandboxes}
+    client = docker.DockerClient(version="auto")
+    client.api.kill(listing[sandbox_id].container_id)

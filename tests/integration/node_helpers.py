@@ -354,3 +354,19 @@ async def wait_until(cond: Any, *, timeout: float, what: str, every: float = 0.0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting until {what}")
         await asyncio.sleep(every)  # bounded poll of an outside condition (a process, a status)
+
+
+def log_lines(node: Node, name: str, event: str) -> list[dict[str, Any]]:
+    """The JSON log lines named ``event`` in ``<run dir>/logs/<name>.jsonl``."""
+    path = node.run_dir / "logs" / f"{name}.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == event:
+            out.append(rec)
+    return out

@@ -71,8 +71,6 @@ def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("warm") / "swe"
     proc = cli("model", "init", "--tiny", "--warm-start", "swe", str(out),
                run_dir=out.parent, timeout=900, check=False)  # fmt: skip
-    if proc.returncode != 0 and "--warm-start" in proc.stderr and "No such option" in proc.stderr:
-        pytest.skip("`belayer model init --warm-start` is not built yet (issue 12 item 7)")
     assert proc.returncode == 0, f"warm start failed:\n{proc.stdout}\n{proc.stderr}"
     return out
 

@@ -19,14 +19,34 @@ from tests.integration.env_helpers import (
     START_COUNTER,
     TREE_HASH,
     EnvHarness,
+    env_kill,
     running_env,
     versioned_checkpoints,
 )
-from tests.integration.test_env_service import env_kill
 
 pytestmark = [pytest.mark.docker]
 
-PROCESSES = "ps -eo pid=,args= | grep -v 'ps -eo' | grep -v grep | sort -n"
+PROCESSES = (
+    "python3 -c \"import os\n"
+    "kids = {}\n"
+    "for p in filter(str.isdigit, os.listdir('/proc')):\n"
+    "  try:\n"
+    "    stat = open(f'/proc/{p}/stat').read()\n"
+    "    args = open(f'/proc/{p}/cmdline', 'rb').read().replace(b'\\\\0', b' ').decode().strip()\n"
+    "  except OSError:\n"
+    "    continue\n"
+    "  kids.setdefault(int(stat.rsplit(')', 1)[1].split()[1]), []).append((int(p), args))\n"
+    "todo, out = [(1, open('/proc/1/cmdline', 'rb').read().replace(b'\\\\0', b' ').decode().strip())], []\n"
+    "while todo:\n"
+    "  pid, args = todo.pop()\n"
+    "  out.append((pid, args))\n"
+    "  todo += kids.get(pid, [])\n"
+    "for pid, args in sorted(out):\n"
+    "  print(pid, args)\""
+)
+"""The processes the sandbox runs: its init (pid 1) and init's descendants, by pid. An exec's
+own processes (this listing's shell and python) hang off no sandbox process (``docker exec``
+starts them with parent 0), so they are never listed."""
 
 SYSV = 'python3 -c "import ctypes; assert ctypes.CDLL(None).shmget(4321, 4096, 0o1666) >= 0"'
 MQUEUE = (

@@ -33,6 +33,7 @@ from tests.integration.env_helpers import (  # noqa: F401
     TREE_HASH,
     EnvHarness,
     env,
+    env_kill,
     make_config,
     running_env,
     versioned_checkpoints,
@@ -94,14 +95,6 @@ async def test_checkpoint_kill_restore_is_prefix_consistent(env, js) -> None:  #
     await c.destroy(sid)
     with pytest.raises(NotFound):
         await c.exec(sid, "true")
-
-
-async def env_kill(env, sandbox_id: str) -> None:  # type: ignore[no-untyped-def]
-    import docker
-
-    listing = {s.id: s for s in (await env.client.list()).sandboxes}
-    client = docker.DockerClient(version="auto")
-    client.api.kill(listing[sandbox_id].container_id)
 
 
 @pytest.mark.timeout(180)

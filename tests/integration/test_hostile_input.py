@@ -16,8 +16,7 @@ from common.bus import connect
 from common.codec import decode
 from schemas.base import ErrorReply
 from services.router.client import generate
-from tests.integration.node_helpers import Node, cli
-from tests.integration.test_node import greedy
+from tests.integration.node_helpers import Node, cli, greedy
 
 pytestmark = pytest.mark.timeout(240)
 NODE_ARGS = ("--engines", "1", "--heartbeat-interval", "0.5")

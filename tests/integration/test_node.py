@@ -31,22 +31,11 @@ from schemas.serving import (
     TokenLogChunk,
 )
 from services.router.client import generate
-from tests.integration.node_helpers import Node, cli
+from tests.integration.node_helpers import Node, cli, greedy
 
 pytestmark = pytest.mark.timeout(300)
 NODE_ARGS = ("--engines", "2")
 """The module's node (``tests/node_fixtures.py``)."""
-
-
-def greedy(
-    rid: str, prompt: str = "the quick brown fox", n: int = 24, **kw: object
-) -> GenerateRequest:
-    return GenerateRequest(
-        request_id=rid,
-        prompt=prompt,
-        sampling=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-        **kw,
-    )  # type: ignore[arg-type]
 
 
 async def test_generate_streams_logs_and_replays(node: Node) -> None:

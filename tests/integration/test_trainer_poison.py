@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the `bus` fixture is imported from test_trainer_replay; pytest injects it by name)
 """A poison trajectory does not crash-loop the trainer. Real nats-server, the real weight store,
 the trainer as a real process, the real model: a well-formed record whose response holds a
 token id beyond the vocabulary makes the update's forward raise. Before, the trainer died, was
@@ -29,12 +28,11 @@ from services.weights.config import WeightStoreConfig
 from services.weights.service import run as run_weights
 from tests.integration.node_helpers import EventLog, wait_until
 from tests.integration.shm_helpers import running_service
-from tests.integration.test_trainer_replay import (
+from tests.integration.trainer_helpers import (
     GROUP,
     OPTIM,
     SMALL,
     TrainerProc,
-    bus,  # noqa: F401  (the fixture; pytest injects it by name)
     make_group,
     publish,
     trainer_config,
@@ -45,12 +43,12 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 async def test_a_poison_trajectory_is_dead_lettered_and_training_goes_on(
     nats_server: NatsServer,
-    bus: tuple[object, EventLog],
+    trainer_bus: tuple[object, EventLog],
     model_dir: Path,
     run_id: str,
     tmp_path: Path,
 ) -> None:
-    nc, log = bus
+    nc, log = trainer_bus
     js = nc.jetstream()  # type: ignore[attr-defined]
     ckpt = tmp_path / "trainer"
     config = dataclasses.replace(

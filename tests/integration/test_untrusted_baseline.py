@@ -17,11 +17,11 @@ from tests.integration.node_helpers import (
     EventLog,
     Node,
     greedy,
+    log_lines,
     router_status,
     supervisor_pids,
     wait_until,
 )
-from tests.integration.test_untrusted_control import log_lines
 
 pytestmark = pytest.mark.timeout(240)
 NODE_ARGS = ("--recovery", "baseline", "--heartbeat-interval", "1", "--failure-window", "0")

@@ -9,7 +9,6 @@ Each test leaves the node as it found it: both engines up, each with a warm shad
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -52,6 +51,7 @@ from tests.integration.node_helpers import (
     EventLog,
     Node,
     greedy,
+    log_lines,
     main_pids,
     pid_gone,
     router_status,
@@ -84,22 +84,6 @@ async def bus(node: Node) -> AsyncIterator[tuple[Any, EventLog]]:
     finally:
         await log.stop()
         await nc.drain()
-
-
-def log_lines(node: Node, name: str, event: str) -> list[dict[str, Any]]:
-    """The JSON log lines named ``event`` in ``<run dir>/logs/<name>.jsonl``."""
-    path = node.run_dir / "logs" / f"{name}.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("event") == event:
-            out.append(rec)
-    return out
 
 
 async def all_finish(nc: Any, tag: str, n: int = 4) -> None:

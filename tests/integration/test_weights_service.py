@@ -8,7 +8,6 @@ import asyncio
 import json
 import signal
 import sys
-import time
 import uuid
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -50,10 +49,7 @@ async def test_manifest_maps_bit_exactly(nats_server, nc, js, model_dir, run_id)
         manifest = await fetch_manifest(nc)
         assert manifest.version == 1
         assert manifest.model_dir == str(model_dir.resolve())
-        t0 = time.perf_counter()
-        mapped = map_weights(manifest)
-        map_s = time.perf_counter() - t0
-        assert map_s < 0.2
+        mapped = map_weights(manifest)  # its time is bench serve's attach_s, not a test's
         expected = load_file(model_dir / "model.safetensors")
         assert mapped.keys() == expected.keys()
         for name, t in expected.items():
@@ -111,7 +107,6 @@ async def test_other_process_maps_same_memory(nats_server, nc, model_dir, run_id
             proc.stdin.write(encode(manifest).hex().encode() + b"\n")
             report = await _line(proc)
             assert report["checksum"] == manifest.checksum
-            assert float(report["map_s"]) < 0.2
             # Shared, not copied: a write through our mapping is visible in the child.
             norm = map_weights(manifest)["model.norm.weight"]
             original = norm[0].item()

@@ -151,3 +151,14 @@ def test_pure_modules_do_no_bus_or_loop_io() -> None:
 )
 def test_rules_catch_what_they_should(src: str, dst: str, ok: bool) -> None:
     assert (layer_violation(src, dst) is None) is ok
+
+
+def test_no_test_module_imports_another() -> None:
+    """Tests stand alone: what two test modules share lives in a helpers module or a conftest,
+    never in a test module (importing one runs its module-level setup and ties the two)."""
+    problems = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for line, mod in imports_of(path):
+            if mod.split(".")[-1].startswith("test_") and mod.startswith("tests."):
+                problems.append(f"{path.relative_to(ROOT)}:{line}: imports {mod}")
+    assert not problems, "\n".join(problems)
