@@ -12,7 +12,7 @@ import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import nats
 import nats.errors
@@ -91,7 +91,7 @@ async def connect(
             ),
             timeout,
         )
-        nc._belayer_denials = denials  # type: ignore[attr-defined]
+        nc._belayer_denials = denials  # type: ignore[attr-defined]  # our attribute on nats-py's client
         return nc
     except ssl.SSLError as exc:
         raise Unauthorized(f"TLS with NATS at {where} failed: {exc.reason or exc}") from None
@@ -175,13 +175,14 @@ async def request(
     nc: NATS,
     subject: str,
     msg: Message,
-    reply_type: Any,
+    reply_type: type[R],
     *,
     timeout: float = 5.0,
-) -> Any:
-    """Send ``msg`` and decode the reply as ``reply_type``; an ``ErrorReply`` raises its typed
-    error, no responder raises ``BusUnavailable``, silence raises ``Timeout``, a subject this
-    connection's identity may not publish to raises ``Unauthorized`` (the server said so)."""
+) -> R:
+    """Send ``msg`` and decode the reply as ``reply_type`` (one message class: the result is
+    typed as it); an ``ErrorReply`` raises its typed error, no responder raises
+    ``BusUnavailable``, silence raises ``Timeout``, a subject this connection's identity may
+    not publish to raises ``Unauthorized`` (the server said so)."""
     denials: _Denials | None = getattr(nc, "_belayer_denials", None)
     try:
         if denials is None:
@@ -197,7 +198,7 @@ async def request(
     reply = decode(resp.data, reply_type | ErrorReply)
     if isinstance(reply, ErrorReply):
         raise_error(reply)
-    return reply
+    return cast(R, reply)
 
 
 Handler = Callable[[Any, Msg], Awaitable[Message | None]]

@@ -139,7 +139,7 @@ def _attach_cuda(handle: MemoryHandle) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     ipc = msgspec.msgpack.decode(handle.ipc, type=_CudaIpc)
-    return rebuild_cuda_tensor(  # type: ignore[no-any-return]
+    return rebuild_cuda_tensor(
         torch.Tensor,
         (handle.size,),
         (1,),

@@ -99,7 +99,7 @@ def load_workload(name: str, **options: Any) -> Workload:
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):
-        params = {}  # type: ignore[assignment]
+        params = {}  # type: ignore[assignment]  # a builtin without a signature: no parameters known
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     if not takes_any:
         unknown = sorted(set(options) - set(params))

@@ -107,7 +107,7 @@ class OneLineErrors(TyperGroup):
 def _report(exc: Exception) -> int:
     """Print ``exc`` as one line (or the help it stands for); its exit code."""
     if type(exc).__name__ == "NoArgsIsHelpError":  # the help text, as asked for
-        exc.show()  # type: ignore[attr-defined]
+        exc.show()  # type: ignore[attr-defined]  # click's NoArgsIsHelpError, matched by name
         return int(getattr(exc, "exit_code", 2))
     if isinstance(exc, typer.Abort):
         typer.echo("error: aborted", err=True)

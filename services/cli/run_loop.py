@@ -395,7 +395,7 @@ async def settle_kills(events: EventTail, ctx: RunContext, step: int) -> None:
         try:
             ready = await events.wait_for(
                 lambda e, k=k: (
-                    isinstance(e, ShadowReady)  # type: ignore[misc]
+                    isinstance(e, ShadowReady)  # type: ignore[misc]  # a lambda with a default argument
                     and e.engine_id == k["engine_id"]
                     and e.pid != k["pid"]
                     and e.ts >= k["t"]

@@ -37,11 +37,11 @@ POLL_S = 0.25
 async def submit(nc: NATS, req: RolloutRequest, *, timeout: float = 120.0) -> RolloutAccepted:
     """Submit ``req``; the reply comes once it is validated (workload, tasks, images) and
     started. Idempotent for the same ``rollout_id`` and request."""
-    return await request(nc, subjects.rollout_submit(), req, RolloutAccepted, timeout=timeout)  # type: ignore[no-any-return]
+    return await request(nc, subjects.rollout_submit(), req, RolloutAccepted, timeout=timeout)
 
 
 async def status(nc: NATS, rollout_id: str, *, timeout: float = 10.0) -> RolloutResult:
-    return await request(  # type: ignore[no-any-return]
+    return await request(
         nc,
         subjects.rollout_status(),
         RolloutStatusRequest(rollout_id=rollout_id),

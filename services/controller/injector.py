@@ -66,7 +66,7 @@ class Injector:
             raise SandboxError(f"{kind} of {container_id[:12]} failed: {exc}") from None
 
     async def router_status(self) -> RouterStatus:
-        return await request(  # type: ignore[no-any-return]
+        return await request(
             self.nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=5.0
         )
 

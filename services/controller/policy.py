@@ -83,7 +83,7 @@ def parse_policy(text: str) -> tuple[PolicyKind, int]:
         return "interval", int(arg)
     if arg or name not in KINDS:
         raise ValueError(f"unknown checkpoint policy {text!r} (one of: {forms})")
-    return name, 1  # type: ignore[return-value]
+    return name, 1  # type: ignore[return-value]  # name is one of KINDS (checked above)
 
 
 @dataclass(frozen=True)

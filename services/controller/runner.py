@@ -420,7 +420,7 @@ class TrajectoryRunner:
         n = top.response_len if top else 0
         return TrajectoryState(
             trajectory_id=self.trajectory_id, rollout_id=self.run.rollout_id, slot=self.slot,
-            attempt=self.attempt, status=status,  # type: ignore[arg-type]
+            attempt=self.attempt, status=status,  # type: ignore[arg-type]  # a TrajectoryStatus value
             sandbox_id=self.sandbox_id, ready=list(c.ready), response_ids=c.response_ids[:n],
             loss_mask=c.loss_mask[:n], logprobs=c.logprobs[:n], weight_versions=c.weight_versions[:n],
             actions=c.actions[: top.actions_len if top else 0], generations=c.generations,

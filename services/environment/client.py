@@ -54,11 +54,11 @@ class EnvClient:
             trajectory_id=trajectory_id,
             sandbox_id=sandbox_id,
         )
-        return await request(self.nc, subjects.env("create"), msg, EnvCreated, timeout=self.timeout)  # type: ignore[no-any-return]
+        return await request(self.nc, subjects.env("create"), msg, EnvCreated, timeout=self.timeout)
 
     async def exec(self, sandbox_id: str, command: str, timeout_s: float = 30.0) -> EnvExecResult:
         msg = EnvExec(sandbox_id=sandbox_id, command=command, timeout_s=timeout_s)
-        return await request(  # type: ignore[no-any-return]
+        return await request(
             self.nc, subjects.env("exec"), msg, EnvExecResult, timeout=timeout_s + self.timeout
         )
 
@@ -68,7 +68,7 @@ class EnvClient:
         msg = EnvCheckpoint(
             sandbox_id=sandbox_id, prefix=prefix, trajectory_id=trajectory_id, timeout_s=timeout_s
         )
-        return await request(  # type: ignore[no-any-return]
+        return await request(
             self.nc,
             subjects.env("checkpoint"),
             msg,
@@ -78,12 +78,12 @@ class EnvClient:
 
     async def restore(self, sandbox_id: str, checkpoint_id: str = "") -> EnvRestored:
         msg = EnvRestore(sandbox_id=sandbox_id, checkpoint_id=checkpoint_id)
-        return await request(  # type: ignore[no-any-return]
+        return await request(
             self.nc, subjects.env("restore"), msg, EnvRestored, timeout=self.timeout * 2
         )
 
     async def destroy(self, sandbox_id: str) -> Ok:
-        return await request(  # type: ignore[no-any-return]
+        return await request(
             self.nc,
             subjects.env("destroy"),
             EnvDestroy(sandbox_id=sandbox_id),
@@ -94,10 +94,10 @@ class EnvClient:
     async def list(self) -> EnvListing:
         return await request(
             self.nc, subjects.env("list"), EnvList(), EnvListing, timeout=self.timeout
-        )  # type: ignore[no-any-return]
+        )
 
     async def gc(self, trajectory_id: str) -> Ok:
-        return await request(  # type: ignore[no-any-return]
+        return await request(
             self.nc,
             subjects.env("gc"),
             EnvGc(trajectory_id=trajectory_id),

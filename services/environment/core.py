@@ -270,7 +270,7 @@ def prune_plan(available: list[Manifest], keep: int, protected: set[str]) -> lis
 
 
 def to_jsonable(record: SandboxRecord) -> dict[str, Any]:
-    return msgspec.to_builtins(record)  # type: ignore[no-any-return]
+    return msgspec.to_builtins(record)
 
 
 def save_record(directory: Path, record: SandboxRecord) -> None:

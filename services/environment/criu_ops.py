@@ -69,7 +69,7 @@ async def run(argv: list[str], *, timeout: float, what: str, **ctx: object) -> s
     except (TimeoutError, asyncio.CancelledError):
         proc.kill()
         await proc.wait()
-        if isinstance(asyncio.current_task(), asyncio.Task) and asyncio.current_task().cancelling():  # type: ignore[union-attr]
+        if isinstance(asyncio.current_task(), asyncio.Task) and asyncio.current_task().cancelling():  # type: ignore[union-attr]  # checked just before
             raise
         raise Timeout(f"{what} ran past its deadline", timeout_s=round(timeout, 3), **ctx) from None
     if proc.returncode != 0:
@@ -101,11 +101,11 @@ async def freeze(control: Path, timeout: float = 5.0) -> None:
     """Freeze every task of the cgroup and wait until the kernel reports it frozen."""
     v1 = control.name == "freezer.state"
     # cgroup control files are kernel memory: reading/writing them never blocks on I/O.
-    control.write_text("FROZEN" if v1 else "1")  # noqa: ASYNC240
+    control.write_text("FROZEN" if v1 else "1")  # noqa: ASYNC240  (a cgroup file: no disk I/O)
     end = time.monotonic() + timeout
     while True:
         if v1:
-            done = control.read_text().strip() == "FROZEN"  # noqa: ASYNC240
+            done = control.read_text().strip() == "FROZEN"  # noqa: ASYNC240  (a cgroup file)
         else:
             done = "frozen 1" in (control.parent / "cgroup.events").read_text()
         if done:

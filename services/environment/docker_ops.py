@@ -378,7 +378,7 @@ class DockerOps:
 
 def _raw_socket(sock: Any) -> socket.socket:
     raw = getattr(sock, "_sock", sock)
-    return raw  # type: ignore[no-any-return]
+    return raw
 
 
 def _frames(sock: socket.socket, deadline: float) -> Iterator[tuple[int, bytes]]:

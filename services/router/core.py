@@ -523,7 +523,7 @@ class RouterCore:
             text=self.decode(req.tokens),
             logprobs=req.logprobs,
             weight_version=req.versions[-1] if req.versions else 0,
-            finish_reason=reason,  # type: ignore[arg-type]
+            finish_reason=reason,  # type: ignore[arg-type]  # callers pass FinishReason values
             prompt_token_ids=req.prompt_ids,
             token_weight_versions=req.versions,
             engine_ids=req.engine_history,

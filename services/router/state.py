@@ -212,7 +212,7 @@ class RequestState:
             logprobs=self.logprobs[self.logged : end],
             weight_versions=self.versions[self.logged : end],
             final=final,
-            finish_reason=reason,  # type: ignore[arg-type]
+            finish_reason=reason,  # type: ignore[arg-type]  # callers pass FinishReason values
         )
         self.chunk_index += 1
         self.logged = end

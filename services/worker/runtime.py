@@ -72,7 +72,7 @@ class Track:
             token_ids=list(self.token_ids),
             logprobs=list(self.logprobs),
             finished=self.finished,
-            finish_reason=self.finish_reason,  # type: ignore[arg-type]
+            finish_reason=self.finish_reason,  # type: ignore[arg-type]  # the engine's str is one of FinishReason
         )
 
 
@@ -229,7 +229,7 @@ class EngineLoop:
                     token_ids=list(o.new_token_ids),
                     logprobs=list(o.new_logprobs),
                     finished=o.finished,
-                    finish_reason=o.finish_reason,  # type: ignore[arg-type]
+                    finish_reason=o.finish_reason,  # type: ignore[arg-type]  # the engine's str is one of FinishReason
                     start=start,
                 )
             )
