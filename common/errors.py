@@ -17,7 +17,7 @@
         ├── SandboxError              container/CRIU/Docker failure
         └── Unauthorized              credentials missing, unreadable or refused
 
-On the bus an error travels as ``schemas.common.ErrorReply`` (code, message, data, retryable);
+On the bus an error travels as ``schemas.base.ErrorReply`` (code, message, data, retryable);
 ``from_reply`` turns it back into the matching class, so callers catch typed errors.
 Library exceptions (nats, docker, OSError) are translated at the service boundary.
 """

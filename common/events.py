@@ -2,8 +2,10 @@
 its subject ``belayer.events.<kind>`` and persists it in stream ``EVENTS``.
 
 Events inform, they do not command: they record what happened for operators, benchmarks and
-tests. (The supervisor still promotes a shadow on ``handover_complete`` today; a later change
-stops it acting on events anyone could publish.)
+tests. A service that reacts to one takes it only as a hint of when to look: the supervisor,
+seeing ``handover_complete``, promotes a shadow only after the router's registry and the
+``engine_epochs`` bucket confirm it (``services/supervisor/engines.py``), since anyone on the
+bus may publish an event.
 """
 
 from __future__ import annotations
