@@ -15,6 +15,7 @@ places.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -63,7 +64,6 @@ from schemas.serving import (
 from services.kv.client import fetch_arena, flush_arena, map_arena
 from services.weights.client import current_manifest, fetch_manifest, map_weights
 from services.worker.config import WorkerConfig
-from services.worker.engine.config import EngineConfig
 from services.worker.engine.llm_engine import LLMEngine
 from services.worker.runtime import Abort, EngineLoop, Snapshot, Submit, SwapWeights
 
@@ -102,14 +102,11 @@ class Worker:
         kv_cache = map_arena(arena_desc)
         t_attach = time.perf_counter()
         model_config = load_model_config(manifest.model_dir)
-        base = self.config.engine
-        engine_config = EngineConfig(
-            max_num_seqs=base.max_num_seqs,
-            max_num_batched_tokens=base.max_num_batched_tokens,
+        # The arena owns the KV geometry; every other engine knob is the worker's config.
+        engine_config = dataclasses.replace(
+            self.config.engine,
             block_size=arena_desc.block_size,
             num_blocks=arena_desc.num_blocks,
-            max_model_len=base.max_model_len,
-            deterministic=base.deterministic,
         )
         self.engine = LLMEngine(model_config, params, kv_cache, engine_config)
         self.engine.warmup()
