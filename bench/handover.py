@@ -142,13 +142,9 @@ class Events:
 
 
 async def main_pid(nc: Any) -> int:
-    from common import subjects
-    from common.bus import request
-    from schemas.serving import RouterStatus, StatusRequest
+    from services.router.client import router_status
 
-    st: RouterStatus = await request(
-        nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=5
-    )
+    st = await router_status(nc, timeout=5)
     return next(e.worker_pid for e in st.engines if e.id == ENGINE)
 
 

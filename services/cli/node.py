@@ -27,10 +27,11 @@ from common.node import NodeInfo, read_node
 from schemas.base import Ok
 from schemas.events import AnyEvent
 from schemas.node import StopNode, SupervisorStatus, SupervisorStatusRequest
-from schemas.serving import RouterStatus, StatusRequest
+from schemas.serving import RouterStatus
 from services.cli.auth import preflight
 from services.cli.common import fail, print_json, run, with_bus
 from services.environment.client import keep_sandboxes, node_label, remove_node_sandboxes
+from services.router.client import router_status
 from services.supervisor.config import SupervisorConfig
 from services.supervisor.service import remove_shm_files
 
@@ -421,9 +422,7 @@ def status(
 
     async def query(nc: Any) -> tuple[RouterStatus | None, SupervisorStatus | None, dict[str, int]]:
         try:
-            rs: RouterStatus | None = await request(
-                nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=3
-            )
+            rs: RouterStatus | None = await router_status(nc, timeout=3)
         except (BusUnavailable, Timeout):
             rs = None
         try:

@@ -22,8 +22,6 @@ from typing import Any
 
 import msgspec
 
-from common import subjects
-from common.bus import request
 from common.errors import BelayerError, Conflict, Timeout
 from common.logging import get_logger
 from model.chat import ChatFormat
@@ -44,14 +42,14 @@ from schemas.events import (
 )
 from schemas.rollout import RolloutRequest, RolloutResult, Trajectory
 from schemas.seeds import derive_seed
-from schemas.serving import GenerateRequest, RouterStatus, SamplingParams, StatusRequest
+from schemas.serving import GenerateRequest, SamplingParams
 from services.cli.run_counters import compared_nothing, exact_share, lost_slots
 from services.cli.run_eval import EvalResult, evaluate
 from services.cli.run_node import EventTail, NodeHandle, kill_process, supervisor_procs
 from services.cli.run_report import RunLogs
 from services.cli.run_setup import RunOptions, RunState, StepFaults, faults_of, step_tasks
 from services.controller.client import submit, trajectories, wait
-from services.router.client import generate
+from services.router.client import generate, router_status
 from services.trainer.client import trainer_status
 from workloads import Task, Workload
 
@@ -290,9 +288,7 @@ async def push_weights(
     """Until every engine generates with the pushed version (a one-token probe each)."""
     t0 = time.monotonic()
     deadline = t0 + SWITCH_S
-    status: RouterStatus = await request(
-        nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=5.0
-    )
+    status = await router_status(nc, timeout=5.0)
     pending = {e.id for e in status.engines if e.state != "unhealthy"}
     ui.phase("push", 0, len(pending))
     probe = 0

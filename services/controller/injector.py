@@ -12,12 +12,11 @@ import time
 
 from nats.aio.client import Client as NATS
 
-from common import subjects
-from common.bus import request
 from common.errors import BelayerError, NotFound, SandboxError
 from common.logging import get_logger
-from schemas.serving import RouterStatus, StatusRequest
+from schemas.serving import RouterStatus
 from services.environment.client import EnvClient
+from services.router.client import router_status
 
 log = get_logger(component="injector")
 
@@ -66,9 +65,7 @@ class Injector:
             raise SandboxError(f"{kind} of {container_id[:12]} failed: {exc}") from None
 
     async def router_status(self) -> RouterStatus:
-        return await request(
-            self.nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=5.0
-        )
+        return await router_status(self.nc, timeout=5.0)
 
     async def kill_worker(self) -> tuple[str, int]:
         """SIGKILL the main worker of the up engine running the most requests (ties: the

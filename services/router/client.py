@@ -1,5 +1,5 @@
-"""Client side of ``router.generate``: send a request, collect the streamed replies, and ride
-through a router restart.
+"""Client side of the router: ``generate`` (send a request, collect the streamed replies, and
+ride through a router restart) and ``router_status`` (its engine registry and counters).
 
 The router never generates a request id twice: resubmitting the same request re-attaches to it
 (a catch-up delta of every token so far, then the live ones) or replays its finished result.
@@ -20,11 +20,19 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from common import subjects
+from common.bus import request
 from common.codec import decode, encode, raise_error
 from common.errors import BusUnavailable, Overloaded, Timeout
 from common.logging import get_logger
 from schemas.base import ErrorReply
-from schemas.serving import GenerateReply, GenerateRequest, GenerateResult, TokenDelta
+from schemas.serving import (
+    GenerateReply,
+    GenerateRequest,
+    GenerateResult,
+    RouterStatus,
+    StatusRequest,
+    TokenDelta,
+)
 from services.router.config import RouterConfig as RouterConfig  # the supervisor's, re-exported
 
 log = get_logger(component="router-client")
@@ -181,3 +189,11 @@ async def _attempt(
             await sub.unsubscribe()
         except Exception:  # the connection may be reconnecting; the inbox is abandoned anyway
             pass
+
+
+async def router_status(nc: NATS, *, timeout: float = 5.0) -> RouterStatus:
+    """The router's view: every engine (state, epoch, worker pid, queue) and its counters.
+    ``BusUnavailable`` when no router answers, ``Timeout`` when it does not in time."""
+    return await request(
+        nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=timeout
+    )

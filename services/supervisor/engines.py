@@ -52,7 +52,8 @@ from schemas.events import (
     ServiceExited,
     ServiceRestarted,
 )
-from schemas.serving import EngineFailed, EngineInfo, RouterStatus, StatusRequest
+from schemas.serving import EngineFailed, EngineInfo
+from services.router.client import router_status
 from services.supervisor.policy import (
     HandoverAction,
     HandoverDecision,
@@ -361,9 +362,7 @@ class Engines:
         if nc is None:
             return None
         try:
-            st: RouterStatus = await request(
-                nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=2.0
-            )
+            st = await router_status(nc, timeout=2.0)
         except BelayerError as exc:
             log.warning("router_status_failed", engine=engine_id, error=str(exc))
             return None

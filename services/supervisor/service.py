@@ -40,10 +40,10 @@ from common.service import Service, run_service
 from schemas.base import Ok
 from schemas.events import EventBase, NodeReady, ServiceExited, ServiceRestarted
 from schemas.node import ProcInfo, StopNode, SupervisorStatus, SupervisorStatusRequest
-from schemas.serving import RouterStatus, StatusRequest
 from schemas.trainer import TrainerStatus, TrainerStatusRequest
 from schemas.weights import ArenaDesc, KvGet, WeightManifest, WeightsGet
 from services.environment.client import node_label, remove_node_sandboxes
+from services.router.client import router_status
 from services.supervisor.backoff import Backoff
 from services.supervisor.config import SupervisorConfig
 from services.supervisor.engines import Engines
@@ -212,7 +212,7 @@ class Supervisor(Service[SupervisorConfig]):
                 self._child("router", self._py("services.router", dataclasses.replace(
                     c.router, model_dir=str(model), engine_ids=tuple(self.engine_ids),
                     log_file=str(self._log_file("router"))))),
-                lambda nc: request(nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=1),
+                lambda nc: router_status(nc, timeout=1),
             ),
         )  # fmt: skip
         if c.environment:
@@ -312,9 +312,7 @@ class Supervisor(Service[SupervisorConfig]):
                 if not child.alive:
                     raise BelayerError(f"{child.name} exited at start; see {child.log_path}")
             try:
-                st: RouterStatus = await request(
-                    self.nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=1
-                )
+                st = await router_status(self.nc, timeout=1)
                 if {e.id for e in st.engines} >= set(self.engine_ids):
                     return
             except BelayerError:
