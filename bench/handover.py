@@ -214,13 +214,9 @@ def proc_cpu_s(pid: int) -> float:
 
 
 async def shadow_pid(nc: Any) -> int:
-    from common import subjects
-    from common.bus import request as bus_request
-    from schemas.node import SupervisorStatus, SupervisorStatusRequest
+    from services.supervisor.client import supervisor_status
 
-    st: SupervisorStatus = await bus_request(
-        nc, subjects.supervisor_status(), SupervisorStatusRequest(), SupervisorStatus, timeout=5
-    )
+    st = await supervisor_status(nc, timeout=5)
     pid = next(p.pid for p in st.procs if p.name == f"shadow-{ENGINE}" and p.alive)
     assert pid is not None
     return pid

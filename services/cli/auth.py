@@ -20,8 +20,8 @@ from common.bus import connect, tls_context
 from common.errors import BelayerError
 from common.subjects import check_token
 from services.cli.common import fail, one_line
+from services.supervisor.client import node_identity_names
 from services.supervisor.config import SupervisorConfig
-from services.supervisor.service import node_identity_names
 
 auth_app = typer.Typer(
     help="Identities (NATS nkeys) and permissions for a deployment across hosts.",

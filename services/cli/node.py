@@ -19,21 +19,20 @@ import typer
 from common import events as event_types
 from common import subjects
 from common.auth import redact
-from common.bus import js_call, request
+from common.bus import js_call
 from common.codec import decode
 from common.config import RunPaths, config_argv
 from common.errors import BelayerError, BusUnavailable, Timeout
 from common.node import NodeInfo, read_node
-from schemas.base import Ok
 from schemas.events import AnyEvent
-from schemas.node import StopNode, SupervisorStatus, SupervisorStatusRequest
+from schemas.node import SupervisorStatus
 from schemas.serving import RouterStatus
 from services.cli.auth import preflight
 from services.cli.common import fail, print_json, run, with_bus
 from services.environment.client import keep_sandboxes, node_label, remove_node_sandboxes
 from services.router.client import router_status
+from services.supervisor.client import remove_shm_files, stop_node, supervisor_status
 from services.supervisor.config import SupervisorConfig
-from services.supervisor.service import remove_shm_files
 
 NODE_DEFAULTS = SupervisorConfig()
 """``belayer up``'s defaults are the supervisor's (and its services') config defaults."""
@@ -332,13 +331,7 @@ def down(
     pid = node.supervisor_pid
 
     async def ask_stop(nc: Any) -> None:
-        await request(
-            nc,
-            subjects.supervisor_stop(),
-            StopNode(reason="belayer down"),
-            Ok,
-            timeout=3,
-        )
+        await stop_node(nc, "belayer down", timeout=3)
 
     if pid_alive(pid):
         try:
@@ -426,13 +419,7 @@ def status(
         except (BusUnavailable, Timeout):
             rs = None
         try:
-            ss = await request(
-                nc,
-                subjects.supervisor_status(),
-                SupervisorStatusRequest(),
-                SupervisorStatus,
-                timeout=2,
-            )
+            ss: SupervisorStatus | None = await supervisor_status(nc, timeout=2)
         except BelayerError:
             ss = None
         epochs = {} if rs is not None else await engine_epochs(nc)

@@ -21,16 +21,16 @@ from typing import Any, TypeVar
 from nats.js.api import DeliverPolicy
 
 from common import subjects
-from common.bus import connect, request
+from common.bus import connect
 from common.codec import decode
 from common.config import RunPaths
 from common.errors import BelayerError, InvalidRequest, Timeout
 from common.node import NodeInfo, read_node, resolve_bus
 from common.training_config import OptimConfig
 from schemas.events import AnyEvent, EventBase
-from schemas.node import SupervisorStatus, SupervisorStatusRequest
 from schemas.trainer import TrainerStatus
 from services.cli.node import launch, pid_alive
+from services.supervisor.client import supervisor_status
 from services.supervisor.config import SupervisorConfig
 from services.trainer.client import GrpoConfig, TrainerConfig, trainer_status
 
@@ -135,9 +135,7 @@ async def open_bus(node: NodeHandle) -> Any:
 
 async def supervisor_procs(nc: Any) -> dict[str, tuple[int, bool]]:
     """Process name → (pid, alive), from the supervisor."""
-    st: SupervisorStatus = await request(
-        nc, subjects.supervisor_status(), SupervisorStatusRequest(), SupervisorStatus, timeout=5
-    )
+    st = await supervisor_status(nc, timeout=5)
     return {p.name: (p.pid or 0, p.alive) for p in st.procs}
 
 

@@ -30,7 +30,7 @@ from common.auth import (
     seed_file,
 )
 from common.bus import request
-from common.config import SHM_DIR, RunPaths, config_argv, shm_prefix
+from common.config import RunPaths, config_argv
 from common.errors import BelayerError, NotFound, Timeout
 from common.guard import isolated
 from common.logging import get_logger
@@ -45,6 +45,7 @@ from schemas.weights import ArenaDesc, KvGet, WeightManifest, WeightsGet
 from services.environment.client import node_label, remove_node_sandboxes
 from services.router.client import router_status
 from services.supervisor.backoff import Backoff
+from services.supervisor.client import node_identity_names, remove_shm_files
 from services.supervisor.config import SupervisorConfig
 from services.supervisor.engines import Engines
 from services.supervisor.procs import Child
@@ -438,17 +439,6 @@ class Supervisor(Service[SupervisorConfig]):
         return node_identity_names(self.config)
 
 
-def node_identity_names(config: SupervisorConfig) -> list[str]:
-    """The identities a node's processes connect as (``<creds dir>/<name>.nk`` each)."""
-    if config.role == "env-host":
-        return ["host", "environment"]
-    names = ["supervisor", "weights", "kv", "router", "controller"]
-    names += [f"engine-e{i}" for i in range(config.engines)]
-    names += ["environment"] if config.environment else []
-    names += ["trainer"] if config.training else []
-    return names
-
-
 def identity_of(module: str, config: Any) -> str:
     """The identity a service module runs as: its role, one per engine for the rollout
     workers and shadows (``engine-<id>``)."""
@@ -456,16 +446,6 @@ def identity_of(module: str, config: Any) -> str:
     if role in ("worker", "shadow"):
         return f"engine-{config.engine_id}"
     return role
-
-
-def remove_shm_files(run_id: str) -> int:
-    """Delete every /dev/shm file of this node (services normally did already)."""
-    n = 0
-    for p in SHM_DIR.glob(f"{shm_prefix(run_id)}*"):
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
-            n += 1
-    return n
 
 
 async def run(

@@ -15,21 +15,19 @@ from typing import Any, TypeVar
 
 from common import subjects
 from common.auth import BusConfig
-from common.bus import connect, request
+from common.bus import connect
 from common.codec import decode, encode, raise_error
 from common.config import SHM_DIR, shm_prefix
 from common.errors import BelayerError, BusUnavailable
 from common.events import describe
 from schemas.base import ErrorReply
 from schemas.events import AnyEvent, EventBase
-from schemas.node import SupervisorStatus, SupervisorStatusRequest
 from schemas.serving import (
     GenerateReply,
     GenerateRequest,
     GenerateResult,
     RouterStatus,
     SamplingParams,
-    StatusRequest,
     TokenDelta,
 )
 
@@ -323,10 +321,10 @@ def sampled(rid: str, prompt: str, n: int, seed: int, **kw: Any) -> GenerateRequ
 
 
 async def router_status(nc: Any, timeout: float = 3.0) -> RouterStatus:
-    """The router's status over the bus (faster than the CLI)."""
-    return await request(
-        nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=timeout
-    )
+    """The router's status over the bus (faster than the CLI), through the router's client."""
+    from services.router.client import router_status as status
+
+    return await status(nc, timeout=timeout)
 
 
 async def main_pids(nc: Any) -> dict[str, int]:
@@ -336,9 +334,9 @@ async def main_pids(nc: Any) -> dict[str, int]:
 
 async def supervisor_pids(nc: Any) -> dict[str, int]:
     """process name → pid, from the supervisor."""
-    st: SupervisorStatus = await request(
-        nc, subjects.supervisor_status(), SupervisorStatusRequest(), SupervisorStatus, timeout=3
-    )
+    from services.supervisor.client import supervisor_status
+
+    st = await supervisor_status(nc, timeout=3)
     return {p.name: p.pid for p in st.procs if p.alive and p.pid}
 
 
