@@ -101,6 +101,18 @@ def parse_instance_id(task_id: str) -> tuple[str, str, int] | None:
     return m["family"], split, int(m["index"])
 
 
+def mean_by_split(rewards: dict[str, float]) -> dict[str, float]:
+    """Task id → reward (a run's ``heldout_rewards``) as the mean reward of each split the
+    generated ids among them belong to (``heldout-instance``, ``heldout-family``, ``train``);
+    ids that are not generated ones are left out."""
+    groups: dict[str, list[float]] = {}
+    for task_id, reward in rewards.items():
+        found = parse_instance_id(task_id)
+        if found is not None:
+            groups.setdefault(found[1], []).append(reward)
+    return {split: sum(v) / len(v) for split, v in sorted(groups.items())}
+
+
 def training_ids(count: int, seed: int = 0) -> list[str]:
     """``count`` training instances: round ``r`` takes instance ``seed·10⁶ + r`` of every
     training family, the families in an order shuffled by ``(seed, r)``."""

@@ -25,6 +25,7 @@ from workloads.swe_gen import (
     held_out_ids,
     instance,
     instance_id,
+    mean_by_split,
     parse_instance_id,
     sed_fix,
     training_ids,
@@ -121,6 +122,8 @@ def test_the_workload_splits_training_held_out_instances_and_held_out_families()
     )
     assert all(t.metadata["held_out"] == "true" for t in held)
     assert swe.held_out(5) == held[:5]  # a fixed list
+    rewards = {t.id: float(k % 2) for k, t in enumerate(held)} | {"calc_clamp": 1.0}
+    assert mean_by_split(rewards) == {"heldout-family": 0.5, "heldout-instance": 0.5}
     bundled = load_workload("swe-bundled", check_image=False)
     assert len(bundled.tasks(4)) == 4 and "kv_daemon" in {t.id for t in bundled.tasks(4)}
     with pytest.raises(InvalidRequest, match="unknown workload option"):
