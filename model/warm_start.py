@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -38,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,13 +54,14 @@ from model.qwen3 import Qwen3ForCausalLM
 from model.tiny import SPECIAL_TOKENS, init_tiny_model
 from model.tokenizer import load_tokenizer
 from model.train_forward import build_trainable_model, dense_hidden
-from model.training import make_optimizer, make_scheduler, seed_everything, threads, train_step
+from model.training import make_optimizer, seed_everything, threads, train_step
 
 STAMP_FILE = "warm_start.json"
 """What a warm-started model directory records about how it was made (its cache key first)."""
 
-RECIPE_VERSION = 1
-"""Bumped whenever the training code changes what a given key would produce."""
+RECIPE_VERSION = 2
+"""Bumped whenever the training code changes what a given key would produce (2: the
+learning-rate schedule, ``SftConfig.decay``)."""
 
 ROLES = ("system", "user", "assistant")
 
@@ -190,6 +192,11 @@ class SftConfig:
     """Peak AdamW learning rate."""
     warmup_steps: int = 20
     """Linear warm-up steps."""
+    decay: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: the peak ``lr`` throughout, or a cosine decay to
+    ``min_lr_ratio · lr`` at the last step."""
+    min_lr_ratio: float = 0.0
+    """The cosine decay's floor, as a fraction of ``lr``."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -210,6 +217,11 @@ class SftConfig:
             raise ValueError("steps, batch_size and micro_batch_tokens must be >= 1")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.decay not in ("constant", "cosine") or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"decay must be constant or cosine and 0 <= min_lr_ratio <= 1, got "
+                f"{self.decay!r}, {self.min_lr_ratio}"
+            )
 
 
 @dataclass
@@ -222,6 +234,8 @@ class SftResult:
     """Wall time of the training."""
     losses: list[float] = field(default_factory=list)
     """Mean assistant-token NLL of every step."""
+    lrs: list[float] = field(default_factory=list)
+    """Learning rate of every step."""
 
     @property
     def final_loss(self) -> float:
@@ -282,6 +296,18 @@ def masked_nll(
     return loss, int(target.sum())
 
 
+def lr_factor(cfg: SftConfig, step: int) -> float:
+    """The learning rate of optimiser step ``step`` (0-based) as a fraction of ``cfg.lr``:
+    linear warm-up, then constant or a cosine down to ``cfg.min_lr_ratio`` at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.decay == "constant":
+        return 1.0
+    span = max(1, cfg.steps - 1 - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def train_sft(
     model: Qwen3ForCausalLM,
     examples: Sequence[Example],
@@ -307,7 +333,7 @@ def train_sft(
     )
     seed_everything(cfg.seed)
     optimizer = make_optimizer(model, optim)
-    scheduler = make_scheduler(optimizer, optim)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step))
     result = SftResult()
     t0 = time.perf_counter()
     batches = _batches(len(examples), cfg)
@@ -323,6 +349,7 @@ def train_sft(
                 loss, _ = masked_nll(model, *micro)
                 return loss / total
 
+            result.lrs.append(float(optimizer.param_groups[0]["lr"]))
             stats = train_step(
                 model, optimizer, scheduler, [groups], loss_fn, max_grad_norm=cfg.max_grad_norm
             )

@@ -60,8 +60,9 @@ def _seed(*parts: object) -> int:
 
 
 class MathWorkload:
-    """``math``: arithmetic from reasoning-gym (``basic_arithmetic``, ``chain_sum``), 1- or
-    2-digit numbers by default so a tiny model can learn them.
+    """``math``: arithmetic from reasoning-gym (``basic_arithmetic``, ``chain_sum``), one-digit
+    numbers by default (``max_digits``: up to 6) so the tiny warm-started model solves a useful
+    fraction and GRPO has groups with differing rewards (docs/training.md).
 
     Task ids are ``math-<generator>-<t|h><seed>-<index>``: ``task(id)`` regenerates the task."""
 
@@ -71,7 +72,7 @@ class MathWorkload:
         self,
         *,
         generators: Sequence[str] = ("basic_arithmetic", "chain_sum"),
-        max_digits: int = 2,
+        max_digits: int = 1,
     ) -> None:
         if isinstance(generators, str):
             generators = [generators]

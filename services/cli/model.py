@@ -38,7 +38,15 @@ T = TypeVar("T")
 KINDS = ("math", "swe", "swe-long")
 
 SFT: dict[str, dict[str, Any]] = {
-    "math": {"steps": 450, "batch_size": 32, "lr": 3e-3, "warmup_steps": 20},
+    "math": {
+        "steps": 400,
+        "batch_size": 32,
+        "lr": 3e-3,
+        "warmup_steps": 20,
+        "decay": "cosine",
+        "min_lr_ratio": 0.1,
+        "threads": 1,
+    },
     "swe": {"steps": 60, "batch_size": 16, "lr": 2e-3, "warmup_steps": 10},
     "swe-long": {"steps": 160, "batch_size": 4, "lr": 2e-3, "warmup_steps": 10},
 }

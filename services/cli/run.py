@@ -34,6 +34,7 @@ from services.cli.run_node import (
 from services.cli.run_report import read_metrics, rewrite_metrics, step_table, write_report
 from services.cli.run_setup import (
     DEFAULTS,
+    LR_DEFAULTS,
     RunOptions,
     RunState,
     check_model_dir,
@@ -112,7 +113,7 @@ def run(
         None, "--tasks", min=1, max=4096, help="Tasks per step (default: math 8, swe 4)."
     ),
     n: int | None = typer.Option(
-        None, "--n", min=1, max=1024, help="Samples per task, the GRPO group (math 4, swe 2)."
+        None, "--n", min=1, max=1024, help="Samples per task, the GRPO group (math 8, swe 2)."
     ),
     model: str | None = typer.Option(
         None,
@@ -150,11 +151,16 @@ def run(
         "", "--dataset", help="Dataset file: DAPO-style for math, SWE-Gym instances for swe."
     ),
     seed: int = typer.Option(0, "--seed", min=0, max=2**62, help="Root seed."),
-    lr: float = typer.Option(
-        1e-4, "--lr", min=1e-9, max=1.0, callback=finite, help="Peak learning rate (AdamW)."
+    lr: float | None = typer.Option(
+        None,
+        "--lr",
+        min=1e-9,
+        max=1.0,
+        callback=finite,
+        help="Peak learning rate (AdamW; default: math 1e-4, swe 1e-4).",
     ),
     held_out: int | None = typer.Option(
-        None, "--held-out", min=1, max=4096, help="Held-out tasks (default: math 32, swe 2)."
+        None, "--held-out", min=1, max=4096, help="Held-out tasks (default: math 64, swe 2)."
     ),
     temperature: float = typer.Option(
         1.0, "--temperature", min=0.01, max=10.0, callback=finite, help="Rollout temperature."
@@ -284,7 +290,7 @@ def execute(opts: RunOptions, console: Console) -> tuple[dict[str, Any], list[di
         t0 = time.monotonic()
         trainer = run_trainer_config(
             group_size=n, groups_per_step=tasks, checkpoint_dir=out / "trainer",
-            resume=prior is not None, seed=seed, lr=opts.lr,
+            resume=prior is not None, seed=seed, lr=opts.lr or LR_DEFAULTS[opts.workload],
             hold_before_checkpoint_s=opts.hold_before_checkpoint_s,
         )  # fmt: skip
         info = start_node(

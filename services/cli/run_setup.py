@@ -40,13 +40,15 @@ RUN_KINDS = ("trainer-kill", "shadow-kill")
 SANDBOX_KINDS = ("sandbox-kill", "sandbox-pause")
 RUN_FILE = "run.json"
 DEFAULTS: dict[str, dict[str, int]] = {
-    "math": {"tasks": 8, "n": 4, "held_out": 32},
+    "math": {"tasks": 8, "n": 8, "held_out": 64},
     "swe": {"tasks": 4, "n": 2, "held_out": 9},
 }
 """Per workload: tasks per step, samples per task (the GRPO group), held-out tasks — sized so
 20 steps fit in about ten minutes on two CPU cores (docs/training.md); swe's 9 held-out tasks
 are 6 held-out instances of training families and one task of each of the 3 held-out
 families (``workloads.swe``), about fifteen minutes for 20 steps."""
+LR_DEFAULTS: dict[str, float] = {"math": 1e-4, "swe": 1e-4}
+"""Per workload: the peak learning rate of a node the run starts (docs/training.md)."""
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,8 @@ class RunOptions:
     """A dataset file (math: DAPO-style, swe: SWE-Gym instances)."""
     seed: int = 0
     """Root seed of the rollouts and the trainer."""
-    lr: float = 1e-4
-    """Peak learning rate (a node the run starts)."""
+    lr: float | None = None
+    """Peak learning rate (a node the run starts; None: the workload's default)."""
     held_out: int | None = None
     """Held-out tasks evaluated greedily before training and after every step."""
     temperature: float = 1.0

@@ -6,6 +6,8 @@ builds once."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from model.warm_start import (
     cached_model_dir,
     encode_demonstration,
     install,
+    lr_factor,
     masked_nll,
     read_demonstrations,
     read_stamp,
@@ -34,13 +37,16 @@ from model.warm_start import (
     write_demonstrations,
 )
 from services.cli.demonstrations import (
+    MATH_DEMOS,
     THOUGHTS,
     edited_module,
     long_episode,
+    math_demonstrations,
     math_response,
     math_working,
     swe_transcript,
 )
+from services.cli.model import SFT
 from services.controller.core import Execute, Generate, Limits, Score, TrajectoryCore
 from services.controller.policy import CheckpointPolicy, PolicyConfig
 from tests.unit.model_fixtures import write_small_model
@@ -160,7 +166,7 @@ def test_transcripts_that_break_the_turn_order_are_refused() -> None:
         split_transcript([("tool", "t"), ("assistant", "a")])
 
 
-def test_math_demonstrations_answer_in_the_convention() -> None:
+def test_math_demonstrations_answer_in_the_convention(tmp_path: Path) -> None:
     math = load_workload("math")
     for task in math.tasks(200, seed=3):
         response = math_response(task)
@@ -169,6 +175,12 @@ def test_math_demonstrations_answer_in_the_convention() -> None:
         assert response.splitlines()[-1] == f"Answer: {task.reference_answer}"
     assert math_working("66 - 15 - 90") == (["66 - 15 = 51", "51 - 90 = -39"], -39)
     assert math_working("5 + 10") == (["5 + 10 = 15"], 15)
+    # One demonstration per trained example: the default count fills the recipe's batches.
+    assert MATH_DEMOS == SFT["math"]["steps"] * SFT["math"]["batch_size"]
+    demos = math_demonstrations(tmp_path, count=50)
+    assert len({d.task_id for d in demos}) == 50
+    held = {t.prompt[-1].content for t in math.held_out(256)}
+    assert not held & {d.messages[-2][1] for d in demos}
 
 
 def test_swe_transcript_acts_then_submits() -> None:
@@ -235,6 +247,32 @@ def test_training_memorises_demonstrations(model_dir: Path, chat: ChatFormat) ->
     result = train_sft(model, examples, cfg)
     assert result.steps == 30 and len(result.losses) == 30
     assert result.losses[-1] < 0.2 * result.losses[0], result.losses
+
+
+def test_the_learning_rate_warms_up_then_decays_by_cosine() -> None:
+    cfg = SftConfig(steps=11, warmup_steps=2, decay="cosine", min_lr_ratio=0.1)
+    factors = [lr_factor(cfg, s) for s in range(cfg.steps)]
+    assert factors[:3] == [0.5, 1.0, 1.0]  # warm-up, then the peak at the decay's start
+    assert factors[-1] == pytest.approx(0.1)  # the floor at the last step
+    assert all(a >= b for a, b in itertools.pairwise(factors[2:]))
+    assert factors[2 + 9 // 2] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 8)))
+    constant = SftConfig(steps=11, warmup_steps=2)
+    assert [lr_factor(constant, s) for s in range(11)] == [0.5] + [1.0] * 10
+    with pytest.raises(ValueError, match="decay"):
+        SftConfig(decay="linear")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        SftConfig(decay="cosine", min_lr_ratio=1.5)
+
+
+def test_training_follows_the_schedule(model_dir: Path, chat: ChatFormat) -> None:
+    model = build_trainable_model(load_model_config(model_dir), load_safetensors(model_dir))
+    examples = [encode_demonstration(chat, transcript())]
+    cfg = SftConfig(
+        steps=6, batch_size=1, lr=1e-3, warmup_steps=1, decay="cosine", min_lr_ratio=0.2,
+        threads=1,
+    )  # fmt: skip
+    result = train_sft(model, examples, cfg)
+    assert result.lrs == pytest.approx([1e-3 * lr_factor(cfg, s) for s in range(6)])
 
 
 def test_chat_tokenizer_keeps_special_ids_and_splits_digits(tmp_path: Path) -> None:
