@@ -35,6 +35,7 @@ from common.errors import (
     Unauthorized,
 )
 from common.logging import get_logger
+from common.tasks import keep
 from schemas.base import ErrorReply, Message
 
 R = TypeVar("R")
@@ -296,9 +297,7 @@ class Server:
                     await self._reply(subject, msg.reply, error_reply(busy))
                 return
             held += 1
-            task = asyncio.create_task(handle(msg))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            keep(self.tasks, asyncio.create_task(handle(msg)))
 
         sub = await self.nc.subscribe(subject, queue=queue or "", cb=cb)
         # Round-trip to the server so the subscription is live before anyone is told "ready"

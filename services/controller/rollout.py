@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from common import events
 from common.errors import BelayerError
 from common.logging import get_logger
+from common.tasks import keep
 from model.chat import ChatFormat
 from schemas.events import EventBase, FailureInjected, FailureRecovered, RolloutDone
 from schemas.rollout import (
@@ -206,10 +207,7 @@ class RolloutRun:
         await events.publish(self.js, event, msg_id=msg_id)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.create_task(coro)
-        self.tasks_bg.add(task)
-        task.add_done_callback(self.tasks_bg.discard)
-        return task
+        return keep(self.tasks_bg, asyncio.create_task(coro))
 
     async def stop(self) -> None:
         for t in list(self.tasks_bg):
@@ -277,9 +275,7 @@ class RolloutRun:
             self.injector.kill_self()
 
     def kill_worker(self, text: str, runner: TrajectoryRunner | None) -> None:
-        task = self.spawn(self.fire_worker_kill(text, runner))
-        self.injections.add(task)
-        task.add_done_callback(self.injections.discard)
+        keep(self.injections, self.spawn(self.fire_worker_kill(text, runner)))
 
     async def fire_worker_kill(self, text: str, runner: TrajectoryRunner | None) -> None:
         try:

@@ -22,6 +22,7 @@ from common.codec import decode, encode
 from common.errors import BelayerError, BusUnavailable, Conflict, InvalidRequest, NotFound
 from common.logging import get_logger
 from common.service import Service, run_service
+from common.tasks import keep
 from model.chat import ChatFormat
 from model.tokenizer import load_tokenizer
 from schemas.events import RolloutStarted, TrajectoriesAdopted
@@ -109,9 +110,10 @@ class Controller(Service[ControllerConfig]):
 
     def start(self, run: RolloutRun, adopted: dict[int, TrajectoryState]) -> None:
         self.runs[run.rollout_id] = run
-        task = asyncio.create_task(self._main(run, adopted), name=f"rollout_{run.rollout_id}")
-        self.mains.add(task)
-        task.add_done_callback(self.mains.discard)
+        keep(
+            self.mains,
+            asyncio.create_task(self._main(run, adopted), name=f"rollout_{run.rollout_id}"),
+        )
 
     async def _main(self, run: RolloutRun, adopted: dict[int, TrajectoryState]) -> None:
         try:

@@ -39,6 +39,7 @@ from common.errors import (
     Timeout,
 )
 from common.logging import get_logger
+from common.tasks import keep
 from schemas.env import CheckpointInfo, ReadyPointer, SandboxInfo
 from services.environment import core, lifecycle, quiescent, snapshot
 from services.environment import criu_ops as ops
@@ -120,9 +121,7 @@ class SandboxManager:
                     "old_container_remove_failed", container_id=container_id[:12], error=str(exc)
                 )
 
-        task = asyncio.create_task(go())
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        keep(self._retiring, asyncio.create_task(go()))
 
     async def settle(self) -> None:
         """Wait for the background removals of replaced containers."""

@@ -38,6 +38,7 @@ from common.errors import (
 from common.guard import isolated
 from common.logging import get_logger
 from common.service import Service, Status, run_service
+from common.tasks import keep
 from model.tokenizer import load_tokenizer
 from schemas.base import Ok
 from schemas.events import RegistrationRejected, StaleFailureReport
@@ -122,9 +123,7 @@ class Router:
             with isolated(self.log, "router_task", task=getattr(coro, "__qualname__", "")):
                 await coro
 
-        task = asyncio.create_task(guarded())
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        keep(self.tasks, asyncio.create_task(guarded()))
 
     async def _submit(self, a: SubmitToEngine) -> None:
         msg = EngineSubmit(engine_id=a.engine_id, epoch=a.epoch, requests=a.requests)

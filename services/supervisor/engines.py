@@ -40,6 +40,7 @@ from common.errors import BelayerError
 from common.guard import isolated
 from common.heartbeat import read_identity
 from common.logging import get_logger
+from common.tasks import keep
 from schemas.base import Ok
 from schemas.events import (
     EngineFailedEvent,
@@ -96,9 +97,7 @@ class Engines:
 
     # --- processes --------------------------------------------------------------------------
     def _spawn_task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        keep(self.tasks, asyncio.create_task(coro, name=name))
 
     async def _start(
         self, slot: Slot, role: str, *, cold: bool = False, watch: bool = True
@@ -215,9 +214,8 @@ class Engines:
             return
         if slot.guard is not None and not slot.guard.done():
             return
-        slot.guard = asyncio.create_task(self._guard(slot, main), name=f"guard_{slot.engine_id}")
-        self.tasks.add(slot.guard)
-        slot.guard.add_done_callback(self.tasks.discard)
+        guard = asyncio.create_task(self._guard(slot, main), name=f"guard_{slot.engine_id}")
+        slot.guard = keep(self.tasks, guard)
 
     async def _guard(self, slot: Slot, failed: Child) -> None:
         """The takeover from a still-running main worker failed: kill it (and a shadow stuck
