@@ -133,10 +133,10 @@ async def one_step(side: Side, faults: Any, label: str) -> dict[str, Any]:
     """One step (rollout → reward → train → push weights) on ``side``; its timings."""
     from services.cli.run_loop import (
         Phases,
+        await_train_step,
+        await_weights_switched,
         collect_rewards,
-        push_weights,
         run_rollout,
-        train,
     )
 
     side.step += 1
@@ -144,8 +144,8 @@ async def one_step(side: Side, faults: Any, label: str) -> dict[str, Any]:
     t0 = time.monotonic()
     result = await run_rollout(nc, ctx, side.step, faults, ui, times)
     await collect_rewards(nc, ctx, result, ui, times)
-    trained = await train(nc, ctx.events, ctx, side.step, faults, ui, times)
-    await push_weights(nc, ctx, trained, ui, times)
+    trained = await await_train_step(nc, ctx.events, ctx, side.step, faults, ui, times)
+    await await_weights_switched(nc, ctx, trained, ui, times)
     s = result.summary
     row = {
         "node": side.name, "label": label, "step": side.step,

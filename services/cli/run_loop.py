@@ -125,8 +125,8 @@ async def train_loop(nc: Any, ctx: RunContext, ui: Any) -> list[dict[str, Any]]:
             t_start, times = time.time(), Phases()
             result = await run_rollout(nc, ctx, step, faults, ui, times)
             batch = await collect_rewards(nc, ctx, result, ui, times)
-            trained = await train(nc, events, ctx, step, faults, ui, times)
-            await push_weights(nc, ctx, trained, ui, times)
+            trained = await await_train_step(nc, events, ctx, step, faults, ui, times)
+            await await_weights_switched(nc, ctx, trained, ui, times)
             held = await eval_held_out(nc, ctx, step, ui, times)
             await settle_kills(events, ctx, step)
             record = step_record(ctx, step, result, batch, trained, held, times, events, t_start)
@@ -232,7 +232,7 @@ def sample_of(ctx: RunContext, t: Trajectory) -> dict[str, Any]:
     }
 
 
-async def train(
+async def await_train_step(
     nc: Any,
     events: EventTail,
     ctx: RunContext,
@@ -282,7 +282,7 @@ async def train(
     return done
 
 
-async def push_weights(
+async def await_weights_switched(
     nc: Any, ctx: RunContext, trained: TrainStep, ui: Any, times: Phases
 ) -> None:
     """Until every engine generates with the pushed version (a one-token probe each)."""
