@@ -8,7 +8,8 @@ another trajectory in every step) and ``sandbox-pause``. Per step it compares wh
 reports (``metrics.jsonl``): the sha256 of the weights after the update, the sha256 of the
 batch it trained on (tokens, masks, rewards, in training order), every trajectory's reward by
 slot, and the loss, bit for bit. PASS: every step agrees, every injection fired in the faulted
-run (and none in the clean one), and neither run reported an error.
+run (and none in the clean one), neither run reported an error, and some step had a gradient
+(weights that never moved would agree whatever happened).
 
 The runs are the ``belayer run`` command itself (a subprocess each, ``$BELAYER_HOME`` pointing at
 an empty directory so no running node is used): what is compared is what a user runs.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,14 +38,16 @@ COMPARED = ("weights_sha256", "batch_sha256", "rewards", "loss")
 """What must be equal in every step's record (``metrics.jsonl``)."""
 
 FAULTS: dict[str, list[list[str]]] = {
-    "math": [["worker-kill", "shadow-kill"], ["controller-kill"], ["trainer-kill"]],
+    "math": [["worker-kill"], ["controller-kill", "shadow-kill"], ["trainer-kill"]],
     "swe": [
         ["worker-kill", "sandbox-kill"],
         ["controller-kill", "shadow-kill"],
         ["trainer-kill", "sandbox-pause"],
     ],
 }
-"""Kinds per step (the last group takes every step past it when there are fewer steps)."""
+"""Kinds per step (with fewer steps, the last step takes the groups past it). A worker kill and
+a shadow kill of the same step would leave the engine no shadow to hand over to (a cold
+restart instead): they go to different steps."""
 EVERY_STEP: dict[str, list[str]] = {"math": [], "swe": ["sandbox-kill@turn=2/3"]}
 """Rollout injections of every step (swe: a sandbox killed at another turn, another slot)."""
 
@@ -76,23 +80,36 @@ def belayer_run(
     progress(NAME, f"{label} run: belayer run {workload} --steps {steps} --inject {inject!r}")
     t0 = time.monotonic()
     env = {**os.environ, "BELAYER_HOME": str(home)}
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S, check=False
-    )
+    code, stdout, stderr = run_bounded(cmd, env, RUN_TIMEOUT_S)
     seconds = time.monotonic() - t0
-    (root / f"{label}.stderr").write_text(proc.stderr)
+    (root / f"{label}.stderr").write_text(stderr)
     try:
-        report: dict[str, Any] = json.loads(proc.stdout)
+        report: dict[str, Any] = json.loads(stdout)
     except json.JSONDecodeError:
         report = {}
-    if proc.returncode != 0 or not report:
-        tail = proc.stderr.strip().splitlines()[-3:]
-        report.setdefault("errors", []).append(
-            f"belayer run exited {proc.returncode}: {' / '.join(tail)}"
-        )
+    if code != 0 or not report:
+        tail = stderr.strip().splitlines()[-3:]
+        report.setdefault("errors", []).append(f"belayer run exited {code}: {' / '.join(tail)}")
     report["bench_seconds"] = round(seconds, 2)
-    progress(NAME, f"{label} run: {seconds:.0f} s, exit {proc.returncode}")
+    progress(NAME, f"{label} run: {seconds:.0f} s, exit {code}")
     return report
+
+
+def run_bounded(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """Run ``cmd``; past ``timeout`` interrupt it as Ctrl-C does (``belayer run`` then stops
+    the node it started and writes its report), and kill it if that takes a minute more."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=60.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        err += f"\nstopped after {timeout:g} s"
+    return proc.returncode, out, err
 
 
 def steps_of(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -111,6 +128,7 @@ def compare(clean: dict[str, Any], faulted: dict[str, Any], steps: int) -> list[
             row[key] = {"clean": x, "faulted": y, "equal": x == y and x not in (None, "", [])}
         row["equal"] = all(row[k]["equal"] for k in COMPARED)
         row["inject"] = b.get(step, {}).get("inject", [])
+        row["grad_norm"] = a.get(step, {}).get("grad_norm")
         out.append(row)
     return out
 
