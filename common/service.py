@@ -27,8 +27,9 @@ import inspect
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -40,7 +41,35 @@ from common.config import parse_config
 from common.errors import BelayerError
 from common.logging import configure, get_logger
 
-C = TypeVar("C")
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """What every service's config holds; each service's frozen config extends it (its own
+    fields follow these three)."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    """The bus."""
+    bus: BusConfig = field(default_factory=BusConfig)
+    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
+    log_file: str = ""
+    """JSON log file (empty: stderr)."""
+
+
+class BusClientConfig(Protocol):
+    """What the lifecycle reads of a config: a ``ServiceConfig``, or the supervisor's (whose
+    log file is derived from its run directory)."""
+
+    @property
+    def nats_url(self) -> str: ...
+
+    @property
+    def bus(self) -> BusConfig: ...
+
+    @property
+    def log_file(self) -> str | Path: ...
+
+
+C = TypeVar("C", bound=BusClientConfig)
 
 DISCONNECT_TIMEOUT_S = 5.0
 """Longest wait for the connection's own drain (flushing what was published) at the end."""
@@ -75,9 +104,9 @@ class Service(Generic[C]):
         self.config = config
         if name is not None:
             self.name = name
-        self.nats_url: str = getattr(config, "nats_url", "")
+        self.nats_url: str = config.nats_url
         """The bus ``run_service`` connects to (``open`` may set it, e.g. to a server it started)."""
-        self.bus: BusConfig = getattr(config, "bus", None) or BusConfig()
+        self.bus: BusConfig = config.bus
         """Credentials, TLS and replica count for that connection (the config's ``bus``)."""
         self.status = Status.STARTING
         self.stop_requested = asyncio.Event()
@@ -236,7 +265,7 @@ def main(
     (to the config's ``log_file`` when it has one), then ``run(config, stop=...)`` until SIGTERM.
     ``name`` is the service's log name, or makes it from the config."""
     config = parse_config(config_cls, argv, prog=prog, description=description)
-    log_file = getattr(config, "log_file", None)
+    log_file = config.log_file
     configure(
         name if isinstance(name, str) else name(config),
         log_file=Path(log_file) if log_file else None,

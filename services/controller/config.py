@@ -5,23 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.auth import BusConfig
+from common.service import ServiceConfig
 from services.controller.policy import PolicyConfig
 from workloads.episode import MAX_CONTEXT_TOKENS, MAX_INVALID_IN_ROW, MAX_PROMPT_TOKENS
 
 
 @dataclass(frozen=True)
-class ControllerConfig:
+class ControllerConfig(ServiceConfig):
     """Everything the controller needs; loaded once in ``__main__``."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    """The bus."""
-    bus: BusConfig = field(default_factory=BusConfig)
-    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     model_dir: str = ""
     """Model directory whose tokenizer formats the chat (the node's model)."""
-    log_file: str = ""
-    """JSON log file (empty: stderr)."""
     max_trajectories: int = 8
     """Trajectory attempts running at once on this controller, over all rollouts."""
     default_concurrency: int = 8

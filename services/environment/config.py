@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from common.auth import BusConfig
+from common.service import ServiceConfig
 from services.environment.archive import ArchiveLimits
 
 
@@ -19,13 +19,9 @@ def _node_name() -> str:
 
 
 @dataclass(frozen=True)
-class EnvConfig:
+class EnvConfig(ServiceConfig):
     """Everything the environment service needs; loaded once in ``__main__``."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    """The bus."""
-    bus: BusConfig = field(default_factory=BusConfig)
-    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     run_dir: Path = Path(".belayer")
     """Checkpoints live in ``<run_dir>/env/checkpoints``, sandbox records in ``<run_dir>/env/sandboxes``."""
     image: str = "belayer-sandbox:1"
@@ -107,8 +103,6 @@ class EnvConfig:
     bytes (fsync doubles a 256 MB checkpoint's cost) and only a machine crash — outside the
     failure model — could lose them; a torn image set then fails restore and the previous
     ready checkpoint is used."""
-    log_file: Path | None = None
-    """JSON log lines go here (stderr when unset)."""
 
     @property
     def env_dir(self) -> Path:

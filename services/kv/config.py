@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from common.auth import BusConfig
+from common.service import ServiceConfig
 from common.subjects import check_token
 
 
 @dataclass(frozen=True)
-class KvArenaConfig:
+class KvArenaConfig(ServiceConfig):
     """How one node's KV arena service runs."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    """NATS server to serve ``kv.get`` / ``kv.flush`` on."""
-    bus: BusConfig = field(default_factory=BusConfig)
-    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     run_id: str = "dev"
     """Names this node's shm files (``/dev/shm/belayer-<run_id>-kv-<engine>``)."""
     model_dir: Path = Path("model")
@@ -29,8 +25,6 @@ class KvArenaConfig:
     """Tokens per KV block."""
     dtype: str | None = None
     """Element dtype of the arena (``float32``, ``bfloat16``…); default: the model's."""
-    log_file: Path | None = None
-    """JSON log lines go here (stderr when unset)."""
 
     def __post_init__(self) -> None:
         if not self.engine_ids:

@@ -5,18 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common.auth import BusConfig
 from common.limits import ServingLimits
+from common.service import ServiceConfig
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(ServiceConfig):
     """Every field defaulted; loaded once in ``__main__`` and passed down."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    """The bus."""
-    bus: BusConfig = field(default_factory=BusConfig)
-    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     model_dir: str = ""
     """Model directory whose tokenizer the router uses for text prompts and results."""
     token_log_chunk: int = 256
@@ -46,5 +42,3 @@ class RouterConfig:
     """A ping unanswered this long counts as a failure."""
     restore_timeout_s: float = 30.0
     """Longest time a restarted router spends reading the token log back."""
-    log_file: str = ""
-    """JSON log file (empty: stderr)."""

@@ -200,13 +200,13 @@ class Supervisor(Service[SupervisorConfig]):
         await asyncio.gather(
             self._start_and_wait(
                 self._child("weights", self._py("services.weights", dataclasses.replace(
-                    c.weights, run_id=rid, model_dir=model, log_file=self._log_file("weights")))),
+                    c.weights, run_id=rid, model_dir=model, log_file=str(self._log_file("weights"))))),
                 lambda nc: request(nc, subjects.weights_get(), WeightsGet(), WeightManifest, timeout=1),
             ),
             self._start_and_wait(
                 self._child("kv", self._py("services.kv", dataclasses.replace(
                     c.kv, run_id=rid, model_dir=model, engine_ids=tuple(self.engine_ids),
-                    log_file=self._log_file("kv")))),
+                    log_file=str(self._log_file("kv"))))),
                 lambda nc: request(nc, subjects.kv_get(), KvGet(engine_id=self.engine_ids[0]), ArenaDesc, timeout=1),
             ),
             self._start_and_wait(
@@ -220,7 +220,7 @@ class Supervisor(Service[SupervisorConfig]):
             await self._start_and_wait(
                 self._child("environment", self._py("services.environment", dataclasses.replace(
                     c.env, run_dir=self.paths.root, node=node_label(self.run_id),
-                    log_file=self._log_file("environment"))),
+                    log_file=str(self._log_file("environment")))),
                     stop_timeout=ENV_STOP_TIMEOUT_S),
                 self._env_probe,
             )  # fmt: skip
@@ -258,7 +258,7 @@ class Supervisor(Service[SupervisorConfig]):
         await self._start_and_wait(
             self._child("environment", self._py("services.environment", dataclasses.replace(
                 c.env, run_dir=self.paths.root, node=node_label(self.run_id),
-                log_file=self._log_file("environment"))),
+                log_file=str(self._log_file("environment")))),
                 stop_timeout=ENV_STOP_TIMEOUT_S),
             self._env_probe,
         )  # fmt: skip

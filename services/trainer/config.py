@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from common.auth import BusConfig
+from common.service import ServiceConfig
 from common.training_config import OptimConfig
 
 
@@ -47,13 +47,9 @@ class GrpoConfig:
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
+class TrainerConfig(ServiceConfig):
     """How the trainer consumes trajectories, updates and checkpoints."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    """The bus."""
-    bus: BusConfig = field(default_factory=BusConfig)
-    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     run_id: str = "dev"
     """The node's run id (names the shm files of pushed weights; stamped on checkpoints)."""
     checkpoint_dir: Path = Path(".belayer/trainer")
@@ -109,8 +105,6 @@ class TrainerConfig:
     """AdamW and gradient clipping."""
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     """The GRPO objective."""
-    log_file: str = ""
-    """JSON log file (empty: stderr)."""
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.groups_per_step < 1:

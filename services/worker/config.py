@@ -5,19 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common.auth import BusConfig
 from common.limits import ServingLimits
+from common.service import ServiceConfig
 from services.worker.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(ServiceConfig):
     """Every field defaulted; loaded once in ``__main__``."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    """The bus."""
-    bus: BusConfig = field(default_factory=BusConfig)
-    """Credentials and TLS for the bus (``--bus-creds`` …; the supervisor fills them in)."""
     engine_id: str = "e0"
     """The engine this worker serves (one main + one shadow per engine)."""
     role: Literal["main", "shadow"] = "main"
@@ -33,8 +29,6 @@ class WorkerConfig:
     """Device label reported to the router."""
     register_timeout_s: float = 30.0
     """How long to keep trying to register with the router at start."""
-    log_file: str = ""
-    """JSON log file (empty: stderr)."""
     torch_threads: int = 1
     """torch intra-op threads (one per worker process on this 2-core machine)."""
     cold_load_dir: str = ""
