@@ -27,14 +27,16 @@ import contextlib
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import nats.errors
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from common import events, subjects
 from common.bus import request
 from common.codec import decode
+from common.config import RunPaths
 from common.epoch import current_epoch
 from common.errors import BelayerError
 from common.guard import isolated
@@ -46,6 +48,7 @@ from schemas.events import (
     EngineFailedEvent,
     EngineRetired,
     EngineUnhealthy,
+    EventBase,
     HandoverComplete,
     HandoverDetected,
     HandoverFailed,
@@ -55,6 +58,7 @@ from schemas.events import (
 )
 from schemas.serving import EngineFailed, EngineInfo
 from services.router.client import router_status
+from services.supervisor.config import SupervisorConfig
 from services.supervisor.policy import (
     HandoverAction,
     HandoverDecision,
@@ -63,8 +67,38 @@ from services.supervisor.policy import (
 )
 from services.supervisor.procs import Child
 
-if TYPE_CHECKING:
-    from services.supervisor.service import Supervisor
+
+class EngineHost(Protocol):
+    """What the engines need of the node supervisor (which is one): its config and run paths,
+    its bus, its stop flag, its process table and how to start a child, and event publishing.
+    Narrow on purpose: the engines never reach into the supervisor's other state."""
+
+    @property
+    def config(self) -> SupervisorConfig: ...
+
+    @property
+    def engine_ids(self) -> list[str]: ...
+
+    @property
+    def paths(self) -> RunPaths: ...
+
+    @property
+    def nc(self) -> NATS | None: ...
+
+    @property
+    def stop_requested(self) -> asyncio.Event: ...
+
+    @property
+    def children(self) -> dict[str, Child]: ...
+
+    def worker_argv(
+        self, engine_id: str, role: str = "main", *, cold: bool = False
+    ) -> list[str]: ...
+
+    def child(self, name: str, argv: list[str], stop_timeout: float = 5.0) -> Child: ...
+
+    async def publish(self, event: EventBase) -> None: ...
+
 
 log = get_logger(service="supervisor", component="engines")
 
@@ -85,10 +119,10 @@ class Slot:
 
 
 class Engines:
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
-        self.cfg = sup.config
-        self.slots = {eid: Slot(eid) for eid in sup.engine_ids}
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+        self.cfg = host.config
+        self.slots = {eid: Slot(eid) for eid in host.engine_ids}
         self.tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -103,8 +137,8 @@ class Engines:
         self, slot: Slot, role: str, *, cold: bool = False, watch: bool = True
     ) -> Child:
         eid = slot.engine_id
-        argv = self.sup.worker_argv(eid, role, cold=cold)
-        child = self.sup._child(f"{'worker' if role == 'main' else 'shadow'}-{eid}", argv)
+        argv = self.host.worker_argv(eid, role, cold=cold)
+        child = self.host.child(f"{'worker' if role == 'main' else 'shadow'}-{eid}", argv)
         if role == "main":
             slot.main = child
         else:
@@ -138,10 +172,10 @@ class Engines:
             assert child.proc is not None
             code = await child.proc.wait()
             slot = self._slot_of(child)
-            if self.sup.stop_requested.is_set() or child.stopping or slot is None or slot.retired:
+            if self.host.stop_requested.is_set() or child.stopping or slot is None or slot.retired:
                 return
             ran = time.monotonic() - child.started_at
-            await self.sup.publish(
+            await self.host.publish(
                 ServiceExited(name=child.name, code=code, pid=child.pid, ran_s=round(ran, 3))
             )
             if child is slot.shadow:
@@ -150,12 +184,12 @@ class Engines:
                 if (
                     slot.shadow is child
                     and not slot.retired
-                    and not self.sup.stop_requested.is_set()
+                    and not self.host.stop_requested.is_set()
                 ):
                     child.started_at = time.monotonic()  # a failed start: a crash at once
                     with isolated(log, "watch", name=child.name):  # retried after backoff
                         await child.start()
-                        await self.sup.publish(ServiceRestarted(name=child.name, pid=child.pid))
+                        await self.host.publish(ServiceRestarted(name=child.name, pid=child.pid))
                     continue
                 return
             # the main worker exited
@@ -172,26 +206,26 @@ class Engines:
                     self._kill_shadow(slot, shadow_pid)
             # No handover (in time): restart the main worker cold, with backoff.
             await asyncio.sleep(child.backoff.next_delay(ran))
-            if slot.main is not child or slot.retired or self.sup.stop_requested.is_set():
+            if slot.main is not child or slot.retired or self.host.stop_requested.is_set():
                 return
             self._forget_heartbeat(slot)
             child.started_at = time.monotonic()  # a failed start: a crash at once (backoff grows)
             with isolated(log, "watch", name=child.name):
                 await child.start()
-                await self.sup.publish(
+                await self.host.publish(
                     ServiceRestarted(name=child.name, pid=child.pid, mode="cold")
                 )
 
     async def _report_failure(self, slot: Slot, child: Child) -> None:
         """Tell the router (idempotent per epoch) — the epoch comes from the dead worker's
         heartbeat identity, so a report never hits a newer worker."""
-        found = read_identity(self.sup.paths.heartbeat_file(slot.engine_id))
-        if found is None or found[0].pid != child.pid or self.sup.nc is None:
+        found = read_identity(self.host.paths.heartbeat_file(slot.engine_id))
+        if found is None or found[0].pid != child.pid or self.host.nc is None:
             return
         ident = found[0]
         with contextlib.suppress(BelayerError):
             await request(
-                self.sup.nc,
+                self.host.nc,
                 subjects.router_engine_failed(),
                 EngineFailed(
                     engine_id=slot.engine_id,
@@ -225,7 +259,7 @@ class Engines:
             decision = await self._see_handover(slot, failed, running=True)
             if decision.action is not HandoverAction.COLD_RESTART:
                 return
-            if slot.main is not failed or slot.retired or self.sup.stop_requested.is_set():
+            if slot.main is not failed or slot.retired or self.host.stop_requested.is_set():
                 return
             if decision.reason == "deadline":
                 self._kill_shadow(slot, shadow_pid)
@@ -273,7 +307,7 @@ class Engines:
                 await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
                 for w in waiters:
                     w.cancel()
-            if slot.retired or self.sup.stop_requested.is_set():
+            if slot.retired or self.host.stop_requested.is_set():
                 return HandoverDecision(HandoverAction.DONE, "engine retired or node stopping")
             if running and not failed_alive():
                 return HandoverDecision(HandoverAction.DONE, "exited: its watcher follows")
@@ -305,7 +339,7 @@ class Engines:
                     old_pid=failed_pid,
                     waited_s=waited,
                 )
-                await self.sup.publish(
+                await self.host.publish(
                     HandoverFailed(
                         engine_id=slot.engine_id,
                         reason=decision.reason,
@@ -324,11 +358,11 @@ class Engines:
         """Before a cold restart: the old worker's heartbeat file goes, so a shadow started
         meanwhile waits for the new worker instead of taking over from the dead one."""
         with contextlib.suppress(OSError):
-            self.sup.paths.heartbeat_file(slot.engine_id).unlink(missing_ok=True)
+            self.host.paths.heartbeat_file(slot.engine_id).unlink(missing_ok=True)
 
     # --- events -----------------------------------------------------------------------------
     async def subscribe(self) -> None:
-        nc = self.sup.nc
+        nc = self.host.nc
         assert nc is not None
         for typ in (HandoverDetected, HandoverComplete, EngineFailedEvent, EngineUnhealthy):
             await nc.subscribe(events.subject(typ), cb=self._on_event)
@@ -343,7 +377,7 @@ class Engines:
         except BelayerError:
             return
         slot = self.slots.get(ev.engine_id)
-        if slot is None or slot.retired or self.sup.stop_requested.is_set():
+        if slot is None or slot.retired or self.host.stop_requested.is_set():
             return
         if isinstance(ev, HandoverDetected) and self.belayer:
             self._guard_if_running(slot, ev.old_pid)
@@ -356,7 +390,7 @@ class Engines:
 
     async def _router_view(self, engine_id: str) -> EngineInfo | None:
         """The router's registry entry for the engine (None if the router cannot say)."""
-        nc = self.sup.nc
+        nc = self.host.nc
         if nc is None:
             return None
         try:
@@ -380,13 +414,13 @@ class Engines:
         """Promote the shadow only if the router has it as the engine's worker, under the
         epoch the ``engine_epochs`` bucket holds."""
         shadow = slot.shadow
-        if slot.retired or self.sup.stop_requested.is_set() or self.sup.nc is None:
+        if slot.retired or self.host.stop_requested.is_set() or self.host.nc is None:
             return
         if shadow is None or shadow.pid is None or not shadow.alive:
             return
         info = await self._router_view(slot.engine_id)
         try:
-            claimed, _ = await current_epoch(self.sup.nc.jetstream(), slot.engine_id)
+            claimed, _ = await current_epoch(self.host.nc.jetstream(), slot.engine_id)
         except (nats.errors.Error, TimeoutError) as exc:  # JetStream unavailable: not now
             log.warning("epoch_read_failed", engine=slot.engine_id, error=repr(exc))
             claimed = -1
@@ -427,12 +461,12 @@ class Engines:
         if old is not None:
             if old.alive:  # residual old worker (hung): the control plane kills it
                 await old.stop(timeout=0.0)
-                await self.sup.publish(ResidualKilled(engine_id=slot.engine_id, pid=old.pid))
+                await self.host.publish(ResidualKilled(engine_id=slot.engine_id, pid=old.pid))
             old.stopping = True
         shadow.name = f"worker-{slot.engine_id}"
         slot.main, slot.shadow = shadow, None
-        self.sup.children.pop(f"shadow-{slot.engine_id}", None)
-        self.sup.children[shadow.name] = shadow
+        self.host.children.pop(f"shadow-{slot.engine_id}", None)
+        self.host.children[shadow.name] = shadow
         slot.promoted.set()
         slot.promoted = asyncio.Event()
         await self._start(slot, "shadow")
@@ -448,12 +482,12 @@ class Engines:
                 await old.stop(timeout=0.0)  # a hung worker is killed before its replacement starts
         self._forget_heartbeat(slot)
         new = await self._start(slot, "main", cold=from_disk)
-        await self.sup.publish(ServiceRestarted(name=new.name, pid=new.pid, mode="cold"))
+        await self.host.publish(ServiceRestarted(name=new.name, pid=new.pid, mode="cold"))
 
     async def _retire(self, slot: Slot, reason: str) -> None:
         slot.retired = True
         for child in (slot.main, slot.shadow):
             if child is not None:
                 await child.stop(timeout=2.0)
-        await self.sup.publish(EngineRetired(engine_id=slot.engine_id, reason=reason))
+        await self.host.publish(EngineRetired(engine_id=slot.engine_id, reason=reason))
         log.warning("engine_retired", engine=slot.engine_id, reason=reason)

@@ -111,7 +111,7 @@ class Supervisor(Service[SupervisorConfig]):
         creds = str(seed_file(self.creds_dir, identity)) if self.creds_dir else ""
         return dataclasses.replace(self.config.bus, creds=creds)
 
-    def _child(self, name: str, argv: list[str], stop_timeout: float = 5.0) -> Child:
+    def child(self, name: str, argv: list[str], stop_timeout: float = 5.0) -> Child:
         c = self.config
         child = Child(
             name=name,
@@ -199,18 +199,18 @@ class Supervisor(Service[SupervisorConfig]):
         # imports); workers need all three, so they start after.
         await asyncio.gather(
             self._start_and_wait(
-                self._child("weights", self._py("services.weights", dataclasses.replace(
+                self.child("weights", self._py("services.weights", dataclasses.replace(
                     c.weights, run_id=rid, model_dir=model, log_file=str(self._log_file("weights"))))),
                 lambda nc: request(nc, subjects.weights_get(), WeightsGet(), WeightManifest, timeout=1),
             ),
             self._start_and_wait(
-                self._child("kv", self._py("services.kv", dataclasses.replace(
+                self.child("kv", self._py("services.kv", dataclasses.replace(
                     c.kv, run_id=rid, model_dir=model, engine_ids=tuple(self.engine_ids),
                     log_file=str(self._log_file("kv"))))),
                 lambda nc: request(nc, subjects.kv_get(), KvGet(engine_id=self.engine_ids[0]), ArenaDesc, timeout=1),
             ),
             self._start_and_wait(
-                self._child("router", self._py("services.router", dataclasses.replace(
+                self.child("router", self._py("services.router", dataclasses.replace(
                     c.router, model_dir=str(model), engine_ids=tuple(self.engine_ids),
                     log_file=str(self._log_file("router"))))),
                 lambda nc: router_status(nc, timeout=1),
@@ -218,7 +218,7 @@ class Supervisor(Service[SupervisorConfig]):
         )  # fmt: skip
         if c.environment:
             await self._start_and_wait(
-                self._child("environment", self._py("services.environment", dataclasses.replace(
+                self.child("environment", self._py("services.environment", dataclasses.replace(
                     c.env, run_dir=self.paths.root, node=node_label(self.run_id),
                     log_file=str(self._log_file("environment")))),
                     stop_timeout=ENV_STOP_TIMEOUT_S),
@@ -227,14 +227,14 @@ class Supervisor(Service[SupervisorConfig]):
         await self.engines.start_all()
         await self._wait_engines()
         await self._start_and_wait(
-            self._child("controller", self._py("services.controller", dataclasses.replace(
+            self.child("controller", self._py("services.controller", dataclasses.replace(
                 c.controller, model_dir=str(model), log_file=str(self._log_file("controller")),
                 max_prompt_tokens=c.router.limits.max_prompt_tokens))),
             self._controller_probe,
         )  # fmt: skip
         if c.training:
             await self._start_and_wait(
-                self._child("trainer", self._py("services.trainer", self.trainer_config()),
+                self.child("trainer", self._py("services.trainer", self.trainer_config()),
                     stop_timeout=TRAINER_STOP_TIMEOUT_S),
                 lambda nc: request(nc, subjects.trainer_status(), TrainerStatusRequest(), TrainerStatus, timeout=1),
             )  # fmt: skip
@@ -256,7 +256,7 @@ class Supervisor(Service[SupervisorConfig]):
         subject — those are the deployment's node's; ``belayer down`` here signals it."""
         c = self.config
         await self._start_and_wait(
-            self._child("environment", self._py("services.environment", dataclasses.replace(
+            self.child("environment", self._py("services.environment", dataclasses.replace(
                 c.env, run_dir=self.paths.root, node=node_label(self.run_id),
                 log_file=str(self._log_file("environment")))),
                 stop_timeout=ENV_STOP_TIMEOUT_S),
