@@ -157,7 +157,7 @@ def run(
         min=1e-9,
         max=1.0,
         callback=finite,
-        help="Peak learning rate (AdamW; default: math 1e-4, swe 1e-4).",
+        help="Peak learning rate (AdamW; default: math 2e-4, swe 1e-4).",
     ),
     held_out: int | None = typer.Option(
         None, "--held-out", min=1, max=4096, help="Held-out tasks (default: math 64, swe 2)."

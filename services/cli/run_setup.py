@@ -47,7 +47,7 @@ DEFAULTS: dict[str, dict[str, int]] = {
 20 steps fit in about ten minutes on two CPU cores (docs/training.md); swe's 9 held-out tasks
 are 6 held-out instances of training families and one task of each of the 3 held-out
 families (``workloads.swe``), about fifteen minutes for 20 steps."""
-LR_DEFAULTS: dict[str, float] = {"math": 1e-4, "swe": 1e-4}
+LR_DEFAULTS: dict[str, float] = {"math": 2e-4, "swe": 1e-4}
 """Per workload: the peak learning rate of a node the run starts (docs/training.md)."""
 
 
