@@ -63,7 +63,10 @@ from services.supervisor.policy import (
     HandoverAction,
     HandoverDecision,
     HandoverView,
+    cold_restart_confirmed,
     handover_decision,
+    promotion_confirmed,
+    retirement_confirmed,
 )
 from services.supervisor.procs import Child
 
@@ -424,21 +427,22 @@ class Engines:
         except (nats.errors.Error, TimeoutError) as exc:  # JetStream unavailable: not now
             log.warning("epoch_read_failed", engine=slot.engine_id, error=repr(exc))
             claimed = -1
-        if (
-            info is None
-            or info.worker_pid != shadow.pid
-            or info.epoch != claimed
-            or info.state != "up"
-            or slot.shadow is not shadow
-            or slot.retired
-        ):
+        confirmed = promotion_confirmed(
+            shadow_pid=shadow.pid,
+            shadow_alive=shadow.alive,
+            router_state=info.state if info else None,
+            router_pid=info.worker_pid if info else None,
+            router_epoch=info.epoch if info else None,
+            claimed_epoch=claimed,
+        )
+        if not confirmed or slot.shadow is not shadow or slot.retired:  # or it changed meanwhile
             self._not_confirmed(slot, "promote", info, shadow_pid=shadow.pid, claimed=claimed)
             return
         await self._promote(slot, shadow.pid)
 
     async def _retire_if_confirmed(self, slot: Slot) -> None:
         info = await self._router_view(slot.engine_id)
-        if info is None or info.state != "unhealthy":
+        if not retirement_confirmed(info.state if info else None):
             self._not_confirmed(slot, "retire", info)
             return
         await self._retire(slot, "repeated failure")
@@ -448,7 +452,11 @@ class Engines:
         one this supervisor runs."""
         info = await self._router_view(slot.engine_id)
         main = slot.main
-        if info is None or info.state != "down" or main is None or info.worker_pid != main.pid:
+        if not cold_restart_confirmed(
+            main_pid=main.pid if main else None,
+            router_state=info.state if info else None,
+            router_pid=info.worker_pid if info else None,
+        ):
             self._not_confirmed(slot, "cold_restart", info, main_pid=main.pid if main else None)
             return
         await self._cold_restart(slot)

@@ -82,3 +82,44 @@ def handover_decision(v: HandoverView) -> HandoverDecision:
         return HandoverDecision(HandoverAction.WAIT, "router did not answer")
     reason = "deadline" if v.shadow_alive else "shadow_exited"
     return HandoverDecision(HandoverAction.COLD_RESTART, reason)
+
+
+# --- acting on an event: is what it claims confirmed? ------------------------------------
+# Events only tell the supervisor when to look (anyone on the bus may publish one); each check
+# below reads what the owners of the decision say — the router's registry entry for the engine
+# (its state, epoch and worker pid; None: no answer) and the ``engine_epochs`` bucket — against
+# the supervisor's own process table.
+
+
+def promotion_confirmed(
+    *,
+    shadow_pid: int | None,
+    shadow_alive: bool,
+    router_state: str | None,
+    router_pid: int | None,
+    router_epoch: int | None,
+    claimed_epoch: int,
+) -> bool:
+    """Promote the shadow only if the router has this very (live) shadow as the engine's
+    worker, up, under the epoch the bucket holds (``claimed_epoch``; -1 when unreadable)."""
+    return (
+        shadow_pid is not None
+        and shadow_alive
+        and router_state == "up"
+        and router_pid == shadow_pid
+        and router_epoch == claimed_epoch
+        and claimed_epoch >= 0
+    )
+
+
+def retirement_confirmed(router_state: str | None) -> bool:
+    """Retire an engine only if the router lists it unhealthy."""
+    return router_state == "unhealthy"
+
+
+def cold_restart_confirmed(
+    *, main_pid: int | None, router_state: str | None, router_pid: int | None
+) -> bool:
+    """Baseline: restart only the worker the router took down, and only if it is the one this
+    supervisor runs."""
+    return main_pid is not None and router_state == "down" and router_pid == main_pid

@@ -9,7 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from services.supervisor.policy import HandoverAction, HandoverView, handover_decision
+from services.supervisor.policy import (
+    HandoverAction,
+    HandoverView,
+    cold_restart_confirmed,
+    handover_decision,
+    promotion_confirmed,
+    retirement_confirmed,
+)
 
 MAIN, SHADOW = 100, 200
 UNDER_WAY = HandoverView(
@@ -77,3 +84,24 @@ def test_a_running_main_worker_is_restarted_only_when_the_router_has_the_engine_
 def test_an_exited_main_worker_is_restarted_even_without_the_router() -> None:
     got = decide(main_alive=False, shadow_alive=False, router_state=None, router_pid=None)
     assert got == (HandoverAction.COLD_RESTART, "shadow_exited")
+
+
+def test_a_promotion_needs_the_router_and_the_bucket_to_agree() -> None:
+    ok = dict(shadow_pid=7, shadow_alive=True, router_state="up", router_pid=7, router_epoch=3,
+              claimed_epoch=3)  # fmt: skip
+    assert promotion_confirmed(**ok)
+    assert not promotion_confirmed(**{**ok, "shadow_alive": False})
+    assert not promotion_confirmed(**{**ok, "router_pid": 8})  # the router has another worker
+    assert not promotion_confirmed(**{**ok, "router_epoch": 2})  # a stale registration
+    assert not promotion_confirmed(**{**ok, "claimed_epoch": -1})  # the bucket was unreadable
+    assert not promotion_confirmed(**{**ok, "router_state": None})  # no answer from the router
+    assert not promotion_confirmed(**{**ok, "router_state": "down"})
+
+
+def test_retirement_and_cold_restart_need_the_routers_word() -> None:
+    assert retirement_confirmed("unhealthy")
+    assert not retirement_confirmed("down") and not retirement_confirmed(None)
+    assert cold_restart_confirmed(main_pid=5, router_state="down", router_pid=5)
+    assert not cold_restart_confirmed(main_pid=5, router_state="down", router_pid=6)
+    assert not cold_restart_confirmed(main_pid=5, router_state="up", router_pid=5)
+    assert not cold_restart_confirmed(main_pid=None, router_state="down", router_pid=None)
