@@ -176,10 +176,15 @@ def main(
         model_dir = model or warm_model(workload, tmp / "model")
         clean = belayer_run(tmp, "clean", workload, model_dir, steps, "", options)
         faulted = belayer_run(tmp, "faulted", workload, model_dir, steps, inject, options)
-    finally:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
     per_step = compare(clean, faulted, steps)
     problems = problems_of(clean, faulted, per_step)
+    if problems:  # the runs' directories (logs, metrics, trainer checkpoints) say why
+        progress(NAME, f"MISS: the runs are kept in {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     first = next((r["step"] for r in per_step if not r["equal"]), None)
     result: dict[str, Any] = {
         "bench": NAME, "timestamp": timestamp(), "machine": machine, "workload": workload,
@@ -199,7 +204,11 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     keys = ("run_id", "steps", "failures_injected", "failures_recovered", "handovers",
             "trainer_restarts", "env_restores", "restarts_from_scratch", "weight_version",
             "deterministic", "wall_seconds", "bench_seconds", "errors")  # fmt: skip
-    return {k: report.get(k) for k in keys}
+    out = {k: report.get(k) for k in keys}
+    out["fired"] = sorted(
+        {e["detail"] for e in report.get("timeline", []) if e.get("type") == "injected"}
+    )
+    return out
 
 
 def _same(cell: dict[str, Any]) -> str:
