@@ -274,6 +274,10 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     work that did not come from this router)."""
 
 
+RequestState = Literal["", "active", "finished", "unknown"]
+"""What a router knows of one request (``RouterStatus.request``)."""
+
+
 class RouterStatus(Message, tag="RouterStatus.v1"):
     """Reply of ``belayer.router.status``."""
 
@@ -284,6 +288,13 @@ class RouterStatus(Message, tag="RouterStatus.v1"):
     metrics: dict[str, int] = {}
     """Counters since the router started: ``tokens``, ``requests``, ``resumes``,
     ``regenerated_tokens``, ``adopted``, ``stale_batches``, ``engine_failures``."""
+    router_id: IdOrEmpty = ""
+    """This router process's incarnation (as stamped on what it streams); empty from an older
+    router."""
+    request: RequestState = ""
+    """The state of the request the ``StatusRequest`` asked about: ``active`` (accepted, still
+    generating or queued), ``finished`` (its result is kept for replay), ``unknown``; empty when
+    none was asked about."""
 
 
 class Ping(Message, tag="Ping.v1"):
@@ -292,6 +303,10 @@ class Ping(Message, tag="Ping.v1"):
 
 class StatusRequest(Message, tag="StatusRequest.v1"):
     """Request on ``belayer.router.status``: answered with ``RouterStatus``."""
+
+    request_id: IdOrEmpty = ""
+    """A request to report on (``RouterStatus.request``): how a client tells a long, quiet
+    request from a router that went away."""
 
 
 class EngineFailed(Message, tag="EngineFailed.v1"):

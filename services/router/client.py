@@ -40,6 +40,8 @@ log = get_logger(component="router-client")
 #: How long a stream may stay silent before the client re-attaches (a router that died mid-
 #: stream sends nothing more; a re-attach to a live router costs one catch-up delta).
 SILENCE_S = 5.0
+#: How long the router may take to say whether it still works on a silent request.
+PROBE_S = 1.0
 #: Backoff between re-attach attempts: first delay, cap.
 BACKOFF_S = (0.1, 1.0)
 #: Error codes that mean "the path to the router broke" or "not now" (a flood being shed),
@@ -63,6 +65,8 @@ class _Stream:
     received: int = 0
     routers: list[str] = field(default_factory=list)
     """Distinct router incarnations seen, in order."""
+    probed: str = ""
+    """The router incarnation a silence probe found working on the request (``_still_working``)."""
     outages: int = 0
     """Attempts that found no router at all."""
 
@@ -171,6 +175,8 @@ async def _attempt(
             try:
                 msg = await asyncio.wait_for(queue.get(), wait)
             except TimeoutError:
+                if await _still_working(nc, req.request_id, stream):
+                    continue  # a long request, quiet until its result: keep waiting
                 raise _Reattach("silent stream") from None
             if msg.headers and msg.headers.get("Status") == "503":
                 raise _Reattach("no responders")
@@ -191,9 +197,35 @@ async def _attempt(
             pass
 
 
-async def router_status(nc: NATS, *, timeout: float = 5.0) -> RouterStatus:
-    """The router's view: every engine (state, epoch, worker pid, queue) and its counters.
-    ``BusUnavailable`` when no router answers, ``Timeout`` when it does not in time."""
+async def router_status(nc: NATS, *, timeout: float = 5.0, request_id: str = "") -> RouterStatus:
+    """The router's view: every engine (state, epoch, worker pid, queue) and its counters, and
+    with ``request_id`` what it knows of that request (``request``). ``BusUnavailable`` when no
+    router answers, ``Timeout`` when it does not in time."""
     return await request(
-        nc, subjects.router_status(), StatusRequest(), RouterStatus, timeout=timeout
+        nc,
+        subjects.router_status(),
+        StatusRequest(request_id=request_id),
+        RouterStatus,
+        timeout=timeout,
     )
+
+
+async def _still_working(nc: NATS, request_id: str, stream: _Stream) -> bool:
+    """After ``silence_s`` with nothing on the inbox: is the router that holds the request
+    alive and still working on it? A non-streamed request sends nothing until its result, so
+    silence alone does not mean the router went away. True only if a router answers within
+    ``PROBE_S``, holds the request as active, and is the incarnation the stream came from (a
+    restarted router may not know this inbox: re-attach to it). Anything else — no responders,
+    no answer, finished (the result went to an inbox gone quiet), unknown — re-attaches."""
+    try:
+        st = await router_status(nc, timeout=PROBE_S, request_id=request_id)
+    except (BusUnavailable, Timeout):
+        return False
+    if st.request != "active":
+        return False
+    if not st.router_id:
+        return False  # an older router cannot say which incarnation it is
+    if stream.probed and st.router_id != stream.probed:
+        return False
+    stream.probed = st.router_id
+    return not stream.routers or st.router_id in stream.routers

@@ -54,6 +54,7 @@ from schemas.serving import (
     GenerateResult,
     RegisterReply,
     RegisterWorker,
+    RequestState,
     RouterStatus,
     SamplingParams,
     StatusRequest,
@@ -369,13 +370,25 @@ class Router:
         await self.execute(self.core.cancel(req.request_id))
         return Ok(detail=req.request_id)
 
-    async def on_status(self, _req: StatusRequest, _msg: Msg) -> RouterStatus:
+    async def on_status(self, req: StatusRequest, _msg: Msg) -> RouterStatus:
+        rid = req.request_id
+        state: RequestState = (
+            ""
+            if not rid
+            else "active"
+            if rid in self.core.active
+            else "finished"
+            if rid in self.core.finished
+            else "unknown"
+        )
         return RouterStatus(
             engines=self.core.engine_infos(),
             inflight=len(self.core.active),
             finished=len(self.core.finished),
             token_log_chunk=self.config.token_log_chunk,
             metrics=self.core.metrics(),
+            router_id=self.core.router_id,
+            request=state,
         )
 
     # --- discovery after a restart ----------------------------------------------------------

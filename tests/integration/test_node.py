@@ -12,6 +12,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import structlog
+from msgspec.structs import replace
 
 from common import subjects
 from common.bus import connect, request
@@ -30,7 +32,8 @@ from schemas.serving import (
     TokenDelta,
     TokenLogChunk,
 )
-from services.router.client import generate
+from services.router import client as router_client
+from services.router.client import generate, router_status
 from tests.integration.node_helpers import Node, cli, greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,6 +68,37 @@ async def test_generate_streams_logs_and_replays(node: Node) -> None:
         assert st1.metrics["requests"] == st0.metrics["requests"]  # the replay is not a request
     finally:
         await nc.drain()
+
+
+async def test_a_long_quiet_request_is_not_taken_for_a_dead_router(node: Node) -> None:
+    """A non-streamed request sends nothing until its result. Silence alone must not make the
+    client re-submit: it asks the router about the request id, and waits while the router
+    holds it as active (here: silence every 0.2 s over a request of several seconds)."""
+    nc = await node.connect("t-quiet")
+    try:
+        req = replace(greedy("quiet-long", n=400), stream=False)
+        with structlog.testing.capture_logs() as logs:
+            res = await generate(nc, req, silence_s=0.2)
+        assert len(res.token_ids) == 400 and res.router_restarts == 0
+        reattached = [e for e in logs if e.get("event") == "router_reattach"]
+        assert reattached == [], reattached
+        done = await router_status(nc, request_id="quiet-long")
+        assert done.request == "finished" and done.router_id
+        assert (await router_status(nc, request_id="never-sent")).request == "unknown"
+        assert (await router_status(nc)).request == ""
+        # The control: without the probe the same silence re-submits (and re-attaches).
+        with structlog.testing.capture_logs() as logs:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(router_client, "_still_working", _never_working)
+                again = await generate(nc, replace(req, request_id="quiet-2"), silence_s=0.2)
+        assert again.token_ids == res.token_ids  # re-attaching loses and repeats nothing
+        assert [e for e in logs if e.get("event") == "router_reattach"]
+    finally:
+        await nc.drain()
+
+
+async def _never_working(*_: object) -> bool:
+    return False
 
 
 async def test_concurrent_requests_match_solo_runs(node: Node) -> None:
