@@ -27,7 +27,7 @@ from tests.integration.env_helpers import (
 pytestmark = [pytest.mark.docker]
 
 PROCESSES = (
-    "python3 -c \"import os\n"
+    'python3 -c "import os\n'
     "kids = {}\n"
     "for p in filter(str.isdigit, os.listdir('/proc')):\n"
     "  try:\n"
@@ -42,7 +42,7 @@ PROCESSES = (
     "  out.append((pid, args))\n"
     "  todo += kids.get(pid, [])\n"
     "for pid, args in sorted(out):\n"
-    "  print(pid, args)\""
+    '  print(pid, args)"'
 )
 """The processes the sandbox runs: its init (pid 1) and init's descendants, by pid. An exec's
 own processes (this listing's shell and python) hang off no sandbox process (``docker exec``
