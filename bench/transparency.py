@@ -3,8 +3,8 @@
 The same deterministic run (``belayer run``, same model, seed, tasks and options, a fresh node
 each) twice: once without failures, once with failures of every kind the run knows — on math
 ``worker-kill``, ``shadow-kill``, ``controller-kill`` and ``trainer-kill``; on swe also
-``sandbox-kill`` (after the first action of trajectory #0 in one step, after the second of
-another trajectory in every step) and ``sandbox-pause``. Per step it compares what the trainer
+``sandbox-kill`` (trajectories #1–#3 after their first action, every trajectory after its
+second, every step) and ``sandbox-pause``. Per step it compares what the trainer
 reports (``metrics.jsonl``): the sha256 of the weights after the update, the sha256 of the
 batch it trained on (tokens, masks, rewards, in training order), every trajectory's reward by
 slot, and the loss, bit for bit. PASS: every step agrees, every injection fired in the faulted
@@ -40,7 +40,7 @@ COMPARED = ("weights_sha256", "batch_sha256", "rewards", "loss")
 FAULTS: dict[str, list[list[str]]] = {
     "math": [["worker-kill"], ["controller-kill", "shadow-kill"], ["trainer-kill"]],
     "swe": [
-        ["worker-kill", "sandbox-kill"],
+        ["worker-kill"],
         ["controller-kill", "shadow-kill"],
         ["trainer-kill", "sandbox-pause"],
     ],
@@ -48,8 +48,13 @@ FAULTS: dict[str, list[list[str]]] = {
 """Kinds per step (with fewer steps, the last step takes the groups past it). A worker kill and
 a shadow kill of the same step would leave the engine no shadow to hand over to (a cold
 restart instead): they go to different steps."""
-EVERY_STEP: dict[str, list[str]] = {"math": [], "swe": ["sandbox-kill@turn=2/3"]}
-"""Rollout injections of every step (swe: a sandbox killed at another turn, another slot)."""
+EVERY_STEP: dict[str, list[str]] = {
+    "math": [],
+    "swe": [*(f"sandbox-kill@turn=1/{i}" for i in (1, 2, 3)), "sandbox-kill@turn=2"],
+}
+"""Rollout injections of every step: on swe the sandboxes of trajectories #1–#3 killed after
+their first action and every trajectory's after its second (#0's first action is left to
+``sandbox-pause@step=S``: a container killed at the same point cannot be paused)."""
 
 
 def default_inject(workload: str, steps: int) -> str:
@@ -143,6 +148,11 @@ def problems_of(
         out.append(f"the clean run injected {clean['failures_injected']} failures")
     if not faulted.get("failures_injected"):
         out.append("no failure fired in the faulted run: nothing was compared")
+    fired = {e["detail"].partition("@")[0] for e in faulted.get("timeline", [])
+             if e.get("type") == "injected"}  # fmt: skip
+    wanted = {i.partition("@")[0] for i in faulted.get("inject", [])}
+    if wanted - fired:
+        out.append(f"no {', '.join(sorted(wanted - fired))} fired in the faulted run")
     if not any(r.get("grad_norm") for r in steps_of(clean).values()):
         out.append("no step of the clean run had a gradient: the weights never moved")
     for r in per_step:
