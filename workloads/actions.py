@@ -106,10 +106,17 @@ def format_answer(answer: str) -> str:
     return f"{ANSWER_PREFIX} {answer.strip()}"
 
 
+NO_BYTECODE = "export PYTHONDONTWRITEBYTECODE=1"
+"""Python in a sandbox writes no ``__pycache__``: bytecode is checked by the source's mtime (1 s)
+and size, so an edit of the same size within the second after a test run would otherwise run
+the old code (seen: a demonstration's fix re-recorded as failing)."""
+
+
 def sandbox_command(workdir: str, command: str) -> str:
-    """The shell text the sandbox runs for an agent ``command``: first ``cd`` into the task's
-    workdir (on its own line, so no operator of ``command`` binds to it)."""
-    return f"cd {shlex.quote(workdir)} || exit 97\n{command}"
+    """The shell text the sandbox runs for an agent ``command``: no Python bytecode written
+    (``NO_BYTECODE``), then ``cd`` into the task's workdir (on its own line, so no operator of
+    ``command`` binds to it)."""
+    return f"{NO_BYTECODE}\ncd {shlex.quote(workdir)} || exit 97\n{command}"
 
 
 def _cut(text: str, limit: int) -> tuple[str, int]:

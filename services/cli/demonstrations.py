@@ -57,8 +57,9 @@ MATH_DEMOS = 12_800
 drawn per example the warm start trains on (``SFT["math"]``: 400 steps × 32) rather than a
 small pool cycled; at one digit the draws hold 2,920 distinct questions."""
 
-SWE_DEMO_VERSION = 2
-"""Bumped when the ``swe`` recipe changes (2: generated tasks and the general recipe)."""
+SWE_DEMO_VERSION = 3
+"""Bumped when the ``swe`` recipe changes (2: generated tasks and the general recipe; 3: the
+sandbox writes no Python bytecode, so a fix is never hidden by a stale ``__pycache__``)."""
 
 SWE_DEMO_PER_FAMILY = 3
 """``swe`` demonstrations per training family."""

@@ -7,7 +7,6 @@ its loops cancelled and ``close`` run."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -15,7 +14,7 @@ from nats.aio.client import Client as NATS
 from common.bus import Server, connect, request
 from common.errors import BusUnavailable
 from common.natsserver import NatsServer
-from common.service import Service, Status, run_service
+from common.service import Service, ServiceConfig, Status, run_service
 from schemas.base import Ok
 from schemas.serving import CancelRequest
 
@@ -78,9 +77,8 @@ async def test_handler_in_flight_at_drain_finishes_and_replies(
         await server_nc.drain()
 
 
-@dataclass(frozen=True)
-class _Config:
-    nats_url: str
+_Config = ServiceConfig
+"""The base every service config extends (the bus URL is all these services need)."""
 
 
 class SlowService(Service[_Config]):
@@ -116,7 +114,7 @@ class SlowService(Service[_Config]):
 async def test_service_lifecycle_drains_in_flight_request(
     nats_server: NatsServer, nc: NATS
 ) -> None:
-    service = SlowService(_Config(nats_server.url))
+    service = SlowService(_Config(nats_url=nats_server.url))
     assert list(service.loops()) == ["idle_loop"]
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(run_service(service, stop=stop, ready=ready))
@@ -147,7 +145,7 @@ async def test_failing_loop_stops_the_service_with_its_error(nats_server: NatsSe
         async def close(self) -> None:
             self.closed = True
 
-    service = Failing(_Config(nats_server.url))
+    service = Failing(_Config(nats_url=nats_server.url))
     with pytest.raises(RuntimeError, match="loop broke"):  # the error itself, not a group
         await asyncio.wait_for(run_service(service, stop=asyncio.Event()), WAIT)
     assert service.closed and service.status is Status.STOPPED

@@ -84,8 +84,10 @@ def test_observation_format_marks_exit_code_stderr_timeout_and_truncation() -> N
 
 
 def test_sandbox_command_cds_on_its_own_line() -> None:
-    assert sandbox_command("/root/repo", "a || b") == "cd /root/repo || exit 97\na || b"
-    assert sandbox_command("/tmp/my dir", "ls").startswith("cd '/tmp/my dir'")
+    assert sandbox_command("/root/repo", "a || b") == (
+        "export PYTHONDONTWRITEBYTECODE=1\ncd /root/repo || exit 97\na || b"
+    )
+    assert "\ncd '/tmp/my dir' || exit 97\n" in sandbox_command("/tmp/my dir", "ls")
 
 
 def test_registry_knows_the_builtin_workloads() -> None:
