@@ -53,15 +53,16 @@ async def test_every_bundled_task_scores_0_unfixed_and_1_after_its_reference_fix
 
 @pytest.mark.timeout(120)
 async def test_tests_the_agent_ran_before_a_fix_do_not_hide_it(env) -> None:  # type: ignore[no-untyped-def]
-    """The agent runs the visible tests (Python caches calc.py's bytecode), then fixes calc.py
-    with an edit of the same size and the same mtime (as ``touch -r``, rsync or a checkout
-    can leave it): bytecode validated by mtime and size is stale, and the hidden tests must
-    not run it — the fix scores 1."""
+    """The agent runs the visible tests with bytecode writing switched back on (sandbox
+    commands write none by default: ``workloads.actions.NO_BYTECODE``; an agent can undo that),
+    so Python caches calc.py's bytecode; then it fixes calc.py with an edit of the same size and
+    the same mtime (as ``touch -r``, rsync or a checkout can leave it): bytecode validated by
+    mtime and size is stale, and the hidden tests must not run it — the fix scores 1."""
     ops: SandboxOps = env.client
     task = load_workload("swe").task("calc_clamp")
     (fix,) = task.reference_actions
     actions = [
-        "python3 -m pytest -q",
+        "env -u PYTHONDONTWRITEBYTECODE python3 -m pytest -q",
         f"cp -p calc.py /tmp/calc.orig && {fix} && touch -r /tmp/calc.orig calc.py",
         "ls __pycache__ && stat -c %s calc.py /tmp/calc.orig",
     ]
@@ -69,6 +70,24 @@ async def test_tests_the_agent_ran_before_a_fix_do_not_hide_it(env) -> None:  # 
     assert all(s.exit_code == 0 for s in ep.steps), [s.observation for s in ep.steps]
     sizes = ep.steps[2].observation.split()[-2:]
     assert sizes[0] == sizes[1] and "calc" in ep.steps[2].observation  # a stale .pyc is there
+    assert ep.score is not None and ep.score.reward == 1.0, ep.score
+
+
+async def test_an_edit_right_after_a_test_run_is_what_the_next_run_sees(env) -> None:  # type: ignore[no-untyped-def]
+    """Sandbox commands write no bytecode, so a same-size, same-mtime fix made right after a
+    test run is what the agent's next test run imports (no stale ``__pycache__`` to hide it)."""
+    ops: SandboxOps = env.client
+    task = load_workload("swe").task("calc_clamp")
+    (fix,) = task.reference_actions
+    actions = [
+        "python3 -m pytest -q",
+        f"cp -p calc.py /tmp/calc.orig && {fix} && touch -r /tmp/calc.orig calc.py",
+        "test ! -e __pycache__ && python3 -m pytest -q",
+    ]
+    ep = await run_episode(ops, task, actions=actions)
+    assert ep.steps[0].exit_code == 0 and "passed" in ep.steps[0].observation
+    # No __pycache__ after the first run, so the next run imports the fixed file.
+    assert ep.steps[2].exit_code == 0, ep.steps[2].observation
     assert ep.score is not None and ep.score.reward == 1.0, ep.score
 
 
