@@ -274,7 +274,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     work that did not come from this router)."""
 
 
-RequestState = Literal["", "active", "finished", "unknown"]
+RequestPhase = Literal["", "active", "finished", "unknown"]
 """What a router knows of one request (``RouterStatus.request``)."""
 
 
@@ -291,7 +291,7 @@ class RouterStatus(Message, tag="RouterStatus.v1"):
     router_id: IdOrEmpty = ""
     """This router process's incarnation (as stamped on what it streams); empty from an older
     router."""
-    request: RequestState = ""
+    request: RequestPhase = ""
     """The state of the request the ``StatusRequest`` asked about: ``active`` (accepted, still
     generating or queued), ``finished`` (its result is kept for replay), ``unknown``; empty when
     none was asked about."""

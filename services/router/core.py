@@ -23,6 +23,7 @@ from schemas.serving import (
     EngineRequest,
     GenerateResult,
     HeldRequest,
+    RequestPhase,
     SamplingParams,
     SeqDelta,
     StepBatch,
@@ -544,6 +545,12 @@ class RouterCore:
             )
             actions.append(EmitEvent(failed))
         return actions
+
+    def request_state(self, request_id: str) -> RequestPhase:
+        """What this router knows of a request (``router.status`` with a request id)."""
+        if request_id in self.active:
+            return "active"
+        return "finished" if request_id in self.finished else "unknown"
 
     def remember(self, result: GenerateResult, identity: str = "") -> None:
         """Keep a finished result for replay (bounded, oldest dropped first)."""

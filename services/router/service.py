@@ -54,7 +54,6 @@ from schemas.serving import (
     GenerateResult,
     RegisterReply,
     RegisterWorker,
-    RequestState,
     RouterStatus,
     SamplingParams,
     StatusRequest,
@@ -371,25 +370,13 @@ class Router:
         return Ok(detail=req.request_id)
 
     async def on_status(self, req: StatusRequest, _msg: Msg) -> RouterStatus:
-        rid = req.request_id
-        state: RequestState = (
-            ""
-            if not rid
-            else "active"
-            if rid in self.core.active
-            else "finished"
-            if rid in self.core.finished
-            else "unknown"
-        )
+        core = self.core
         return RouterStatus(
-            engines=self.core.engine_infos(),
-            inflight=len(self.core.active),
-            finished=len(self.core.finished),
-            token_log_chunk=self.config.token_log_chunk,
-            metrics=self.core.metrics(),
-            router_id=self.core.router_id,
-            request=state,
-        )
+            engines=core.engine_infos(), inflight=len(core.active), finished=len(core.finished),
+            token_log_chunk=self.config.token_log_chunk, metrics=core.metrics(),
+            router_id=core.router_id,
+            request=core.request_state(req.request_id) if req.request_id else "",
+        )  # fmt: skip
 
     # --- discovery after a restart ----------------------------------------------------------
     async def rediscover_engines(self) -> None:
