@@ -7,7 +7,8 @@ warm-started tiny SWE model: **Belayer** (shadow workers, token-level resume, ri
 checkpoints at λ = ``FAILURE_RATE``) and the **baseline** (``belayer up --recovery baseline``:
 no shadows, remote-heartbeat detection, cold restart and regeneration; policy ``never``: a
 sandbox failure restarts its trajectory from scratch). Steps run interleaved, one on each node
-in alternating order, through the same phases ``belayer run`` uses (``services/cli/run_loop``).
+in alternating order, each the RL loop's ``run_step`` as ``belayer run`` runs it
+(``services/rl/loop.py``; no held-out tasks here, so its evaluation is empty).
 
 Paired steps: both nodes run deterministically, every step rolls out the same tasks with the
 same seed, and the learning rate is tiny (1e-12: the update's work is all done, the weights
@@ -76,14 +77,14 @@ class Side:
 
 
 def warm_model(out: Path) -> Path:
-    from services.cli.model import warm_start
+    from services.rl.warm import warm_start
 
     return warm_start("swe", out)[0]
 
 
 def start(side: Side, model_dir: Path, tasks: int, n: int) -> None:
     from common.config import RunPaths
-    from services.cli.run_node import NodeHandle, run_trainer_config, start_node
+    from services.rl.node import NodeHandle, run_trainer_config, start_node
 
     paths = RunPaths(side.root / "node")
     trainer = run_trainer_config(
@@ -98,9 +99,9 @@ def start(side: Side, model_dir: Path, tasks: int, n: int) -> None:
 async def connect(side: Side, model_dir: Path, tasks: int, n: int) -> None:
     from model.chat import ChatFormat
     from model.tokenizer import load_tokenizer
-    from services.cli.run_loop import RunContext
-    from services.cli.run_node import EventTail, open_bus, wait_trainer
-    from services.cli.run_setup import RunOptions, RunState, choose_tasks
+    from services.rl.loop import RunContext
+    from services.rl.node import EventTail, open_bus, wait_trainer
+    from services.rl.options import RunOptions, RunState, choose_tasks
     from workloads import load_workload
 
     side.nc = await open_bus(side.node)
@@ -117,36 +118,20 @@ async def connect(side: Side, model_dir: Path, tasks: int, n: int) -> None:
         workload_name="swe", dataset="", held_out=[], chat=ChatFormat(load_tokenizer(model_dir)),
         specs=[], sandboxed=True, start_step=1, steps=10_000, deterministic=True,
         base_step=base, rollout_seed=ROLLOUT_SEED,
-        failure_rate=FAILURE_RATE if side.policy == "risk-aware" else None,
+        failure_rate=FAILURE_RATE if side.policy == "risk-aware" else None, nc=side.nc,
     )  # fmt: skip
     side.ctx.events = await EventTail(side.nc).start()
 
 
-class Quiet:
-    """The run loop's progress hooks, silenced."""
-
-    def phase(self, *_: Any) -> None:
-        pass
-
-
 async def one_step(side: Side, faults: Any, label: str) -> dict[str, Any]:
-    """One step (rollout → reward → train → push weights) on ``side``; its timings."""
-    from services.cli.run_loop import (
-        Phases,
-        await_train_step,
-        await_weights_switched,
-        collect_rewards,
-        run_rollout,
-    )
+    """One step of the RL loop (``run_step``: rollout → reward → train → push weights, an
+    empty held-out evaluation) on ``side``; its timings."""
+    from services.rl.loop import run_step
 
     side.step += 1
-    ctx, nc, times, ui = side.ctx, side.nc, Phases(), Quiet()
     t0 = time.monotonic()
-    result = await run_rollout(nc, ctx, side.step, faults, ui, times)
-    await collect_rewards(nc, ctx, result, ui, times)
-    trained = await await_train_step(nc, ctx.events, ctx, side.step, faults, ui, times)
-    await await_weights_switched(nc, ctx, trained, ui, times)
-    s = result.summary
+    done = await run_step(side.ctx, side.step, faults)
+    s, times, trained = done.rollout.summary, done.times, done.trained
     row = {
         "node": side.name, "label": label, "step": side.step,
         "step_s": round(time.monotonic() - t0, 3), "rollout_s": round(times.rollout, 3),
@@ -166,7 +151,7 @@ async def measure(
     sides: list[Side], pairs: int, kills: int, model_dir: Path, tasks: int, n: int
 ) -> None:
     from schemas.rollout import FaultSpec
-    from services.cli.run_setup import StepFaults
+    from services.rl.options import StepFaults
 
     for side in sides:
         await connect(side, model_dir, tasks, n)
@@ -252,7 +237,7 @@ def main(
     model: Path | None = None,
 ) -> dict[str, Any]:
     """Both nodes, interleaved steps, the table and the JSON."""
-    from services.cli.run_node import stop_node
+    from services.rl.node import stop_node
 
     machine = machine_info()
     progress(NAME, f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")

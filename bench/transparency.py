@@ -66,7 +66,7 @@ def default_inject(workload: str, steps: int) -> str:
 
 
 def warm_model(workload: str, out: Path) -> Path:
-    from services.cli.model import warm_start
+    from services.rl.warm import warm_start
 
     return warm_start(workload, out)[0]
 

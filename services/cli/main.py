@@ -17,7 +17,8 @@ from services.cli import model as model_cmd
 from services.cli import node as node_cmds
 from services.cli import rollout as rollout_cmd
 from services.cli import run as run_cmd
-from services.cli.common import OneLineErrors
+from services.cli.common import OneLineErrors, fail
+from services.rl.node import NodeFailed
 
 app = typer.Typer(
     cls=OneLineErrors,  # every error one line, never a traceback
@@ -104,12 +105,15 @@ app.add_typer(bench_app, name="bench")
 
 def _run_bench(fn: Callable[[Path], dict[str, Any]], out: Path, as_json: bool) -> None:
     """Run a benchmark's ``main(out, …)``; with ``--json`` its table goes to stderr and the
-    JSON to stdout."""
-    if not as_json:
-        fn(out)
-        return
-    with contextlib.redirect_stdout(sys.stderr):
-        result = fn(out)
+    JSON to stdout. A node of its own that fails to start or stop is one ``error:`` line."""
+    try:
+        if not as_json:
+            fn(out)
+            return
+        with contextlib.redirect_stdout(sys.stderr):
+            result = fn(out)
+    except NodeFailed as exc:
+        fail(str(exc))
     sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
 
 

@@ -1,10 +1,7 @@
 """``belayer model init --tiny [--warm-start math|swe|swe-long] DIR`` and ``belayer model eval``.
 
-The warm start: demonstrations (:mod:`services.cli.demonstrations`, cached), a tiny model
-whose tokenizer is trained on their text, a short supervised training (:mod:`model.warm_start`,
-CPU), the directory cached under ``<cache>/models/<key>`` — key = the demonstrations, the
-training settings and the tiny model's shape — and copied to ``DIR``. A second run with the
-same inputs copies the cached directory (or leaves ``DIR`` alone when it already holds it).
+The warm start itself is :mod:`services.rl.warm` (``belayer run`` and the benchmarks make
+their models with it too); this module is its command.
 
 ``evaluate_math`` / ``evaluate_swe`` sample the model (in-process engine, the controller's chat
 layout) and report how often a response parses as an action and how often a task is solved;
@@ -20,107 +17,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import typer
 
 from common.errors import BelayerError, InvalidRequest
-from common.logging import get_logger
 from services.cli.common import fail, one_line, print_json
-
-if TYPE_CHECKING:
-    from model.warm_start import SftConfig
-
-log = get_logger(component="warm_start")
+from services.rl.warm import KINDS, tiny_settings, warm_start
 
 T = TypeVar("T")
-
-KINDS = ("math", "swe", "swe-long")
-
-SFT: dict[str, dict[str, Any]] = {
-    "math": {
-        "steps": 400,
-        "batch_size": 32,
-        "lr": 3e-3,
-        "warmup_steps": 20,
-        "decay": "cosine",
-        "min_lr_ratio": 0.1,
-        "threads": 1,
-    },
-    "swe": {"steps": 60, "batch_size": 16, "lr": 2e-3, "warmup_steps": 10},
-    "swe-long": {"steps": 160, "batch_size": 4, "lr": 2e-3, "warmup_steps": 10},
-}
-"""The warm start's training per kind (``model.warm_start.SftConfig`` fields; measured on 2
-CPU threads in docs/workloads.md)."""
-
-
-def tiny_settings(hidden_size: int, num_layers: int, vocab_size: int, seed: int) -> dict[str, Any]:
-    """The ``model.tiny.init_tiny_model`` keywords of a CLI call."""
-    return {
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "vocab_size": vocab_size,
-        "seed": seed,
-    }
-
-
-def warm_start(
-    kind: str,
-    out_dir: Path,
-    *,
-    tiny: dict[str, Any] | None = None,
-    sft: SftConfig | None = None,
-    cache: Path | None = None,
-    refresh_demonstrations: bool = False,
-    progress: Callable[[int, float], None] | None = None,
-) -> tuple[Path, dict[str, Any], bool]:
-    """Make (or reuse) the warm-started ``kind`` model and install it at ``out_dir``.
-    Returns (``out_dir``, its stamp, whether it was trained now)."""
-    if kind not in KINDS:
-        raise InvalidRequest("unknown warm-start kind", kind=kind, known=list(KINDS))
-    from model.warm_start import (
-        SftConfig,
-        cache_key,
-        cached_model_dir,
-        init_base_model,
-        install,
-        read_stamp,
-        train_model_dir,
-    )
-    from services.cli.demonstrations import cache_root, demonstrations
-
-    root = cache_root(cache)
-    base = tiny or tiny_settings(256, 4, 4096, 0)
-    cfg = sft or SftConfig(**SFT[kind])
-    demos = demonstrations(kind, root, refresh=refresh_demonstrations)
-    key = cache_key(demos, cfg, {"tiny": base, "kind": kind})
-    have = read_stamp(out_dir)
-    if have is not None and have.get("key") == key:
-        return Path(out_dir), have, False
-
-    def build(tmp: Path) -> None:
-        t0 = time.perf_counter()
-        result = train_model_dir(
-            tmp,
-            demos,
-            cfg,
-            lambda p: init_base_model(p, demos, base),
-            key=key,
-            info={"kind": kind, "tiny": base},
-            progress=progress,
-        )
-        log.info(
-            "warm_start_trained",
-            kind=kind,
-            key=key,
-            steps=result.steps,
-            final_loss=round(result.final_loss, 4),
-            seconds=round(time.perf_counter() - t0, 1),
-        )
-
-    cached, built = cached_model_dir(root / "models", key, build)
-    install(cached, out_dir)
-    return Path(out_dir), read_stamp(out_dir) or {}, built
 
 
 def passive_threads() -> None:
@@ -439,7 +344,7 @@ def evaluate_swe(
 ) -> EvalReport:
     """Run ``episodes_per_task`` sampled episodes of every training task (or held-out one):
     the model's own actions in real sandboxes (a private environment service)."""
-    from services.cli.demonstrations import with_private_env
+    from services.environment.client import with_private_env
     from workloads import load_workload
 
     t0 = time.perf_counter()

@@ -2,37 +2,35 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import typer
 
 from common import events as event_types
 from common import subjects
-from common.auth import redact
+from common.auth import BusConfig, redact
 from common.bus import js_call
 from common.codec import decode
 from common.config import RunPaths, config_argv
 from common.errors import BelayerError, BusUnavailable, Timeout
-from common.node import NodeInfo, read_node
+from common.node import read_node
 from schemas.events import AnyEvent
 from schemas.node import SupervisorStatus
 from schemas.serving import RouterStatus
 from services.cli.auth import preflight
 from services.cli.common import fail, print_json, run, with_bus
-from services.environment.client import keep_sandboxes, node_label, remove_node_sandboxes
+from services.rl.node import NodeFailed, launch, pid_alive, shut_down
 from services.router.client import router_status
-from services.supervisor.client import remove_shm_files, stop_node, supervisor_status
+from services.supervisor.client import supervisor_status
 from services.supervisor.config import SupervisorConfig
+from services.worker.config import WorkerConfig
 
 NODE_DEFAULTS = SupervisorConfig()
 """``belayer up``'s defaults are the supervisor's (and its services') config defaults."""
@@ -45,23 +43,6 @@ CREDS_HELP = (
 def run_paths(run_dir: Path | None) -> RunPaths:
     """``--run-dir`` if given, else ``$BELAYER_HOME``, else ``./.belayer``."""
     return RunPaths(run_dir.resolve()) if run_dir else RunPaths.default()
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def docker_usable(timeout: float = 3.0) -> bool:
@@ -78,150 +59,160 @@ def docker_usable(timeout: float = 3.0) -> bool:
         return False
 
 
+# `belayer up`'s options (declared here, so that `up` reads as what it does)
+UP_ENGINES = typer.Option(
+    NODE_DEFAULTS.engines, "--engines", "-n", min=1, help="Rollout engines to start."
+)
+UP_DETACH = typer.Option(
+    False,
+    "--detach",
+    "-d",
+    help="Return once the node is ready; it keeps running in the background.",
+)
+UP_RECOVERY = typer.Option(
+    NODE_DEFAULTS.recovery,
+    help="belayer (shadow + token-level resume) or baseline (cold restart, regenerate).",
+)
+UP_MODEL = typer.Option(
+    NODE_DEFAULTS.model_dir,
+    "--model",
+    help="Hugging Face style model dir (default: a tiny random Qwen3 under the run dir).",
+)
+UP_NATS_URL = typer.Option(
+    NODE_DEFAULTS.nats_url,
+    "--nats-url",
+    "--join",
+    help="Join an existing NATS server or cluster (comma-separated URLs) instead of "
+    "starting one; with --creds-dir its services connect as the identities there.",
+)
+UP_CREDS_DIR = typer.Option(
+    None,
+    "--creds-dir",
+    help="Identity files of this node's services on an existing deployment "
+    "(`belayer auth init`). Default: generated under the run dir for a local NATS.",
+)
+UP_ROLE = typer.Option(
+    NODE_DEFAULTS.role,
+    "--role",
+    help="node (every service) or env-host (only the environment service, joining a "
+    "deployment with --join).",
+)
+UP_TLS_CERT = typer.Option(
+    None,
+    "--tls-cert",
+    help="This host's TLS certificate (PEM): the local NATS serves "
+    "TLS with it and every service presents it as its client certificate.",
+)
+UP_TLS_KEY = typer.Option(None, "--tls-key", help="The key of --tls-cert (PEM).")
+UP_TLS_CA = typer.Option(
+    None, "--tls-ca", help="CA (PEM) that signed every server's and client's certificate."
+)
+UP_REPLICAS = typer.Option(
+    NODE_DEFAULTS.bus.replicas,
+    "--replicas",
+    min=1,
+    max=5,
+    help="JetStream replicas of every stream and KV bucket (3 on a three-server cluster).",
+)
+UP_RUN_DIR = typer.Option(
+    None,
+    "--run-dir",
+    help="Run directory (node file, logs, NATS store). Default: $BELAYER_HOME or ./.belayer.",
+)
+UP_TRAINING = typer.Option(
+    NODE_DEFAULTS.training,
+    "--training/--no-training",
+    help="Also run the GRPO trainer (consumes finished trajectories, pushes new weights); "
+    "`belayer run` uses it.",
+)
+UP_ENVIRONMENT = typer.Option(
+    None,
+    "--environment/--no-environment",
+    help="Run the sandbox service (needs dockerd + CRIU from deploy/setup.sh). Default: on "
+    "when dockerd answers.",
+)
+UP_TOKEN_LOG_CHUNK = typer.Option(
+    NODE_DEFAULTS.router.token_log_chunk,
+    "--token-log-chunk",
+    min=1,
+    help="k: tokens per durable token-log chunk.",
+)
+UP_MAX_NUM_SEQS = typer.Option(
+    NODE_DEFAULTS.worker.engine.max_num_seqs,
+    "--max-num-seqs",
+    min=1,
+    help="Decode batch limit per engine.",
+)
+UP_DETERMINISTIC = typer.Option(
+    NODE_DEFAULTS.worker.engine.deterministic,
+    "--deterministic/--no-deterministic",
+    help="Batch-invariant inference: a seeded request's tokens depend only on the weights, "
+    "prompt, sampling and seed, so sampled requests resume exactly after a failure.",
+)
+UP_FAILURE_WINDOW = typer.Option(
+    NODE_DEFAULTS.router.failure_window_s,
+    "--failure-window",
+    min=0.0,
+    help="Seconds: a second failure of an engine inside this window marks it unhealthy.",
+)
+UP_HEARTBEAT_INTERVAL = typer.Option(
+    NODE_DEFAULTS.router.heartbeat_interval_s,
+    "--heartbeat-interval",
+    min=0.01,
+    help="Seconds between the router's remote heartbeat pings (the baseline's detector).",
+)
+UP_HANG_THRESHOLD = typer.Option(
+    NODE_DEFAULTS.worker.hang_threshold_s,
+    "--hang-threshold",
+    min=0.01,
+    help="Seconds: a main worker whose heartbeat is older than this counts as hung.",
+)
+UP_HANDOVER_TIMEOUT = typer.Option(
+    NODE_DEFAULTS.handover_timeout_s,
+    "--handover-timeout",
+    min=0.0,
+    help="Seconds a shadow's handover may take before the main worker is restarted cold.",
+)
+UP_TIMEOUT = typer.Option(
+    NODE_DEFAULTS.ready_timeout_s, help="Seconds to wait for the node to become ready."
+)
+
+
 def up(
-    engines: int = typer.Option(
-        NODE_DEFAULTS.engines, "--engines", "-n", min=1, help="Rollout engines to start."
-    ),
-    detach: bool = typer.Option(
-        False,
-        "--detach",
-        "-d",
-        help="Return once the node is ready; it keeps running in the background.",
-    ),
-    recovery: str = typer.Option(
-        NODE_DEFAULTS.recovery,
-        help="belayer (shadow + token-level resume) or baseline (cold restart, regenerate).",
-    ),
-    model: str = typer.Option(
-        NODE_DEFAULTS.model_dir,
-        "--model",
-        help="Hugging Face style model dir (default: a tiny random Qwen3 under the run dir).",
-    ),
-    nats_url: str = typer.Option(
-        NODE_DEFAULTS.nats_url,
-        "--nats-url",
-        "--join",
-        help="Join an existing NATS server or cluster (comma-separated URLs) instead of "
-        "starting one; with --creds-dir its services connect as the identities there.",
-    ),
-    creds_dir: Path | None = typer.Option(
-        None,
-        "--creds-dir",
-        help="Identity files of this node's services on an existing deployment "
-        "(`belayer auth init`). Default: generated under the run dir for a local NATS.",
-    ),
-    role: str = typer.Option(
-        NODE_DEFAULTS.role,
-        "--role",
-        help="node (every service) or env-host (only the environment service, joining a "
-        "deployment with --join).",
-    ),
-    tls_cert: Path | None = typer.Option(
-        None,
-        "--tls-cert",
-        help="This host's TLS certificate (PEM): the local NATS serves "
-        "TLS with it and every service presents it as its client certificate.",
-    ),
-    tls_key: Path | None = typer.Option(None, "--tls-key", help="The key of --tls-cert (PEM)."),
-    tls_ca: Path | None = typer.Option(
-        None, "--tls-ca", help="CA (PEM) that signed every server's and client's certificate."
-    ),
-    replicas: int = typer.Option(
-        NODE_DEFAULTS.bus.replicas,
-        "--replicas",
-        min=1,
-        max=5,
-        help="JetStream replicas of every stream and KV bucket (3 on a three-server cluster).",
-    ),
-    run_dir: Path | None = typer.Option(
-        None,
-        "--run-dir",
-        help="Run directory (node file, logs, NATS store). Default: $BELAYER_HOME or ./.belayer.",
-    ),
-    training: bool = typer.Option(
-        NODE_DEFAULTS.training,
-        "--training/--no-training",
-        help="Also run the GRPO trainer (consumes finished trajectories, pushes new weights); "
-        "`belayer run` uses it.",
-    ),
-    environment: bool | None = typer.Option(
-        None,
-        "--environment/--no-environment",
-        help="Run the sandbox service (needs dockerd + CRIU from deploy/setup.sh). Default: on "
-        "when dockerd answers.",
-    ),
-    token_log_chunk: int = typer.Option(
-        NODE_DEFAULTS.router.token_log_chunk,
-        "--token-log-chunk",
-        min=1,
-        help="k: tokens per durable token-log chunk.",
-    ),
-    max_num_seqs: int = typer.Option(
-        NODE_DEFAULTS.worker.engine.max_num_seqs,
-        "--max-num-seqs",
-        min=1,
-        help="Decode batch limit per engine.",
-    ),
-    deterministic: bool = typer.Option(
-        NODE_DEFAULTS.worker.engine.deterministic,
-        "--deterministic/--no-deterministic",
-        help="Batch-invariant inference: a seeded request's tokens depend only on the weights, "
-        "prompt, sampling and seed, so sampled requests resume exactly after a failure.",
-    ),
-    failure_window: float = typer.Option(
-        NODE_DEFAULTS.router.failure_window_s,
-        "--failure-window",
-        min=0.0,
-        help="Seconds: a second failure of an engine inside this window marks it unhealthy.",
-    ),
-    heartbeat_interval: float = typer.Option(
-        NODE_DEFAULTS.router.heartbeat_interval_s,
-        "--heartbeat-interval",
-        min=0.01,
-        help="Seconds between the router's remote heartbeat pings (the baseline's detector).",
-    ),
-    hang_threshold: float = typer.Option(
-        NODE_DEFAULTS.worker.hang_threshold_s,
-        "--hang-threshold",
-        min=0.01,
-        help="Seconds: a main worker whose heartbeat is older than this counts as hung.",
-    ),
-    handover_timeout: float = typer.Option(
-        NODE_DEFAULTS.handover_timeout_s,
-        "--handover-timeout",
-        min=0.0,
-        help="Seconds a shadow's handover may take before the main worker is restarted cold.",
-    ),
-    timeout: float = typer.Option(
-        NODE_DEFAULTS.ready_timeout_s, help="Seconds to wait for the node to become ready."
-    ),
+    engines: int = UP_ENGINES,
+    detach: bool = UP_DETACH,
+    recovery: str = UP_RECOVERY,
+    model: str = UP_MODEL,
+    nats_url: str = UP_NATS_URL,
+    creds_dir: Path | None = UP_CREDS_DIR,
+    role: str = UP_ROLE,
+    tls_cert: Path | None = UP_TLS_CERT,
+    tls_key: Path | None = UP_TLS_KEY,
+    tls_ca: Path | None = UP_TLS_CA,
+    replicas: int = UP_REPLICAS,
+    run_dir: Path | None = UP_RUN_DIR,
+    training: bool = UP_TRAINING,
+    environment: bool | None = UP_ENVIRONMENT,
+    token_log_chunk: int = UP_TOKEN_LOG_CHUNK,
+    max_num_seqs: int = UP_MAX_NUM_SEQS,
+    deterministic: bool = UP_DETERMINISTIC,
+    failure_window: float = UP_FAILURE_WINDOW,
+    heartbeat_interval: float = UP_HEARTBEAT_INTERVAL,
+    hang_threshold: float = UP_HANG_THRESHOLD,
+    handover_timeout: float = UP_HANDOVER_TIMEOUT,
+    timeout: float = UP_TIMEOUT,
 ) -> None:
     """Start a Belayer node: NATS (JetStream), weight store, KV arena, router, workers."""
-    if recovery not in ("belayer", "baseline"):
-        fail("--recovery must be 'belayer' or 'baseline'", 2)
-    if role not in ("node", "env-host"):
-        fail("--role must be 'node' or 'env-host'", 2)
-    if role == "env-host" and not nats_url:
-        fail("--role env-host joins an existing deployment: give --join URL", 2)
+    check_up_args(recovery, role, nats_url)
     paths = run_paths(run_dir)
     node = read_node(paths)
     if node is not None and pid_alive(node.supervisor_pid):
         fail(
             f"a node is already running from {paths.root} (supervisor pid {node.supervisor_pid}); run `belayer down` first"
         )
-    d = NODE_DEFAULTS
-    try:
-        bus = dataclasses.replace(
-            d.bus,
-            tls_cert=str(tls_cert.resolve()) if tls_cert else "",
-            tls_key=str(tls_key.resolve()) if tls_key else "",
-            tls_ca=str(tls_ca.resolve()) if tls_ca else "",
-            replicas=replicas,
-        )
-    except ValueError as exc:  # e.g. a certificate without its key
-        fail(str(exc), 2)
+    bus = bus_config(tls_cert, tls_key, tls_ca, replicas)
     config = dataclasses.replace(
-        d,
+        NODE_DEFAULTS,
         run_dir=str(paths.root),
         nats_url=nats_url,
         model_dir=str(Path(model).resolve()) if model else "",
@@ -236,76 +227,85 @@ def up(
         handover_timeout_s=handover_timeout,
         ready_timeout_s=timeout,
         router=dataclasses.replace(
-            d.router,
+            NODE_DEFAULTS.router,
             recovery="baseline" if recovery == "baseline" else "belayer",
             token_log_chunk=token_log_chunk,
             failure_window_s=failure_window,
             heartbeat_interval_s=heartbeat_interval,
         ),
-        worker=dataclasses.replace(
-            d.worker,
-            hang_threshold_s=hang_threshold,
-            engine=dataclasses.replace(
-                d.worker.engine, max_num_seqs=max_num_seqs, deterministic=deterministic
-            ),
-        ),
+        worker=worker_config(hang_threshold, max_num_seqs, deterministic),
     )
     preflight(config)  # bad credentials, TLS files or cluster URL: one line, nothing started
-    argv = [sys.executable, "-m", "services.supervisor", *config_argv(config)]
     if not detach:
-        typer.echo(f"starting Belayer node in the foreground ({paths.root}); Ctrl-C stops it")
-        # Own session: a terminal's Ctrl-C reaches only this CLI, which forwards exactly one
-        # SIGTERM (a second signal would make the supervisor cancel instead of drain).
-        proc = subprocess.Popen(argv, start_new_session=True)
-        try:
-            raise typer.Exit(proc.wait())
-        except KeyboardInterrupt:
-            typer.echo("stopping the node (draining services)…")
-            proc.terminate()
-            raise typer.Exit(proc.wait()) from None
+        run_in_foreground(config, paths)
+    start_detached(config, paths, timeout)
+
+
+def check_up_args(recovery: str, role: str, nats_url: str) -> None:
+    """The choices of ``belayer up`` that typer does not check: one line, exit 2."""
+    if recovery not in ("belayer", "baseline"):
+        fail("--recovery must be 'belayer' or 'baseline'", 2)
+    if role not in ("node", "env-host"):
+        fail("--role must be 'node' or 'env-host'", 2)
+    if role == "env-host" and not nats_url:
+        fail("--role env-host joins an existing deployment: give --join URL", 2)
+
+
+def bus_config(
+    tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, replicas: int
+) -> BusConfig:
+    """The node's bus settings (TLS files resolved); a bad combination is one line, exit 2."""
+    try:
+        return dataclasses.replace(
+            NODE_DEFAULTS.bus,
+            tls_cert=str(tls_cert.resolve()) if tls_cert else "",
+            tls_key=str(tls_key.resolve()) if tls_key else "",
+            tls_ca=str(tls_ca.resolve()) if tls_ca else "",
+            replicas=replicas,
+        )
+    except ValueError as exc:  # e.g. a certificate without its key
+        fail(str(exc), 2)
+
+
+def worker_config(hang_threshold: float, max_num_seqs: int, deterministic: bool) -> WorkerConfig:
+    """The node's workers: the defaults with ``belayer up``'s worker and engine options."""
+    d = NODE_DEFAULTS.worker
+    return dataclasses.replace(
+        d,
+        hang_threshold_s=hang_threshold,
+        engine=dataclasses.replace(
+            d.engine, max_num_seqs=max_num_seqs, deterministic=deterministic
+        ),
+    )
+
+
+def run_in_foreground(config: SupervisorConfig, paths: RunPaths) -> NoReturn:
+    """The supervisor as a child in the foreground until it exits (Ctrl-C drains it)."""
+    argv = [sys.executable, "-m", "services.supervisor", *config_argv(config)]
+    typer.echo(f"starting Belayer node in the foreground ({paths.root}); Ctrl-C stops it")
+    # Own session: a terminal's Ctrl-C reaches only this CLI, which forwards exactly one
+    # SIGTERM (a second signal would make the supervisor cancel instead of drain).
+    proc = subprocess.Popen(argv, start_new_session=True)
+    try:
+        raise typer.Exit(proc.wait())
+    except KeyboardInterrupt:
+        typer.echo("stopping the node (draining services)…")
+        proc.terminate()
+        raise typer.Exit(proc.wait()) from None
+
+
+def start_detached(config: SupervisorConfig, paths: RunPaths, timeout: float) -> None:
+    """``belayer up --detach``: the node started in the background, one line once ready."""
     t0 = time.monotonic()
-    node = launch(config, paths, timeout)
+    try:
+        node = launch(config, paths, timeout)
+    except NodeFailed as exc:
+        fail(str(exc))
     typer.echo(
         f"belayer node ready in {time.monotonic() - t0:.1f}s: nats {node.nats_url}, "
         f"engines {', '.join(node.engines) or 'none'}, recovery {node.recovery}, "
         f"role {node.role}, run dir {paths.root}"
     )
-
-
-def launch(config: SupervisorConfig, paths: RunPaths, timeout: float) -> NodeInfo:
-    """Start the supervisor of ``config`` in its own session (``belayer up --detach``) and
-    wait until its node file says ready; a start that fails or times out is one ``error:``
-    line and exit 1 (``belayer run`` starts its node with this too)."""
-    argv = [sys.executable, "-m", "services.supervisor", *config_argv(config)]
-    paths.logs.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        paths.node_file.unlink()
-    t0 = time.monotonic()
-    out_log = paths.logs / "supervisor.out"
-    offset = out_log.stat().st_size if out_log.exists() else 0
-    with open(out_log, "ab") as out:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True,
-        )  # fmt: skip
-    while True:
-        node = read_node(paths)
-        if node is not None and node.ready and node.supervisor_pid == proc.pid:
-            break
-        if proc.poll() is not None:
-            with open(out_log, "rb") as f:
-                f.seek(offset)
-                tail = redact(f.read().decode(errors="replace")[-3000:])
-            reason = [ln for ln in tail.splitlines() if ln.startswith("error: ")]
-            if reason:  # the supervisor's own one-line reason
-                fail(f"the node failed to start: {reason[-1].removeprefix('error: ')}")
-            fail(f"the node failed to start (exit {proc.returncode}):\n{tail}")
-        if time.monotonic() - t0 > timeout:
-            proc.terminate()
-            fail(f"the node was not ready after {timeout:.0f} s; logs in {paths.logs}")
-        time.sleep(0.05)  # polling the node file the supervisor writes when ready
-    assert node is not None
-    return node
 
 
 def down(
@@ -322,79 +322,12 @@ def down(
 ) -> None:
     """Stop the node: every service, NATS, shared-memory files, sandbox containers and their
     checkpoints (unless --keep-sandboxes). Idempotent."""
-    paths = run_paths(run_dir)
-    node = read_node(paths)
-    if node is None:
-        typer.echo("no node is running here")
-        return
-    keep_sandboxes(paths.root, keep)
-    pid = node.supervisor_pid
-
-    async def ask_stop(nc: Any) -> None:
-        await stop_node(nc, "belayer down", timeout=3)
-
-    if pid_alive(pid):
-        try:
-            if node.role != "node":  # a joined host: supervisor.stop is the deployment node's
-                raise BusUnavailable("stopped by signal")
-            asyncio.run(with_bus(node.nats_url, ask_stop, role="operator", paths=paths))
-        except Exception:  # fall back to a signal if the bus is gone
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)  # waiting for the supervisor process to exit
-        if pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-    # A supervisor that died without its shutdown leaves the NATS server it started (its own
-    # session's other processes die with it: PR_SET_PDEATHSIG).
-    if node.nats_pid is not None and is_nats_server(node.nats_pid):
-        stop_process(node.nats_pid, timeout=5.0)
-    removed = remove_shm_files(node.run_id)
-    # Sandboxes do not outlive their node; a killed environment service left them behind.
-    cleanup = remove_node_sandboxes(node_label(node.run_id), paths.root)
-    if cleanup.error:
-        fail(
-            f"could not remove the node's sandbox containers ({cleanup.error}); "
-            "run `belayer down` again once dockerd answers"
-        )
-    with contextlib.suppress(FileNotFoundError):
-        paths.node_file.unlink()
-    sandboxes = (
-        f", {cleanup.containers} sandbox containers and {cleanup.checkpoint_dirs} sandbox "
-        "checkpoint dirs"
-        if cleanup.containers or cleanup.checkpoint_dirs
-        else ""
-    )
-    typer.echo(
-        f"belayer node stopped (run {node.run_id}; {removed} leftover shm files{sandboxes} removed)"
-    )
-    if cleanup.kept:
-        typer.echo(f"{cleanup.kept} sandboxes kept for the next `belayer up` of {paths.root}")
-
-
-def stop_process(pid: int, timeout: float) -> None:
-    """SIGTERM ``pid``, then SIGKILL if it still runs after ``timeout`` seconds."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)  # waiting for the process to exit
-    if pid_alive(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def is_nats_server(pid: int) -> bool:
-    """``pid`` is alive and runs nats-server (not some process that reused the pid)."""
-    if not pid_alive(pid):
-        return False
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"nats-server" in f.read()
-    except OSError:
-        return False
+        stopped = shut_down(run_paths(run_dir), timeout=timeout, keep=keep)
+    except NodeFailed as exc:
+        fail(str(exc))
+    for line in stopped.lines() if stopped else ["no node is running here"]:
+        typer.echo(line)
 
 
 def status(

@@ -1,8 +1,9 @@
 """``belayer run math|swe``: a GRPO training run on a node — rollout → reward → train → push
-weights → eval, step after step (``services/cli/run_loop.py``) — through injected failures,
-with progress bars, a per-step table and a report under the run directory
-(``services/cli/run_report.py``). Everything is checked first (``run_setup.py``): a bad option,
-model, dataset, injection or resume directory is one ``error:`` line before anything starts."""
+weights → eval, step after step (the RL loop of ``services/rl/loop.py``) — through injected
+failures, with progress bars, a per-step table and a report under the run directory
+(``services/rl/report.py``). Everything is checked first (``services/rl/options.py``): a bad
+option, model, dataset, injection or resume directory is one ``error:`` line before anything
+starts."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from model.chat import ChatFormat
 from model.tokenizer import load_tokenizer
 from services.cli.common import fail, finite, one_line, print_json
 from services.cli.node import docker_usable, run_paths
-from services.cli.run_loop import RunContext, totals, train_loop
-from services.cli.run_node import (
+from services.rl.loop import RunContext, train_loop
+from services.rl.node import (
+    NodeFailed,
     NodeHandle,
     open_bus,
     run_trainer_config,
@@ -31,8 +33,7 @@ from services.cli.run_node import (
     stop_node,
     wait_trainer,
 )
-from services.cli.run_report import read_metrics, rewrite_metrics, step_table, write_report
-from services.cli.run_setup import (
+from services.rl.options import (
     DEFAULTS,
     LR_DEFAULTS,
     RunOptions,
@@ -49,6 +50,8 @@ from services.cli.run_setup import (
     warm_model,
     workload_spec,
 )
+from services.rl.records import totals
+from services.rl.report import read_metrics, rewrite_metrics, step_table, write_report
 
 PHASES = ("rollout", "reward", "train", "push", "eval")
 
@@ -185,6 +188,8 @@ def run(
     console = Console(file=sys.stderr)
     try:
         report, records = execute(opts, console)
+    except NodeFailed as exc:  # the node's own lines, as `belayer up` and `down` print them
+        fail(str(exc))
     except BelayerError as exc:
         fail(one_line(str(exc)), 2 if isinstance(exc, InvalidRequest) else 1)
     except KeyboardInterrupt:

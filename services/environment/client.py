@@ -1,11 +1,19 @@
 """Typed client of the environment service (used by the CLI, the benchmark, the controller),
-and the node-side cleanup ``belayer down`` and the supervisor run after the service stopped."""
+the node-side cleanup ``belayer down`` and the supervisor run after the service stopped, and
+a private environment service for a caller without a node (``with_private_env``: the warm
+start's demonstrations, ``belayer model eval``)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import secrets
 import shutil
+import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 
@@ -29,6 +37,8 @@ from schemas.env import (
     TaskFile,
 )
 from services.environment.config import EnvConfig
+
+T = TypeVar("T")
 
 
 class EnvClient:
@@ -176,3 +186,50 @@ def remove_node_sandboxes(node: str, run_dir: Path) -> SandboxCleanup:
 
 def _entries(directory: Path) -> list[Path]:
     return list(directory.iterdir()) if directory.is_dir() else []
+
+
+async def with_private_env(fn: Callable[[EnvClient], Awaitable[T]]) -> T:
+    """Run ``fn(ops)`` against a private environment service (its own nats-server, run
+    directory and node label, so no other node's sandboxes are touched); every sandbox it
+    made is destroyed before it stops."""
+    from common.bus import connect, ensure_jetstream
+    from common.errors import SandboxError
+    from common.natsserver import start_nats_server
+    from services.environment.service import run as run_env
+
+    with tempfile.TemporaryDirectory(prefix="belayer-warm-") as tmp:
+        server = start_nats_server(Path(tmp) / "nats")
+        try:
+            nc = await connect(server.url, name="warm-start", timeout=5.0, reconnect=False)
+            try:
+                await ensure_jetstream(nc.jetstream())
+                config = EnvConfig(
+                    nats_url=server.url,
+                    run_dir=Path(tmp) / "run",
+                    node=f"warm-{secrets.token_hex(4)}",
+                )
+                stop, ready = asyncio.Event(), asyncio.Event()
+                service = asyncio.create_task(run_env(config, stop=stop, ready=ready))
+                waiter = asyncio.create_task(ready.wait())
+                done, _ = await asyncio.wait(
+                    {service, waiter}, timeout=60, return_when=asyncio.FIRST_COMPLETED
+                )
+                waiter.cancel()
+                if service in done:
+                    service.result()
+                if not ready.is_set():
+                    raise SandboxError("the environment service did not become ready in 60 s")
+                client = EnvClient(nc, timeout=60)
+                try:
+                    return await fn(client)
+                finally:
+                    with contextlib.suppress(Exception):
+                        for sb in (await client.list()).sandboxes:
+                            with contextlib.suppress(Exception):
+                                await client.destroy(sb.id)
+                    stop.set()
+                    await asyncio.wait_for(service, 60)
+            finally:
+                await nc.close()
+        finally:
+            server.stop()

@@ -32,8 +32,8 @@ from common.node import read_node, resolve_bus
 from model.config import load_model_config
 from model.training import load_weights, publishable_state_dict
 from schemas.rollout import Trajectory
-from services.cli.run_node import run_trainer_config
 from services.controller.client import trajectories
+from services.rl.node import run_trainer_config
 from services.trainer import journal
 from services.trainer.service import to_sample
 from services.trainer.update import grpo_step, load_state, weights_equal

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli.demonstrations import general_actions
+from services.rl.demonstrations import general_actions
 from tests.integration.env_helpers import env  # noqa: F401
 from workloads import SandboxOps, load_workload
 from workloads.runner import run_episode

@@ -9,7 +9,7 @@ import pytest
 from model.tiny import init_tiny_model
 from model.tokenizer import Tokenizer, load_tokenizer
 from schemas.rollout import Trajectory
-from services.cli.run_counters import compared_nothing, exact_share, lost_slots
+from services.rl.counters import compared_nothing, exact_share, lost_slots
 from workloads import load_workload, score_answer
 
 

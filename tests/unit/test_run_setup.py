@@ -14,14 +14,14 @@ import pytest
 from structlog.testing import capture_logs
 
 from common.errors import InvalidRequest
-from services.cli.run_report import RunLogs, make_plots, read_metrics
-from services.cli.run_setup import (
+from services.rl.options import (
     check_model_dir,
     choose_tasks,
     faults_of,
     parse_run_inject,
     step_tasks,
 )
+from services.rl.report import RunLogs, make_plots, read_metrics
 
 
 def test_step_items_fire_once_in_their_step_and_others_every_step() -> None:
@@ -141,7 +141,7 @@ def test_plots_are_written(tmp_path: Path) -> None:
 
 def test_a_resume_directory_of_another_model_is_refused(tmp_path: Path) -> None:
     from model.tiny import init_tiny_model
-    from services.cli.run_setup import RunState
+    from services.rl.options import RunState
 
     model = init_tiny_model(tmp_path / "model", hidden_size=64, num_layers=1, vocab_size=512)
     out = tmp_path / "run"

@@ -36,7 +36,9 @@ from model.warm_start import (
     train_sft,
     write_demonstrations,
 )
-from services.cli.demonstrations import (
+from services.controller.core import Execute, Generate, Limits, Score, TrajectoryCore
+from services.controller.policy import CheckpointPolicy, PolicyConfig
+from services.rl.demonstrations import (
     MATH_DEMOS,
     THOUGHTS,
     edited_module,
@@ -46,9 +48,7 @@ from services.cli.demonstrations import (
     math_working,
     swe_transcript,
 )
-from services.cli.model import SFT
-from services.controller.core import Execute, Generate, Limits, Score, TrajectoryCore
-from services.controller.policy import CheckpointPolicy, PolicyConfig
+from services.rl.warm import SFT
 from tests.unit.model_fixtures import write_small_model
 from workloads import (
     FINISH_COMMAND,

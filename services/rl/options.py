@@ -1,4 +1,4 @@
-"""``belayer run``, before anything starts: the options checked, the model found (or warm
+"""A run (``belayer run``), before anything starts: the options checked, the model found (or warm
 started), the tasks of every step chosen, the injections parsed and scheduled, the run
 directory prepared (``run.json``). Every problem here is one ``InvalidRequest`` line; nothing
 has been started yet.
@@ -217,7 +217,7 @@ def fingerprint(path: Path) -> str:
 def warm_model(workload: str, run_dir: Path, say: Any) -> Path:
     """The warm-started tiny model of ``workload`` (``belayer model init --tiny --warm-start``),
     installed under the run directory; trained once, then copied from the cache."""
-    from services.cli.model import warm_start
+    from services.rl.warm import warm_start
 
     out = run_dir / "model"
     t0 = time.monotonic()

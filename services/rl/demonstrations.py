@@ -1,5 +1,6 @@
-"""Demonstrations for ``belayer model init --tiny --warm-start math|swe|swe-long`` (the half
-that needs the workloads and a real sandbox; the training itself is :mod:`model.warm_start`).
+"""Demonstrations for the warm start (:mod:`services.rl.warm`; ``belayer model init --tiny
+--warm-start math|swe|swe-long``): the half that needs the workloads and a real sandbox; the
+training itself is :mod:`model.warm_start`.
 
 * **math**: problems of the ``math`` workload (reasoning-gym, offline), answered in the
   convention: the left-to-right working, one line per operation, then ``Answer: N``.
@@ -23,20 +24,18 @@ so a rerun reads them back (no sandbox, no network).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
-import secrets
 import shlex
-import tempfile
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from common.errors import InvalidRequest, SandboxError
 from common.logging import get_logger
 from model.warm_start import Demonstration, read_demonstrations, write_demonstrations
+from services.environment.client import with_private_env
 from workloads import FINISH_COMMAND, format_action, format_answer, load_workload
 from workloads.base import SandboxOps, Task
 from workloads.runner import run_episode
@@ -316,54 +315,6 @@ def _task_fingerprint(task: Task) -> dict[str, Any]:
         else {},
         "limits": [task.limits.observation_chars, task.limits.action_timeout_s],
     }
-
-
-async def with_private_env(fn: Callable[[SandboxOps], Awaitable[T]]) -> T:
-    """Run ``fn(ops)`` against a private environment service (its own nats-server, run
-    directory and node label, so no other node's sandboxes are touched); every sandbox it
-    made is destroyed before it stops."""
-    from common.bus import connect, ensure_jetstream
-    from common.natsserver import start_nats_server
-    from services.environment.client import EnvClient
-    from services.environment.config import EnvConfig
-    from services.environment.service import run as run_env
-
-    with tempfile.TemporaryDirectory(prefix="belayer-warm-") as tmp:
-        server = start_nats_server(Path(tmp) / "nats")
-        try:
-            nc = await connect(server.url, name="warm-start", timeout=5.0, reconnect=False)
-            try:
-                await ensure_jetstream(nc.jetstream())
-                config = EnvConfig(
-                    nats_url=server.url,
-                    run_dir=Path(tmp) / "run",
-                    node=f"warm-{secrets.token_hex(4)}",
-                )
-                stop, ready = asyncio.Event(), asyncio.Event()
-                service = asyncio.create_task(run_env(config, stop=stop, ready=ready))
-                waiter = asyncio.create_task(ready.wait())
-                done, _ = await asyncio.wait(
-                    {service, waiter}, timeout=60, return_when=asyncio.FIRST_COMPLETED
-                )
-                waiter.cancel()
-                if service in done:
-                    service.result()
-                if not ready.is_set():
-                    raise SandboxError("the environment service did not become ready in 60 s")
-                client = EnvClient(nc, timeout=60)
-                try:
-                    return await fn(client)
-                finally:
-                    with contextlib.suppress(Exception):
-                        for sb in (await client.list()).sandboxes:
-                            with contextlib.suppress(Exception):
-                                await client.destroy(sb.id)
-                    stop.set()
-                    await asyncio.wait_for(service, 60)
-            finally:
-                await nc.close()
-        finally:
-            server.stop()
 
 
 def swe_demonstrations(
