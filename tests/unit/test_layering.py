@@ -1,11 +1,16 @@
 """The layer rules of docs/architecture.md, checked on every import of every module (including
 imports inside functions):
 
-    schemas/  →  common/  →  model/  →  workloads/  →  services/<name>/  →  services/cli, bench/
+    schemas/  →  common/  →  model/  →  workloads/  →  services/<name>/  →  services/rl/
+              →  services/cli, bench/
 
 Imports point down only. A service reaches another service only through that service's
-``client.py``. Pure modules (service cores, the model, the inference engine, the checkpoint
-policy) do no bus or event-loop I/O. Nothing imports ``deploy/``, the CLI or the benchmarks.
+``client.py``; so does ``services/rl`` (the RL loop library: not a service, above them all),
+which only the CLI and the benchmarks import. Pure modules (service cores, the model, the
+inference engine, the checkpoint policy) do no bus or event-loop I/O. Nothing imports
+``deploy/``; nothing but the CLI imports the benchmarks (it registers their commands), and
+nothing imports the CLI — the benchmarks drive the RL loop through ``services/rl``, never
+through a CLI module.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 OURS = ("schemas", "common", "model", "workloads", "services", "bench", "deploy")
 TOPS = ("services.cli", "bench")
+CLI = "services.cli"
+LIBRARY = "services.rl"
+"""The RL loop library: above every service, below the CLI and the benchmarks."""
 
 #: What each layer may import of ours (besides itself).
 ALLOWED: dict[str, tuple[str, ...]] = {
@@ -86,9 +94,15 @@ def layer_violation(src: str, dst: str) -> str | None:
     if dst_top == "deploy":
         return "nothing imports deploy/ (it only runs things)"
     if any(within(dst, t) for t in TOPS):
-        if any(within(src, t) for t in TOPS):
+        if within(src, CLI):
+            return None  # the CLI is the very top: it registers the benchmarks' commands
+        if within(src, "bench") and within(dst, CLI):
+            return "the benchmarks import no CLI module (the RL loop lives in services/rl)"
+        if within(src, "bench"):
             return None
         return "nothing imports the CLI or the benchmarks"
+    if within(dst, LIBRARY) and not (within(src, LIBRARY) or any(within(src, t) for t in TOPS)):
+        return "services/rl is above the services: only the CLI and the benchmarks import it"
     src_top = src.split(".")[0]
     if src_top in ALLOWED:
         if dst_top in ALLOWED[src_top]:
@@ -146,6 +160,21 @@ def test_pure_modules_do_no_bus_or_loop_io() -> None:
         ("services.router.service", "services.cli.main", False),
         ("services.cli.main", "services.environment.core", True),
         ("bench.env", "services.environment.manager", True),
+        ("bench.train", "services.cli.run_loop", False),
+        ("bench.train", "services.cli.model", False),
+        ("bench.train", "services.cli", False),
+        ("bench.train", "bench.report", True),
+        ("bench.train", "services.rl.loop", True),
+        ("services.cli.main", "bench.train", True),
+        ("services.cli.run", "services.rl.loop", True),
+        ("services.rl.loop", "services.cli.run", False),
+        ("services.rl.warm", "bench.report", False),
+        ("services.rl.loop", "services.controller.client", True),
+        ("services.rl.loop", "services.controller.core", False),
+        ("services.rl.loop", "services.rl.records", True),
+        ("services.rl.node", "common.node", True),
+        ("services.controller.service", "services.rl.loop", False),
+        ("workloads.episode", "services.rl.loop", False),
         ("services.kv.service", "deploy.demo_requests", False),
     ],
 )
