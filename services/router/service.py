@@ -12,18 +12,16 @@ import asyncio
 import random
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 
-from common import events, subjects
-from common.bus import Server, js_call, request
+from common import subjects
+from common.bus import request
 from common.codec import decode, encode
 from common.epoch import current_epoch
 from common.errors import (
@@ -36,8 +34,7 @@ from common.errors import (
     ResourceLimit,
 )
 from common.guard import isolated
-from common.logging import get_logger
-from common.service import Service, Status, run_service
+from common.service import Service, run_service
 from common.tasks import keep
 from model.tokenizer import load_tokenizer
 from schemas.base import Ok
@@ -47,8 +44,6 @@ from schemas.serving import (
     CancelRequest,
     EngineAbort,
     EngineFailed,
-    EngineStateReply,
-    EngineStateRequest,
     EngineSubmit,
     GenerateRequest,
     GenerateResult,
@@ -58,17 +53,17 @@ from schemas.serving import (
     SamplingParams,
     StatusRequest,
     StepBatch,
-    TokenLogChunk,
 )
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.liveness import ping_engine
+from services.router.persist import Persistable, persist
+from services.router.recovery import LiveEngine, held_requests, live_engines, restore_from_log
 from services.router.state import (
     AbortOnEngine,
     Action,
     EmitEvent,
     EngineStatus,
-    PersistChunk,
     SendToCaller,
     SubmitToEngine,
     request_identity,
@@ -81,22 +76,56 @@ GENERATE_OVERHEAD_BYTES = 64 * 1024
 ``max_prompt_tokens`` prompt): ``router.generate`` refuses larger messages unread."""
 
 
-class Router:
-    def __init__(self, config: RouterConfig, nc: NATS, js: JetStreamContext) -> None:
-        self.config = config
-        self.nc = nc
-        self.js = js
+class RouterService(Service[RouterConfig]):
+    """The router process. ``setup``: restore from the durable logs, find the live workers and
+    adopt what they still run, then serve. Loops: ``persist_loop`` (the ordered writer) and
+    ``heartbeat_loop``. On stop the subjects drain, then queued token-log chunks reach
+    JetStream (bounded) before the loops end."""
+
+    name = "router"
+    drain_timeout_s = 2.0
+    persist_drain_s = 3.0
+    """Longest wait for the persist queue when draining."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
         self.tokenizer = load_tokenizer(config.model_dir)
         self.core = RouterCore(config, decode=self.tokenizer.text, router_id=secrets.token_hex(6))
-        self.server = Server(nc, service="router")
-        self.status = Status.STARTING
-        self.persist_q: asyncio.Queue[PersistChunk | EmitEvent | SendToCaller | AcceptedRequest] = (
-            asyncio.Queue()
-        )
+        self.persist_q: asyncio.Queue[Persistable] = asyncio.Queue()
         self.tasks: set[asyncio.Task[None]] = set()
-        self.stash: list[StepBatch] | None = []
-        """Step batches received while adopting after a restart (None once live)."""
-        self.log = get_logger(service="router")
+        self.stash: list[StepBatch] | None = None
+        """Step batches received while adopting a live worker's requests (None otherwise)."""
+        self.silent: set[str] = set()
+        """Engines with a claimed epoch whose worker has not answered a discovery ping yet."""
+
+    async def setup(self) -> None:
+        self.stash = []  # before the first step batch can arrive
+        await self.nc.subscribe(subjects.router_tokens(), cb=self.on_tokens)
+        await restore_from_log(
+            self.js, self.core, timeout_s=self.config.restore_timeout_s, log=self.log
+        )
+        await self.discover(self.config.engine_ids)
+        await self.server.serve(
+            subjects.router_generate(),
+            GenerateRequest,
+            self.on_generate,
+            max_bytes=self.config.limits.max_prompt_bytes + GENERATE_OVERHEAD_BYTES,
+        )
+        await self.server.serve(subjects.router_register(), RegisterWorker, self.on_register)
+        await self.server.serve(subjects.router_cancel(), CancelRequest, self.on_cancel)
+        await self.server.serve(subjects.router_status(), StatusRequest, self.on_status)
+        await self.server.serve(
+            subjects.router_engine_failed(), EngineFailed, self.on_engine_failed
+        )
+        self.log.info("router_ready", recovery=self.config.recovery, k=self.config.token_log_chunk)
+
+    async def drain(self) -> None:
+        await super().drain()
+        # Let queued token-log chunks reach JetStream before leaving (bounded).
+        try:
+            await asyncio.wait_for(self.persist_q.join(), self.persist_drain_s)
+        except TimeoutError:
+            self.log.warning("persist_queue_not_drained", left=self.persist_q.qsize())
 
     # --- action execution -------------------------------------------------------------------
     async def execute(self, actions: list[Action]) -> None:
@@ -155,50 +184,14 @@ class Router:
                 )
 
     async def persist_loop(self) -> None:
-        """Token-log chunks and events, in order, on JetStream (deterministic msg ids)."""
+        """Accepted requests, token-log chunks, events and results, in order (``persist``)."""
         while True:
             item = await self.persist_q.get()
             try:
                 with isolated(self.log, "persist_loop", item=type(item).__name__):
-                    await self._persist(item)  # one bad item is logged and dropped
+                    await persist(self.nc, self.js, item, self.log)  # a bad item is dropped
             finally:
                 self.persist_q.task_done()
-
-    async def _persist(
-        self, item: PersistChunk | EmitEvent | SendToCaller | AcceptedRequest
-    ) -> None:
-        if isinstance(item, AcceptedRequest):
-            try:
-                await self.js.publish(
-                    subjects.request_log(item.request_id),
-                    encode(item),
-                    headers={"Nats-Msg-Id": item.request_id},
-                    timeout=5.0,
-                )
-            except (TimeoutError, nats.errors.Error) as exc:
-                self.log.warning(
-                    "request_log_publish_failed", request=item.request_id, error=repr(exc)
-                )
-            return
-        if isinstance(item, SendToCaller):
-            try:
-                await self.nc.publish(item.inbox, encode(item.message))
-            except nats.errors.Error as exc:
-                self.log.warning("caller_publish_failed", error=repr(exc))
-            return
-        if isinstance(item, PersistChunk):
-            c = item.chunk
-            try:
-                await self.js.publish(
-                    subjects.token_log(c.request_id),
-                    encode(c),
-                    headers={"Nats-Msg-Id": f"{c.request_id}:{c.chunk_index}"},
-                    timeout=5.0,
-                )
-            except (TimeoutError, nats.errors.Error) as exc:
-                self.log.error("token_log_publish_failed", request=c.request_id, error=repr(exc))
-            return
-        await events.publish(self.js, item.event)
 
     # --- handlers ---------------------------------------------------------------------------
     async def on_generate(self, req: GenerateRequest, msg: Msg) -> None:
@@ -310,6 +303,7 @@ class Router:
             weight_version=req.weight_version,
             now=time.monotonic(),
         )
+        self.silent.discard(req.engine_id)
         await self.execute(actions)
         resumed = sum(len(a.requests) for a in actions if isinstance(a, SubmitToEngine))
         self.log.info(
@@ -379,28 +373,68 @@ class Router:
         )  # fmt: skip
 
     # --- discovery after a restart ----------------------------------------------------------
-    async def rediscover_engines(self) -> None:
-        """Re-register live workers from the epoch bucket (the router may have restarted)."""
-        kv = await self.js.key_value(subjects.BUCKET_ENGINE_EPOCHS)
+    async def discover(self, engine_ids: Sequence[str]) -> None:
+        """Register the live workers of ``engine_ids`` (a worker registers only at its start, so
+        a restarted router finds them through the epoch bucket and a ping) and adopt the
+        restored requests they still run, so nothing is generated again while they live; then
+        place what no worker holds. Step batches that arrive meanwhile are stashed and replayed
+        after (placement by index drops what overlaps). A worker that does not answer is tried
+        again by the heartbeat loop."""
+        if self.stash is None:
+            self.stash = []
+        self.core.hold_pending = True
         try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
+            live, silent = await live_engines(
+                self.nc, self.js, engine_ids, timeout_s=self.config.heartbeat_timeout_s
+            )
+            self.silent.difference_update(engine_ids)
+            self.silent.update(silent)
+            for found in live:
+                with isolated(self.log, "discover", engine=found.engine_id):
+                    await self._adopt_engine(found)
+        finally:
+            stashed, self.stash = self.stash, None
+            for batch in stashed or []:
+                await self.execute(self.core.on_step(batch))
+            await self.execute(self.core.release_pending())
+        if silent or live:
+            self.log.info(
+                "engines_discovered",
+                live=[f.engine_id for f in live],
+                silent=silent,
+                left_to_resubmit=len(self.core.pending),
+            )
+
+    async def _adopt_engine(self, found: LiveEngine) -> None:
+        eng = self.core.engines.get(found.engine_id)
+        if eng is not None and eng.epoch >= found.epoch:
+            return  # its worker registered meanwhile
+        pong = found.pong
+        await self.execute(
+            self.core.register(
+                found.engine_id, found.epoch, pong.pid, weight_version=pong.weight_version
+            )
+        )
+        await self.execute(
+            self.core.report_load(
+                found.engine_id, found.epoch, pong.pid, pong.running, pong.waiting
+            )
+        )
+        self.log.info(
+            "engine_rediscovered", engine=found.engine_id, epoch=found.epoch, pid=pong.pid
+        )
+        waiting = [r for r in self.core.pending if r in self.core.active]
+        if not waiting:
             return
-        for engine_id in keys:
-            if engine_id not in self.config.engine_ids:
-                continue
-            epoch, _ = await current_epoch(self.js, engine_id)
-            pong = await ping_engine(self.nc, engine_id, epoch=epoch, timeout=1.0)
-            if pong is not None:
-                await self.execute(
-                    self.core.register(
-                        engine_id, epoch, pong.pid, weight_version=pong.weight_version
-                    )
-                )
-                await self.execute(
-                    self.core.report_load(engine_id, epoch, pong.pid, pong.running, pong.waiting)
-                )
-                self.log.info("engine_rediscovered", engine=engine_id, epoch=epoch, pid=pong.pid)
+        try:
+            reply = await held_requests(self.nc, found.engine_id, waiting, timeout_s=2.0)
+        except BelayerError as exc:
+            self.log.warning("engine_state_failed", engine=found.engine_id, error=str(exc))
+            return
+        if reply.epoch == found.epoch:
+            await self.execute(
+                self.core.adopt(found.engine_id, reply.requests, reply.weight_version)
+            )
 
     # --- remote heartbeat -------------------------------------------------------------------
     async def heartbeat_loop(self) -> None:
@@ -411,6 +445,9 @@ class Router:
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.heartbeat_interval_s)
+            if self.silent:
+                with isolated(self.log, "heartbeat_loop", engines=sorted(self.silent)):
+                    await self.discover(sorted(self.silent))
             # One engine's failure is logged (loop_item_failed); the others are still pinged.
             for eng in list(self.core.engines.values()):
                 with isolated(self.log, "heartbeat_loop", engine=eng.id):
@@ -436,160 +473,6 @@ class Router:
                     await self.execute(
                         self.core.report_load(eng.id, epoch, pid, pong.running, pong.waiting)
                     )
-
-    # --- restart recovery -------------------------------------------------------------------
-    async def _read_all(self, stream: str, subject: str, typ: type[M]) -> list[M]:
-        """Every message of ``stream`` on ``subject`` (bounded by ``restore_timeout_s``)."""
-        what = f"cannot read {stream}"
-        try:
-            info = await js_call(lambda: self.js.stream_info(stream), what=what)
-        except nats.js.errors.NotFoundError:
-            return []
-        if info.state.messages == 0:
-            return []
-        sub = await js_call(lambda: self.js.subscribe(subject, ordered_consumer=True), what=what)
-        out: list[M] = []
-        deadline = time.monotonic() + self.config.restore_timeout_s
-        try:
-            while time.monotonic() < deadline:
-                try:
-                    msg = await sub.next_msg(timeout=1.0)
-                except TimeoutError:
-                    break
-                try:
-                    out.append(decode(msg.data, typ))
-                except BelayerError as exc:
-                    self.log.warning("bad_log_record", stream=stream, error=str(exc))
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
-        return out
-
-    async def restore_from_log(self) -> None:
-        """After a restart: finished requests become replayable, unfinished ones resume from
-        their last logged chunk (at most k tokens are regenerated; seeds make them identical)."""
-        t0 = time.monotonic()
-        accepted = await self._read_all(
-            subjects.STREAM_REQUESTS, subjects.REQUEST_LOG_ALL, AcceptedRequest
-        )
-        if not accepted:
-            return
-        self.core.hold_pending = True
-        chunks = await self._read_all(subjects.STREAM_TOKENS, subjects.TOKEN_LOG_ALL, TokenLogChunk)
-        by_request: dict[str, list[TokenLogChunk]] = {}
-        for c in chunks:
-            by_request.setdefault(c.request_id, []).append(c)
-        for a in accepted:
-            self.core.restore(
-                a.request_id,
-                a.prompt_token_ids,
-                a.sampling,
-                by_request.get(a.request_id, []),
-                inbox=a.reply_to,
-                identity=request_identity(
-                    a.prompt_token_ids,
-                    msgspec.structs.replace(a.sampling, seed=None) if a.seed_filled else a.sampling,
-                ),
-            )
-        self.log.info(
-            "router_restored",
-            requests=len(accepted),
-            unfinished=len(self.core.active),
-            chunks=len(chunks),
-            seconds=round(time.monotonic() - t0, 3),
-        )
-
-    async def adopt_running(self) -> None:
-        """Ask every live engine for the restored requests it still holds and adopt them, so a
-        router restart regenerates nothing while the workers live. Step batches that arrive
-        meanwhile are stashed and replayed after (placement by index drops what overlaps)."""
-        waiting = [r for r in self.core.pending if r in self.core.active]
-        for eng in list(self.core.engines.values()):
-            if not waiting:
-                break
-            try:
-                reply: EngineStateReply = await request(
-                    self.nc,
-                    subjects.engine_state(eng.id),
-                    EngineStateRequest(request_ids=waiting),
-                    EngineStateReply,
-                    timeout=2.0,
-                )
-            except BelayerError as exc:
-                self.log.warning("engine_state_failed", engine=eng.id, error=str(exc))
-                continue
-            if reply.epoch != eng.epoch:
-                continue
-            await self.execute(self.core.adopt(eng.id, reply.requests, reply.weight_version))
-            waiting = [r for r in self.core.pending if r in self.core.active]
-        stashed, self.stash = self.stash, None
-        for batch in stashed or []:
-            await self.execute(self.core.on_step(batch))
-        await self.execute(self.core.release_pending())
-        self.log.info("requests_adopted", left_to_resubmit=len(self.core.pending))
-
-    async def start(self) -> None:
-        await self.nc.subscribe(subjects.router_tokens(), cb=self.on_tokens)
-        await self.restore_from_log()
-        await self.rediscover_engines()
-        await self.adopt_running()
-        await self.server.serve(
-            subjects.router_generate(),
-            GenerateRequest,
-            self.on_generate,
-            max_bytes=self.config.limits.max_prompt_bytes + GENERATE_OVERHEAD_BYTES,
-        )
-        await self.server.serve(subjects.router_register(), RegisterWorker, self.on_register)
-        await self.server.serve(subjects.router_cancel(), CancelRequest, self.on_cancel)
-        await self.server.serve(subjects.router_status(), StatusRequest, self.on_status)
-        await self.server.serve(
-            subjects.router_engine_failed(), EngineFailed, self.on_engine_failed
-        )
-        self.status = Status.READY
-
-
-class RouterService(Service[RouterConfig]):
-    """The router process: ``Router.start`` (restore from the token log, rediscover engines,
-    serve), then ``persist_loop`` and ``heartbeat_loop``. On stop the subjects drain, then
-    queued token-log chunks reach JetStream (bounded) before the loops end."""
-
-    name = "router"
-    drain_timeout_s = 2.0
-    persist_drain_s = 3.0
-    """Longest wait for the persist queue when draining."""
-
-    def __init__(self, config: RouterConfig) -> None:
-        super().__init__(config)
-        self.router: Router | None = None
-
-    async def setup(self) -> None:
-        self.router = router = Router(self.config, self.nc, self.js)
-        self.server = router.server
-        await router.start()
-        self.log.info("router_ready", recovery=self.config.recovery, k=self.config.token_log_chunk)
-
-    def loops(self) -> dict[str, Callable[[], Coroutine[Any, Any, None]]]:
-        assert self.router is not None
-        return {
-            "persist_loop": self.router.persist_loop,
-            "heartbeat_loop": self.router.heartbeat_loop,
-        }
-
-    async def drain(self) -> None:
-        router = self.router
-        assert router is not None
-        router.status = Status.DRAINING
-        await super().drain()
-        # Let queued token-log chunks reach JetStream before leaving (bounded).
-        try:
-            await asyncio.wait_for(router.persist_q.join(), self.persist_drain_s)
-        except TimeoutError:
-            router.log.warning("persist_queue_not_drained", left=router.persist_q.qsize())
-
-    async def close(self) -> None:
-        if self.router is not None:
-            self.router.status = Status.STOPPED
 
 
 async def run(
