@@ -134,12 +134,13 @@ class Supervisor(Service[SupervisorConfig]):
         config = dataclasses.replace(
             self.config.worker,
             engine_id=engine_id,
+            role="main" if role == "main" else "shadow",
             heartbeat_file=str(self.paths.heartbeat_file(engine_id)),
             log_file=str(self._log_file(f"{kind}-{engine_id}")),
             cold_load_dir=str(self.model_dir) if cold else "",
             limits=self.config.router.limits,  # one set of limits: the router's
         )
-        return self._py(f"services.{kind}", config)
+        return self._py("services.worker", config)
 
     def trainer_config(self) -> TrainerConfig:
         """The trainer's config with what only the node knows filled in."""
@@ -441,9 +442,9 @@ class Supervisor(Service[SupervisorConfig]):
 
 def identity_of(module: str, config: Any) -> str:
     """The identity a service module runs as: its role, one per engine for the rollout
-    workers and shadows (``engine-<id>``)."""
+    workers, main and shadow alike (``engine-<id>``)."""
     role = module.rsplit(".", 1)[-1]
-    if role in ("worker", "shadow"):
+    if role == "worker":
         return f"engine-{config.engine_id}"
     return role
 

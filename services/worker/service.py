@@ -35,7 +35,6 @@ from common.errors import (
     BelayerError,
     Conflict,
     EngineUnavailable,
-    FatalError,
     InvalidRequest,
     Timeout,
 )
@@ -43,7 +42,7 @@ from common.fastpub import FastPublisher
 from common.heartbeat import Identity, write_identity
 from common.limits import check_request
 from common.logging import get_logger
-from common.service import Service, Status, run_service
+from common.service import Service, run_service
 from model.config import load_model_config
 from model.loader import load_safetensors
 from schemas.base import Ok
@@ -69,9 +68,13 @@ from services.worker.runtime import Abort, EngineLoop, Snapshot, Submit, SwapWei
 
 
 class Worker:
-    """One rollout worker process (main or shadow) of one engine."""
+    """What a rollout worker process does with its engine — prepare, claim, serve, follow the
+    weights — whether it runs as the main worker (``WorkerService``) or as the standby that
+    takes over (``services/worker/shadow.py``). It serves on its service's ``server``."""
 
-    def __init__(self, config: WorkerConfig, nc: NATS, js: JetStreamContext) -> None:
+    def __init__(
+        self, config: WorkerConfig, nc: NATS, js: JetStreamContext, server: Server
+    ) -> None:
         self.config = config
         self.nc = nc
         self.js = js
@@ -79,10 +82,9 @@ class Worker:
         self.pid = os.getpid()
         self.epoch = 0
         self.weight_version = 0
-        self.status = Status.STARTING
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
-        self.server = Server(nc, service=f"worker:{config.engine_id}")
+        self.server = server
         self.timings: dict[str, float] = {}
         self.publisher: FastPublisher | None = None
         self.role: str = config.role
@@ -187,7 +189,6 @@ class Worker:
         if on_ready is not None:
             on_ready()
         await self.register()
-        self.status = Status.READY
 
     # --- weight refresh ---------------------------------------------------------------------
     async def watch_weights(self) -> None:
@@ -363,7 +364,6 @@ class Worker:
             self.loop.stop()
         if self.publisher is not None:
             self.publisher.close()
-        self.status = Status.STOPPED
 
 
 class WorkerService(Service[WorkerConfig]):
@@ -377,14 +377,11 @@ class WorkerService(Service[WorkerConfig]):
         self.worker: Worker | None = None
 
     async def open(self) -> None:
-        if self.config.role != "main":
-            raise FatalError("a shadow runs as `python -m services.shadow`")
         torch.set_num_threads(self.config.torch_threads)
 
     async def setup(self) -> None:
         config, js = self.config, self.js
-        self.worker = worker = Worker(config, self.nc, js)
-        self.server = worker.server
+        self.worker = worker = Worker(config, self.nc, js, self.server)
         await worker.prepare()
         epoch = await worker.activate()
         await worker.watch_weights()
@@ -399,11 +396,6 @@ class WorkerService(Service[WorkerConfig]):
                 build_warm_s=worker.timings.get("build_warm_s", 0.0),
             ),
         )
-
-    async def drain(self) -> None:
-        if self.worker is not None:
-            self.worker.status = Status.DRAINING
-        await super().drain()
 
     async def close(self) -> None:
         if self.worker is not None:

@@ -146,6 +146,19 @@ def test_pure_modules_do_no_bus_or_loop_io() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_no_module_hands_out_names_lazily() -> None:
+    """A module-level ``__getattr__`` (PEP 562) lets ``from services.x.client import Y`` reach a
+    module the import rules forbid without naming it; every name a module offers is imported
+    where the rules can see it."""
+    problems = [
+        f"{p.relative_to(ROOT)}:{node.lineno}: module-level __getattr__"
+        for p in python_files()
+        for node in ast.parse(p.read_text(), filename=str(p)).body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "__getattr__"
+    ]
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize(
     ("src", "dst", "ok"),
     [
@@ -154,8 +167,9 @@ def test_pure_modules_do_no_bus_or_loop_io() -> None:
         ("common.shm", "model.qwen3", False),
         ("common.bus", "services.router.client", False),
         ("model.qwen3", "services.worker.engine.sequence", False),
-        ("services.shadow.service", "services.worker.service", False),
-        ("services.shadow.service", "services.worker.client", True),
+        ("services.worker.shadow", "services.worker.service", True),
+        ("services.supervisor.service", "services.worker.shadow", False),
+        ("services.supervisor.service", "services.worker.client", True),
         ("services.router.service", "services.router.core", True),
         ("services.router.service", "services.cli.main", False),
         ("services.cli.main", "services.environment.core", True),

@@ -55,7 +55,8 @@ from schemas.events import (
 from schemas.serving import EngineFailed
 from services.kv.client import fetch_arena
 from services.weights.client import fetch_manifest
-from services.worker.client import Worker, WorkerConfig
+from services.worker.config import WorkerConfig
+from services.worker.service import Worker
 
 
 @dataclass
@@ -258,8 +259,7 @@ class ShadowService(Service[WorkerConfig]):
 
     async def setup(self) -> None:
         config = self.config
-        self.worker = worker = Worker(config, self.nc, self.js)
-        self.server = worker.server
+        self.worker = worker = Worker(config, self.nc, self.js, self.server)
         self.shadow = shadow = Shadow(config, worker)
         await worker.prepare()
         await worker.watch_weights()  # stay on the newest version while waiting
