@@ -16,43 +16,54 @@ from schemas.serving import MAX_TOKENS, GenerateRequest, SamplingParams, TokenDe
 from services.cli.common import checked, fail, finite, print_json, run, with_bus
 from services.router.client import generate as generate_request
 
+# `belayer generate`'s options (declared here, so that `generate` reads as what it does)
+GENERATE_PROMPT = typer.Option(..., "--prompt", "-p", help="Prompt text.")
+GENERATE_MAX_TOKENS = typer.Option(
+    64, "--max-tokens", min=1, max=MAX_TOKENS, help="Most new tokens."
+)
+GENERATE_TEMPERATURE = typer.Option(
+    1.0, "--temperature", min=0.0, max=100.0, callback=finite, help="0 = greedy."
+)
+GENERATE_TOP_P = typer.Option(1.0, "--top-p", callback=finite, help="Nucleus sampling mass (0, 1].")
+GENERATE_SEED = typer.Option(
+    None,
+    "--seed",
+    min=-(2**63),
+    max=2**63 - 1,
+    help="Seed: the same seed reproduces the same tokens, even across a handover.",
+)
+GENERATE_REQUEST_ID = typer.Option(
+    "",
+    "--request-id",
+    help="Caller-chosen id (default: random); resubmitting an id never generates twice.",
+)
+GENERATE_ENGINE = typer.Option(None, "--engine", help="Pin to an engine id.")
+GENERATE_IGNORE_EOS = typer.Option(False, "--ignore-eos", help="Keep generating past EOS.")
+GENERATE_JSON = typer.Option(False, "--json", help="Print the result as JSON.")
+GENERATE_TIMEOUT = typer.Option(
+    300.0,
+    "--timeout",
+    min=0.001,
+    max=86_400.0,
+    callback=finite,
+    help="Overall deadline in seconds. Until then a router restart or a dropped stream is "
+    "ridden through: the same request id is resubmitted and the stream re-attached.",
+)
+GENERATE_NATS_URL = typer.Option("", "--nats-url", help="NATS URL (default: the running node's).")
+
 
 def generate(
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
-    max_tokens: int = typer.Option(
-        64, "--max-tokens", min=1, max=MAX_TOKENS, help="Most new tokens."
-    ),
-    temperature: float = typer.Option(
-        1.0, "--temperature", min=0.0, max=100.0, callback=finite, help="0 = greedy."
-    ),
-    top_p: float = typer.Option(
-        1.0, "--top-p", callback=finite, help="Nucleus sampling mass (0, 1]."
-    ),
-    seed: int | None = typer.Option(
-        None,
-        "--seed",
-        min=-(2**63),
-        max=2**63 - 1,
-        help="Seed: the same seed reproduces the same tokens, even across a handover.",
-    ),
-    request_id: str = typer.Option(
-        "",
-        "--request-id",
-        help="Caller-chosen id (default: random); resubmitting an id never generates twice.",
-    ),
-    engine: str | None = typer.Option(None, "--engine", help="Pin to an engine id."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS."),
-    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    timeout: float = typer.Option(
-        300.0,
-        "--timeout",
-        min=0.001,
-        max=86_400.0,
-        callback=finite,
-        help="Overall deadline in seconds. Until then a router restart or a dropped stream is "
-        "ridden through: the same request id is resubmitted and the stream re-attached.",
-    ),
-    nats_url: str = typer.Option("", "--nats-url", help="NATS URL (default: the running node's)."),
+    prompt: str = GENERATE_PROMPT,
+    max_tokens: int = GENERATE_MAX_TOKENS,
+    temperature: float = GENERATE_TEMPERATURE,
+    top_p: float = GENERATE_TOP_P,
+    seed: int | None = GENERATE_SEED,
+    request_id: str = GENERATE_REQUEST_ID,
+    engine: str | None = GENERATE_ENGINE,
+    ignore_eos: bool = GENERATE_IGNORE_EOS,
+    json_out: bool = GENERATE_JSON,
+    timeout: float = GENERATE_TIMEOUT,
+    nats_url: str = GENERATE_NATS_URL,
 ) -> None:
     """Generate text from a prompt on the running node."""
     if not 0.0 < top_p <= 1.0:

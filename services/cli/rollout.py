@@ -47,70 +47,90 @@ def table(result: RolloutResult) -> Table:
     return t
 
 
+# `belayer rollout`'s options (declared here, so that `rollout` reads as what it does)
+ROLLOUT_WORKLOAD = typer.Argument(
+    ..., help="Workload: math, swe (also dapo, swe-gym with --dataset)."
+)
+ROLLOUT_TASKS = typer.Option(4, "--tasks", min=1, max=100_000, help="How many tasks.")
+ROLLOUT_N = typer.Option(1, "--n", min=1, max=1024, help="Samples per task (the GRPO group).")
+ROLLOUT_POLICY = typer.Option(
+    "risk-aware",
+    "--policy",
+    help="Checkpoints: never, always, risk-aware, interval:N, young-daly.",
+)
+ROLLOUT_INJECT = typer.Option(
+    "",
+    "--inject",
+    help="Failures to inject, comma-separated KIND@WHEN: KIND sandbox-kill, sandbox-pause, "
+    "worker-kill, controller-kill; WHEN turn=T (after the T-th action; turn=T/i: of "
+    "trajectory #i), p=P (per environment step), s=SECONDS (into the rollout). "
+    "E.g. sandbox-kill@turn=3,worker-kill@s=5.",
+)
+ROLLOUT_TASK_ID = typer.Option([], "--task-id", help="Run these tasks (repeatable).")
+ROLLOUT_DATASET = typer.Option("", "--dataset", help="Dataset file for the workload's loader.")
+ROLLOUT_MAX_TURNS = typer.Option(
+    20, "--max-turns", min=1, max=1000, help="LLM turns per trajectory."
+)
+ROLLOUT_DEADLINE = typer.Option(
+    900.0,
+    "--deadline",
+    min=0.001,
+    max=86_400.0,
+    callback=finite,
+    help="Seconds one trajectory may take.",
+)
+ROLLOUT_TEMPERATURE = typer.Option(
+    1.0, "--temperature", min=0.0, max=100.0, callback=finite, help="Sampling temperature."
+)
+ROLLOUT_MAX_TOKENS = typer.Option(
+    256, "--max-tokens", min=1, max=100_000, help="Tokens per response."
+)
+ROLLOUT_SEED = typer.Option(0, "--seed", min=-(2**63), max=2**63 - 1, help="Root seed.")
+ROLLOUT_FAILURE_RATE = typer.Option(
+    None,
+    "--failure-rate",
+    min=0.0,
+    callback=finite,
+    help="λ for the policy (failures per second); default: estimated, or the injected p.",
+)
+ROLLOUT_CONCURRENCY = typer.Option(
+    0,
+    "--concurrency",
+    min=0,
+    max=4096,
+    help="Trajectories at once (0: the controller's default).",
+)
+ROLLOUT_MAX_ATTEMPTS = typer.Option(3, "--max-attempts", min=1, max=100, help="Attempts per slot.")
+ROLLOUT_ID = typer.Option(
+    "", "--rollout-id", help="Caller-chosen id (resubmitting it is idempotent)."
+)
+ROLLOUT_TIMEOUT = typer.Option(
+    3600.0, "--timeout", min=1.0, callback=finite, help="Seconds to wait for the rollout."
+)
+ROLLOUT_JSON = typer.Option(False, "--json", help="Print a JSON summary on stdout.")
+ROLLOUT_NATS_URL = typer.Option("", "--nats-url", help="NATS URL (default: the running node's).")
+
+
 def rollout(
-    workload: str = typer.Argument(
-        ..., help="Workload: math, swe (also dapo, swe-gym with --dataset)."
-    ),
-    tasks: int = typer.Option(4, "--tasks", min=1, max=100_000, help="How many tasks."),
-    n: int = typer.Option(1, "--n", min=1, max=1024, help="Samples per task (the GRPO group)."),
-    policy: str = typer.Option(
-        "risk-aware",
-        "--policy",
-        help="Checkpoints: never, always, risk-aware, interval:N, young-daly.",
-    ),
-    inject: str = typer.Option(
-        "",
-        "--inject",
-        help="Failures to inject, comma-separated KIND@WHEN: KIND sandbox-kill, sandbox-pause, "
-        "worker-kill, controller-kill; WHEN turn=T (after the T-th action; turn=T/i: of "
-        "trajectory #i), p=P (per environment step), s=SECONDS (into the rollout). "
-        "E.g. sandbox-kill@turn=3,worker-kill@s=5.",
-    ),
-    task_id: list[str] = typer.Option([], "--task-id", help="Run these tasks (repeatable)."),
-    dataset: str = typer.Option("", "--dataset", help="Dataset file for the workload's loader."),
-    max_turns: int = typer.Option(
-        20, "--max-turns", min=1, max=1000, help="LLM turns per trajectory."
-    ),
-    deadline: float = typer.Option(
-        900.0,
-        "--deadline",
-        min=0.001,
-        max=86_400.0,
-        callback=finite,
-        help="Seconds one trajectory may take.",
-    ),
-    temperature: float = typer.Option(
-        1.0, "--temperature", min=0.0, max=100.0, callback=finite, help="Sampling temperature."
-    ),
-    max_tokens: int = typer.Option(
-        256, "--max-tokens", min=1, max=100_000, help="Tokens per response."
-    ),
-    seed: int = typer.Option(0, "--seed", min=-(2**63), max=2**63 - 1, help="Root seed."),
-    failure_rate: float | None = typer.Option(
-        None,
-        "--failure-rate",
-        min=0.0,
-        callback=finite,
-        help="λ for the policy (failures per second); default: estimated, or the injected p.",
-    ),
-    concurrency: int = typer.Option(
-        0,
-        "--concurrency",
-        min=0,
-        max=4096,
-        help="Trajectories at once (0: the controller's default).",
-    ),
-    max_attempts: int = typer.Option(
-        3, "--max-attempts", min=1, max=100, help="Attempts per slot."
-    ),
-    rollout_id: str = typer.Option(
-        "", "--rollout-id", help="Caller-chosen id (resubmitting it is idempotent)."
-    ),
-    timeout: float = typer.Option(
-        3600.0, "--timeout", min=1.0, callback=finite, help="Seconds to wait for the rollout."
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
-    nats_url: str = typer.Option("", "--nats-url", help="NATS URL (default: the running node's)."),
+    workload: str = ROLLOUT_WORKLOAD,
+    tasks: int = ROLLOUT_TASKS,
+    n: int = ROLLOUT_N,
+    policy: str = ROLLOUT_POLICY,
+    inject: str = ROLLOUT_INJECT,
+    task_id: list[str] = ROLLOUT_TASK_ID,
+    dataset: str = ROLLOUT_DATASET,
+    max_turns: int = ROLLOUT_MAX_TURNS,
+    deadline: float = ROLLOUT_DEADLINE,
+    temperature: float = ROLLOUT_TEMPERATURE,
+    max_tokens: int = ROLLOUT_MAX_TOKENS,
+    seed: int = ROLLOUT_SEED,
+    failure_rate: float | None = ROLLOUT_FAILURE_RATE,
+    concurrency: int = ROLLOUT_CONCURRENCY,
+    max_attempts: int = ROLLOUT_MAX_ATTEMPTS,
+    rollout_id: str = ROLLOUT_ID,
+    timeout: float = ROLLOUT_TIMEOUT,
+    json_out: bool = ROLLOUT_JSON,
+    nats_url: str = ROLLOUT_NATS_URL,
 ) -> None:
     """Run agentic rollouts on the node: each trajectory alternates LLM turns with actions in its
     sandbox; sandbox failures are recovered by restoring the latest ready checkpoint together
@@ -160,7 +180,12 @@ def rollout(
     result = run(with_bus(nats_url or None, go, name="cli-rollout"))
     if json_out:
         print_json(summary_json(result, req))
-        return
+    else:
+        print_result(result)
+
+
+def print_result(result: RolloutResult) -> None:
+    """The per-attempt table and the rollout's counts in one line."""
     Console().print(table(result))
     s = result.summary
     typer.echo(

@@ -109,71 +109,90 @@ class Ui:
         )
 
 
+# `belayer run`'s options (declared here, so that `run` reads as what it does)
+RUN_WORKLOAD = typer.Argument(..., help="math or swe.")
+RUN_STEPS = typer.Option(2, "--steps", min=1, max=100_000, help="Training steps.")
+RUN_TASKS = typer.Option(
+    None, "--tasks", min=1, max=4096, help="Tasks per step (default: math 8, swe 4)."
+)
+RUN_N = typer.Option(
+    None, "--n", min=1, max=1024, help="Samples per task, the GRPO group (math 8, swe 2)."
+)
+RUN_MODEL = typer.Option(
+    None,
+    "--model",
+    help="tiny (the warm-started tiny model of the workload, made once and cached) or a "
+    "Qwen3 model directory. Default: a running node's model, else tiny.",
+)
+RUN_POLICY = typer.Option(
+    "risk-aware",
+    "--policy",
+    help="Sandbox checkpoints: never, always, risk-aware, interval:N, young-daly.",
+)
+RUN_INJECT = typer.Option(
+    "",
+    "--inject",
+    help="Failures, comma-separated KIND@WHEN: the rollout's kinds and triggers (every "
+    "step's rollout) and WHEN step=S (once, during step S) with KIND worker-kill, "
+    "sandbox-kill, sandbox-pause, controller-kill, shadow-kill, trainer-kill. E.g. "
+    "worker-kill@step=1,sandbox-kill@turn=2,trainer-kill@step=2.",
+)
+RUN_RESUME = typer.Option(
+    False, "--resume", help="Continue the run in --out (default: the newest of the workload)."
+)
+RUN_JSON = typer.Option(False, "--json", help="Print the final report as JSON.")
+RUN_OUT = typer.Option(
+    None, "--out", help="Run directory (default: <node run dir>/runs/<workload>-<time>)."
+)
+RUN_NODE_DIR = typer.Option(
+    None,
+    "--run-dir",
+    help="Where a running node is looked for (default $BELAYER_HOME or "
+    "./.belayer); without one the run starts its own under --out.",
+)
+RUN_DATASET = typer.Option(
+    "", "--dataset", help="Dataset file: DAPO-style for math, SWE-Gym instances for swe."
+)
+RUN_SEED = typer.Option(0, "--seed", min=0, max=2**62, help="Root seed.")
+RUN_LR = typer.Option(
+    None,
+    "--lr",
+    min=1e-9,
+    max=1.0,
+    callback=finite,
+    help="Peak learning rate (AdamW; default: math 2e-4, swe 1e-4).",
+)
+RUN_HELD_OUT = typer.Option(
+    None, "--held-out", min=1, max=4096, help="Held-out tasks (default: math 64, swe 2)."
+)
+RUN_TEMPERATURE = typer.Option(
+    1.0, "--temperature", min=0.01, max=10.0, callback=finite, help="Rollout temperature."
+)
+RUN_RECOVERY = typer.Option(
+    "belayer", "--recovery", help="A started node's recovery: belayer or baseline."
+)
+RUN_KEEP_NODE = typer.Option(False, "--keep-node", help="Leave the node the run started running.")
+
+
 def run(
-    workload: str = typer.Argument(..., help="math or swe."),
-    steps: int = typer.Option(2, "--steps", min=1, max=100_000, help="Training steps."),
-    tasks: int | None = typer.Option(
-        None, "--tasks", min=1, max=4096, help="Tasks per step (default: math 8, swe 4)."
-    ),
-    n: int | None = typer.Option(
-        None, "--n", min=1, max=1024, help="Samples per task, the GRPO group (math 8, swe 2)."
-    ),
-    model: str | None = typer.Option(
-        None,
-        "--model",
-        help="tiny (the warm-started tiny model of the workload, made once and cached) or a "
-        "Qwen3 model directory. Default: a running node's model, else tiny.",
-    ),
-    policy: str = typer.Option(
-        "risk-aware",
-        "--policy",
-        help="Sandbox checkpoints: never, always, risk-aware, interval:N, young-daly.",
-    ),
-    inject: str = typer.Option(
-        "",
-        "--inject",
-        help="Failures, comma-separated KIND@WHEN: the rollout's kinds and triggers (every "
-        "step's rollout) and WHEN step=S (once, during step S) with KIND worker-kill, "
-        "sandbox-kill, sandbox-pause, controller-kill, shadow-kill, trainer-kill. E.g. "
-        "worker-kill@step=1,sandbox-kill@turn=2,trainer-kill@step=2.",
-    ),
-    resume: bool = typer.Option(
-        False, "--resume", help="Continue the run in --out (default: the newest of the workload)."
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print the final report as JSON."),
-    out: Path | None = typer.Option(
-        None, "--out", help="Run directory (default: <node run dir>/runs/<workload>-<time>)."
-    ),
-    run_dir: Path | None = typer.Option(
-        None,
-        "--run-dir",
-        help="Where a running node is looked for (default $BELAYER_HOME or "
-        "./.belayer); without one the run starts its own under --out.",
-    ),
-    dataset: str = typer.Option(
-        "", "--dataset", help="Dataset file: DAPO-style for math, SWE-Gym instances for swe."
-    ),
-    seed: int = typer.Option(0, "--seed", min=0, max=2**62, help="Root seed."),
-    lr: float | None = typer.Option(
-        None,
-        "--lr",
-        min=1e-9,
-        max=1.0,
-        callback=finite,
-        help="Peak learning rate (AdamW; default: math 2e-4, swe 1e-4).",
-    ),
-    held_out: int | None = typer.Option(
-        None, "--held-out", min=1, max=4096, help="Held-out tasks (default: math 64, swe 2)."
-    ),
-    temperature: float = typer.Option(
-        1.0, "--temperature", min=0.01, max=10.0, callback=finite, help="Rollout temperature."
-    ),
-    recovery: str = typer.Option(
-        "belayer", "--recovery", help="A started node's recovery: belayer or baseline."
-    ),
-    keep_node: bool = typer.Option(
-        False, "--keep-node", help="Leave the node the run started running."
-    ),
+    workload: str = RUN_WORKLOAD,
+    steps: int = RUN_STEPS,
+    tasks: int | None = RUN_TASKS,
+    n: int | None = RUN_N,
+    model: str | None = RUN_MODEL,
+    policy: str = RUN_POLICY,
+    inject: str = RUN_INJECT,
+    resume: bool = RUN_RESUME,
+    json_out: bool = RUN_JSON,
+    out: Path | None = RUN_OUT,
+    run_dir: Path | None = RUN_NODE_DIR,
+    dataset: str = RUN_DATASET,
+    seed: int = RUN_SEED,
+    lr: float | None = RUN_LR,
+    held_out: int | None = RUN_HELD_OUT,
+    temperature: float = RUN_TEMPERATURE,
+    recovery: str = RUN_RECOVERY,
+    keep_node: bool = RUN_KEEP_NODE,
 ) -> None:
     """Train with GRPO on a node through injected failures: each step rolls out tasks × n
     trajectories, reads their rewards, trains one update, pushes the weights to every engine and
@@ -196,7 +215,12 @@ def run(
         raise typer.Exit(130) from None
     if json_out:
         print_json(report)
-        return
+    else:
+        print_summary(report, records, workload)
+
+
+def print_summary(report: dict[str, Any], records: list[dict[str, Any]], workload: str) -> None:
+    """The per-step table, the run's totals in one line, its errors, where the report is."""
     out_console = Console()
     if not out_console.is_terminal:
         out_console = Console(width=120)  # a pipe or a file: the table at full width
@@ -225,49 +249,12 @@ def execute(opts: RunOptions, console: Console) -> tuple[dict[str, Any], list[di
     node_paths = run_paths(opts.node_dir)
     running = running_node(node_paths)
     sandboxed = opts.workload == "swe"
-    specs = parse_run_inject(opts.inject, steps=opts.steps, sandboxed=sandboxed)
-    if any(s.kind == "shadow-kill" for s in specs) and (
-        (running.recovery if running else opts.recovery) == "baseline"
-    ):
-        raise InvalidRequest("--inject: shadow-kill needs shadows (a baseline node has none)")
-    # the run directory
-    if opts.resume:
-        out = opts.out or latest_run(node_paths.root, opts.workload)
-        if out is None:
-            raise InvalidRequest(f"--resume: no {opts.workload} run under {node_paths.root}/runs")
-        prior = read_state(out)
-        if prior is None:
-            raise InvalidRequest(f"--resume: {out} holds no run (no readable run.json)")
-        if prior.workload != opts.workload or prior.dataset != opts.dataset:
-            raise InvalidRequest(
-                f"--resume: {out} is a {prior.workload} run"
-                + (f" on {prior.dataset}" if prior.dataset else "")
-            )
-    else:
-        out = opts.out or default_out(node_paths.root, opts.workload)
-        prior = None
-        if read_state(out) is not None:
-            raise InvalidRequest(f"{out} already holds a run: pass --resume, or another --out")
-    out = out.resolve()
-    # the group shape: a running trainer's, else the options'
-    shape = asyncio.run(trainer_shape(running, node_paths)) if running else None
-    d = DEFAULTS[opts.workload]
-    n = prior.n if prior else opts.n or (shape[0] if shape else d["n"])
-    tasks = prior.tasks if prior else opts.tasks or (shape[1] if shape else d["tasks"])
-    if shape and (n, tasks) != shape:
-        raise InvalidRequest(
-            f"the running node's trainer trains {shape[1]} tasks × {shape[0]} samples per step; "
-            f"pass --tasks {shape[1]} --n {shape[0]} or stop the node (`belayer down`)"
-        )
-    if prior and ((opts.n and opts.n != n) or (opts.tasks and opts.tasks != tasks)):
-        raise InvalidRequest(f"--resume: the run trains {tasks} tasks × {n} samples per step")
+    specs = checked_inject(opts, running, sandboxed)
+    out, prior = run_directory(opts, node_paths.root)
+    n, tasks = group_shape(opts, running, node_paths, prior)
     seed = prior.seed if prior else opts.seed
-    pool, held_ids, _ = choose_tasks(
-        opts.workload, opts.dataset, tasks, opts.steps, opts.held_out or d["held_out"], seed
-    )
-    if prior:
-        pool = prior.pool
-    # the model
+    held_out = opts.held_out or DEFAULTS[opts.workload]["held_out"]
+    pool, held_ids, _ = choose_tasks(opts.workload, opts.dataset, tasks, opts.steps, held_out, seed)
     model_dir = model_for(opts, running, prior, out, say)
     fp = fingerprint(model_dir)
     if prior and prior.model_fingerprint != fp:
@@ -283,33 +270,93 @@ def execute(opts: RunOptions, console: Console) -> tuple[dict[str, Any], list[di
     )  # fmt: skip
     if prior:
         state.incarnations += 1
-    # the node
     if running is not None:
         node = NodeHandle(node_paths, running, ours=False)
         say(f"using the running node in {node_paths.root} (run {running.run_id})")
     else:
-        paths = run_paths(out / "node")
-        if prior is not None:
-            drop_unreplayable_plans(out / "trainer", say)
-        say(f"starting a node for the run in {paths.root} …")
-        t0 = time.monotonic()
-        trainer = run_trainer_config(
-            group_size=n, groups_per_step=tasks, checkpoint_dir=out / "trainer",
-            resume=prior is not None, seed=seed, lr=opts.lr or LR_DEFAULTS[opts.workload],
-            hold_before_checkpoint_s=opts.hold_before_checkpoint_s,
-        )  # fmt: skip
-        info = start_node(
-            paths, model_dir=model_dir, environment=sandboxed, trainer=trainer,
-            recovery=opts.recovery,
-        )  # fmt: skip
-        node = NodeHandle(paths, info, ours=True)
-        say(f"node ready in {time.monotonic() - t0:.1f} s (run {info.run_id}, {info.recovery})")
+        node = start_run_node(opts, state, out, model_dir, resumed=prior is not None, say=say)
     try:
         return asyncio.run(train(opts, state, out, node, model_dir, specs, sandboxed, console,
                                  t_wall))  # fmt: skip
     finally:
         if node.ours and not opts.keep_node:
             stop_node(node.paths)
+
+
+def checked_inject(opts: RunOptions, running: Any, sandboxed: bool) -> list[Any]:
+    """The ``--inject`` specs, parsed and checked against the node they will run on."""
+    specs = parse_run_inject(opts.inject, steps=opts.steps, sandboxed=sandboxed)
+    if any(s.kind == "shadow-kill" for s in specs) and (
+        (running.recovery if running else opts.recovery) == "baseline"
+    ):
+        raise InvalidRequest("--inject: shadow-kill needs shadows (a baseline node has none)")
+    return specs
+
+
+def run_directory(opts: RunOptions, root: Path) -> tuple[Path, RunState | None]:
+    """The run directory (resolved) and, with ``--resume``, the run it holds; a fresh run's
+    directory must hold none."""
+    if opts.resume:
+        out = opts.out or latest_run(root, opts.workload)
+        if out is None:
+            raise InvalidRequest(f"--resume: no {opts.workload} run under {root}/runs")
+        prior = read_state(out)
+        if prior is None:
+            raise InvalidRequest(f"--resume: {out} holds no run (no readable run.json)")
+        if prior.workload != opts.workload or prior.dataset != opts.dataset:
+            raise InvalidRequest(
+                f"--resume: {out} is a {prior.workload} run"
+                + (f" on {prior.dataset}" if prior.dataset else "")
+            )
+    else:
+        out = opts.out or default_out(root, opts.workload)
+        prior = None
+        if read_state(out) is not None:
+            raise InvalidRequest(f"{out} already holds a run: pass --resume, or another --out")
+    return out.resolve(), prior
+
+
+def group_shape(
+    opts: RunOptions, running: Any, node_paths: Any, prior: RunState | None
+) -> tuple[int, int]:
+    """(samples per task, tasks per step): a resumed run's, else a running trainer's, else the
+    options' or the workload's defaults; a mismatch with the running trainer is an error."""
+    shape = asyncio.run(trainer_shape(running, node_paths)) if running else None
+    d = DEFAULTS[opts.workload]
+    n = prior.n if prior else opts.n or (shape[0] if shape else d["n"])
+    tasks = prior.tasks if prior else opts.tasks or (shape[1] if shape else d["tasks"])
+    if shape and (n, tasks) != shape:
+        raise InvalidRequest(
+            f"the running node's trainer trains {shape[1]} tasks × {shape[0]} samples per step; "
+            f"pass --tasks {shape[1]} --n {shape[0]} or stop the node (`belayer down`)"
+        )
+    if prior and ((opts.n and opts.n != n) or (opts.tasks and opts.tasks != tasks)):
+        raise InvalidRequest(f"--resume: the run trains {tasks} tasks × {n} samples per step")
+    return n, tasks
+
+
+def start_run_node(
+    opts: RunOptions, state: RunState, out: Path, model_dir: Path, *, resumed: bool, say: Any
+) -> NodeHandle:
+    """A node of the run's own under ``<run dir>/node``, its trainer checkpointing into
+    ``<run dir>/trainer`` (resuming from it when the run is resumed)."""
+    paths = run_paths(out / "node")
+    if resumed:
+        drop_unreplayable_plans(out / "trainer", say)
+    say(f"starting a node for the run in {paths.root} …")
+    t0 = time.monotonic()
+    trainer = run_trainer_config(
+        group_size=state.n, groups_per_step=state.tasks, checkpoint_dir=out / "trainer",
+        resume=resumed, seed=state.seed, lr=opts.lr or LR_DEFAULTS[opts.workload],
+        hold_before_checkpoint_s=opts.hold_before_checkpoint_s,
+    )  # fmt: skip
+    info = start_node(
+        paths, model_dir=model_dir, environment=opts.workload == "swe", trainer=trainer,
+        recovery=opts.recovery,
+    )  # fmt: skip
+    node = NodeHandle(paths, info, ours=True)
+    say(f"node ready in {time.monotonic() - t0:.1f} s (run {info.run_id}, {info.recovery})")
+    return node
 
 
 def drop_unreplayable_plans(checkpoint_dir: Path, say: Any) -> None:
