@@ -34,7 +34,6 @@ from schemas.rollout import (
     TrajectoryRow,
     TrajectoryState,
 )
-from schemas.seeds import derive_seed
 from services.controller.config import ControllerConfig
 from services.controller.inject import (
     SANDBOX_KINDS,
@@ -45,7 +44,7 @@ from services.controller.inject import (
 )
 from services.controller.injector import Injector
 from services.controller.policy import PolicyConfig, PolicyStats, parse_policy
-from services.controller.runner import TrajectoryRunner
+from services.controller.runner import AttemptContext, TrajectoryRunner
 from services.controller.store import StateStore
 from services.controller.summary import summarize
 from services.environment.client import EnvClient
@@ -76,10 +75,9 @@ class RolloutRun:
         self.state = state
         self.request = state.request
         self.rollout_id = state.request.rollout_id
-        self.tasks, self.workload, self.config = tasks, workload, config
-        self.nc, self.js, self.env, self.chat = nc, js, env, chat
+        self.tasks, self.config = tasks, config
         self.store, self.injector = store, injector
-        self.incarnation = incarnation
+        self.js = js
         self.global_limit = limit
         self.local_limit = asyncio.Semaphore(self.request.concurrency or config.default_concurrency)
         kind, interval = parse_policy(self.request.policy)
@@ -94,6 +92,12 @@ class RolloutRun:
             fixed_probability=fixed,
         )
         self.stats = PolicyStats(self.policy_config)
+        self.context = AttemptContext(
+            rollout_id=self.rollout_id, request=self.request, config=config,
+            policy_config=self.policy_config, stats=self.stats, incarnation=incarnation,
+            chat=chat, workload=workload, nc=nc, js=js, env=env, store=store, hooks=self,
+        )  # fmt: skip
+        """What each attempt gets of this rollout (``runner.AttemptContext``)."""
         self.rows: dict[tuple[int, int], TrajectoryRow] = {}
         self.logs: dict[tuple[int, int], tuple[RecoveryLog, Timings]] = {}
         self.live: dict[int, TrajectoryRunner] = {}
@@ -109,9 +113,6 @@ class RolloutRun:
 
     def task_of(self, slot: int) -> Task:
         return self.tasks[slot // self.request.n]
-
-    def sample_seed(self, sample: int) -> int:
-        return derive_seed(self.request.seed, sample)
 
     # --- running ------------------------------------------------------------------------
     async def main(self, adopted: dict[int, TrajectoryState]) -> None:
@@ -141,7 +142,7 @@ class RolloutRun:
                 continue
             self.state.attempts[slot] = attempt
             async with self.local_limit, self.global_limit:
-                runner = TrajectoryRunner(self, slot, attempt, self.task_of(slot), adopted)
+                runner = TrajectoryRunner(self.context, slot, attempt, self.task_of(slot), adopted)
                 self.live[slot] = runner
                 try:
                     row = await runner.execute()

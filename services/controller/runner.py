@@ -19,9 +19,12 @@ import asyncio
 import contextlib
 import secrets
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from common import subjects
 from common.codec import encode
@@ -34,15 +37,19 @@ from common.errors import (
     Timeout,
 )
 from common.logging import get_logger
+from model.chat import ChatFormat
 from schemas.env import EnvExecResult
 from schemas.events import (
+    EventBase,
     SandboxFailure,
     TrajectoryFailed,
     TrajectoryFinished,
     TrajectoryRestored,
 )
-from schemas.rollout import Trajectory, TrajectoryRow, TrajectoryState
+from schemas.rollout import RolloutRequest, Trajectory, TrajectoryRow, TrajectoryState
+from schemas.seeds import derive_seed
 from schemas.serving import GenerateRequest, GenerateResult, TokenDelta
+from services.controller.config import ControllerConfig
 from services.controller.core import (
     Again,
     Execute,
@@ -54,18 +61,56 @@ from services.controller.core import (
     TrajectoryCore,
     is_agent_timeout,
 )
-from services.controller.policy import CheckpointPolicy
+from services.controller.policy import CheckpointPolicy, PolicyConfig, PolicyStats
+from services.controller.store import StateStore
+from services.environment.client import EnvClient
 from services.router.client import generate as router_generate
 from workloads.actions import sandbox_command
-from workloads.base import SandboxHandle, Task
-
-if TYPE_CHECKING:
-    from services.controller.rollout import RolloutRun
+from workloads.base import SandboxHandle, Task, Workload
 
 log = get_logger(component="trajectory")
 
 TRANSPORT_CODES = frozenset({"bus_unavailable", "timeout", "checkpoint_busy"})
 """Errors of the path to the environment service, not of the checkpoint being restored."""
+
+
+class RolloutHooks(Protocol):
+    """What an attempt calls back into its rollout for: the fault injections drawn around each
+    environment step, a worker kill armed for the next response, and the rollout's events and
+    recovery counts (``rollout.RolloutRun`` implements it)."""
+
+    async def before_step(self, runner: TrajectoryRunner) -> None: ...
+
+    async def after_action(self, runner: TrajectoryRunner) -> None: ...
+
+    def kill_worker(self, text: str, runner: TrajectoryRunner | None) -> None: ...
+
+    async def event(self, event: EventBase, msg_id: str | None = None) -> None: ...
+
+    async def recovered(self, text: str, trajectory_id: str, seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class AttemptContext:
+    """Everything an attempt reads of its rollout, and nothing else: the request and settings,
+    the handles it talks through, and the ``hooks`` back into the rollout. The runner gets
+    this, not the ``RolloutRun``, so it cannot reach the rollout's own state (its rows, its
+    live runners, its injection bookkeeping)."""
+
+    rollout_id: str
+    request: RolloutRequest
+    config: ControllerConfig
+    policy_config: PolicyConfig
+    stats: PolicyStats
+    """Shared by every attempt of the rollout (the risk-aware policy learns from all)."""
+    incarnation: int
+    chat: ChatFormat
+    workload: Workload
+    nc: NATS
+    js: JetStreamContext
+    env: EnvClient
+    store: StateStore
+    hooks: RolloutHooks
 
 
 class TrajectoryRunner:
@@ -74,23 +119,23 @@ class TrajectoryRunner:
 
     def __init__(
         self,
-        run: RolloutRun,
+        ctx: AttemptContext,
         slot: int,
         attempt: int,
         task: Task,
         adopted: TrajectoryState | None = None,
     ) -> None:
-        self.run = run
+        self.ctx = ctx
         self.slot, self.attempt, self.task = slot, attempt, task
-        self.trajectory_id = f"{run.rollout_id}-s{slot}-a{attempt}"
-        self.sample = slot % run.request.n
-        self.env = run.env
+        self.trajectory_id = f"{ctx.rollout_id}-s{slot}-a{attempt}"
+        self.sample = slot % ctx.request.n
+        self.env = ctx.env
         self.log = log.bind(trajectory_id=self.trajectory_id)
-        req, cfg = run.request, run.config
+        req, cfg = ctx.request, ctx.config
         limits = task.limits
         self.core = TrajectoryCore(
             trajectory_id=self.trajectory_id,
-            prompt_ids=run.chat.prompt((m.role, m.content) for m in task.prompt),
+            prompt_ids=ctx.chat.prompt((m.role, m.content) for m in task.prompt),
             limits=Limits(
                 max_turns=min(req.max_turns, limits.max_turns),
                 max_invalid_in_row=cfg.max_invalid_in_row,
@@ -100,13 +145,13 @@ class TrajectoryRunner:
                 observation_chars=limits.observation_chars,
                 action_timeout_s=limits.action_timeout_s,
                 deadline_s=req.deadline_s,
-                vocab_size=run.chat.tokenizer.vocab_size,
+                vocab_size=ctx.chat.tokenizer.vocab_size,
             ),
-            policy=CheckpointPolicy(run.policy_config, run.stats),
-            sample_seed=run.sample_seed(self.sample),
+            policy=CheckpointPolicy(ctx.policy_config, ctx.stats),
+            sample_seed=derive_seed(req.seed, self.sample),
             has_sandbox=task.sandbox is not None,
             started_at=time.time(),
-            observation_ids=run.chat.observation,
+            observation_ids=ctx.chat.observation,
         )
         self.sandbox_id = ""
         self.fired: list[str] = []
@@ -138,7 +183,7 @@ class TrajectoryRunner:
             await self.persist()
             if self.task.sandbox is not None:
                 if self.adopted is not None:
-                    core.log("adopted", time.time(), f"incarnation {self.run.incarnation}")
+                    core.log("adopted", time.time(), f"incarnation {self.ctx.incarnation}")
                     await self.recover("adopt", None)
                 else:
                     await self.recover("create", None)
@@ -182,7 +227,7 @@ class TrajectoryRunner:
             await self.score(action)
 
     async def generate(self, step: Generate) -> GenerateResult | None:
-        req = self.run.request
+        req = self.ctx.request
         sampling = msgspec.structs.replace(req.sampling, seed=step.seed, max_tokens=step.max_tokens)
         gen = GenerateRequest(
             request_id=step.request_id, prompt_token_ids=step.prompt_ids, sampling=sampling
@@ -193,13 +238,13 @@ class TrajectoryRunner:
         def on_delta(_d: TokenDelta) -> None:
             nonlocal first
             if first and self.arm_worker_kill:
-                self.run.kill_worker(self.arm_worker_kill.pop(0), self)
+                self.ctx.hooks.kill_worker(self.arm_worker_kill.pop(0), self)
             first = False
 
         t0 = time.monotonic()
         try:
             result = await router_generate(
-                self.run.nc, gen, timeout=max(left, 0.1), on_delta=on_delta
+                self.ctx.nc, gen, timeout=max(left, 0.1), on_delta=on_delta
             )
         except Timeout:
             self.core.stop(Finish("deadline", "no response before the deadline"))
@@ -218,7 +263,7 @@ class TrajectoryRunner:
     async def act(self, action: Execute) -> None:
         core = self.core
         await self.settle_checkpoint()
-        await self.run.before_step(self)
+        await self.ctx.hooks.before_step(self)
         spec = self.task.sandbox
         assert spec is not None
         t0 = time.monotonic()
@@ -235,7 +280,7 @@ class TrajectoryRunner:
             out = None
             try:  # the agent's own timeout, or is the sandbox hanging?
                 await self.env.exec(
-                    self.sandbox_id, "true", timeout_s=self.run.config.probe_timeout_s
+                    self.sandbox_id, "true", timeout_s=self.ctx.config.probe_timeout_s
                 )
             except BelayerError as probe:
                 await self.recover("probe", probe)
@@ -252,7 +297,7 @@ class TrajectoryRunner:
                 env_s=env_s,
                 truncated=out.truncated,
             )
-        await self.run.after_action(self)
+        await self.ctx.hooks.after_action(self)
         _, pending = core.decide_checkpoint(step_s=env_s, now=time.time())
         if pending is not None and self.sandbox_id:
             self.pending = asyncio.create_task(self.checkpoint(pending, self.sandbox_id))
@@ -263,10 +308,10 @@ class TrajectoryRunner:
         t0 = time.monotonic()
         try:
             if self.task.sandbox is None:
-                reward = await self.run.workload.reward(self.task, action.text)
+                reward = await self.ctx.workload.reward(self.task, action.text)
             else:
                 handle = SandboxHandle(ops=self.env, sandbox_id=self.sandbox_id)
-                reward = await self.run.workload.reward(self.task, handle)
+                reward = await self.ctx.workload.reward(self.task, handle)
         except BelayerError as exc:
             if exc.code == "invalid_request" or self.task.sandbox is None:
                 core.fail(f"scoring failed: {exc}")
@@ -278,7 +323,7 @@ class TrajectoryRunner:
 
     # --- checkpoints ----------------------------------------------------------------------
     async def checkpoint(self, pending: Pending, sandbox_id: str) -> None:
-        cfg = self.run.config
+        cfg = self.ctx.config
         t0 = time.monotonic()
         try:
             info = await self.env.checkpoint(
@@ -321,14 +366,14 @@ class TrajectoryRunner:
     async def recover(self, during: str, exc: BelayerError | None) -> None:
         """Bring the sandbox back to the latest ready prefix (or a fresh one for ``create`` /
         no checkpoint) with the context truncated to match; within the retry budget."""
-        core, cfg = self.core, self.run.config
+        core, cfg = self.core, self.ctx.config
         t0 = time.monotonic()
         had_checkpoint = bool(core.ready)
         if exc is not None:
             core.on_sandbox_failure(during, exc.code, str(exc), time.time())
-            await self.run.event(
+            await self.ctx.hooks.event(
                 SandboxFailure(
-                    rollout_id=self.run.rollout_id, trajectory_id=self.trajectory_id,
+                    rollout_id=self.ctx.rollout_id, trajectory_id=self.trajectory_id,
                     sandbox_id=self.sandbox_id, prefix=core.prefix, during=during,
                     code=exc.code, error=str(exc)[:500],
                 )
@@ -372,9 +417,9 @@ class TrajectoryRunner:
     async def restored(self, t0: float, from_scratch: bool) -> None:
         core = self.core
         ready = core.ready[-1] if core.ready and not from_scratch else None
-        await self.run.event(
+        await self.ctx.hooks.event(
             TrajectoryRestored(
-                rollout_id=self.run.rollout_id, trajectory_id=self.trajectory_id,
+                rollout_id=self.ctx.rollout_id, trajectory_id=self.trajectory_id,
                 sandbox_id=self.sandbox_id, prefix=core.prefix,
                 checkpoint_id=ready.checkpoint_id if ready else "",
                 context_tokens=len(core.context), seconds=round(time.monotonic() - t0, 4),
@@ -382,7 +427,7 @@ class TrajectoryRunner:
             )
         )  # fmt: skip
         for text, at in self.waiting:
-            await self.run.recovered(text, self.trajectory_id, time.monotonic() - at)
+            await self.ctx.hooks.recovered(text, self.trajectory_id, time.monotonic() - at)
         self.waiting.clear()
 
     async def fresh_sandbox(self) -> None:
@@ -419,7 +464,7 @@ class TrajectoryRunner:
         top = c.ready[-1] if c.ready else None
         n = top.response_len if top else 0
         return TrajectoryState(
-            trajectory_id=self.trajectory_id, rollout_id=self.run.rollout_id, slot=self.slot,
+            trajectory_id=self.trajectory_id, rollout_id=self.ctx.rollout_id, slot=self.slot,
             attempt=self.attempt, status=status,  # type: ignore[arg-type]  # a TrajectoryStatus value
             sandbox_id=self.sandbox_id, ready=list(c.ready), response_ids=c.response_ids[:n],
             loss_mask=c.loss_mask[:n], logprobs=c.logprobs[:n], weight_versions=c.weight_versions[:n],
@@ -430,7 +475,7 @@ class TrajectoryRunner:
 
     async def persist(self) -> None:
         try:
-            await self.run.store.put_trajectory(self.state())
+            await self.ctx.store.put_trajectory(self.state())
         except BelayerError as exc:  # the next write catches up; recovery only loses progress
             self.log.warning("state_write_failed", error=str(exc))
 
@@ -452,20 +497,20 @@ class TrajectoryRunner:
         c, f = self.core, self.core.finish
         assert f is not None
         return Trajectory(
-            trajectory_id=self.trajectory_id, rollout_id=self.run.rollout_id,
-            workload=self.run.request.workload, task_id=self.task.id, slot=self.slot,
+            trajectory_id=self.trajectory_id, rollout_id=self.ctx.rollout_id,
+            workload=self.ctx.request.workload, task_id=self.task.id, slot=self.slot,
             sample=self.sample, attempt=self.attempt, prompt_ids=c.prompt_ids,
             response_ids=c.response_ids, loss_mask=c.loss_mask, logprobs=c.logprobs,
             weight_versions=c.weight_versions, reward=f.reward, turns=c.turn,
             finish_reason=f.reason, actions=c.actions, timings=c.timings, recovery=c.recovery,
             seed=c.sample_seed, policy=c.policy.config.name, detail=f.detail,
-            temperature=self.run.request.sampling.temperature,
+            temperature=self.ctx.request.sampling.temperature,
         )  # fmt: skip
 
     async def end(self) -> TrajectoryRow:
         self.core.timings.total_s = time.time() - self.core.started_at
         row = self.row()
-        rid = self.run.rollout_id
+        rid = self.ctx.rollout_id
         if row.state == "finished":
             try:
                 await self.publish(self.record())
@@ -473,15 +518,15 @@ class TrajectoryRunner:
                 self.core.fail(f"could not publish the trajectory: {exc}")
                 row = self.row()
         if row.state == "finished":
-            await self.run.event(
+            await self.ctx.hooks.event(
                 TrajectoryFinished(
                     rollout_id=rid, trajectory_id=self.trajectory_id,
                     finish_reason=row.finish_reason or "", reward=row.reward, turns=row.turns,
                 )
             )  # fmt: skip
         else:
-            retry = self.attempt + 1 < self.run.request.max_attempts
-            await self.run.event(
+            retry = self.attempt + 1 < self.ctx.request.max_attempts
+            await self.ctx.hooks.event(
                 TrajectoryFailed(
                     rollout_id=rid, trajectory_id=self.trajectory_id,
                     reason=row.detail, retry=retry,
@@ -495,7 +540,7 @@ class TrajectoryRunner:
             detail=row.detail[:200] if row.state == "failed" else "",
         )
         try:
-            await self.run.store.put_trajectory(self.state(row.state, row))
+            await self.ctx.store.put_trajectory(self.state(row.state, row))
         except BelayerError as exc:
             self.log.warning("state_write_failed", error=str(exc))
         if self.sandbox_id:
@@ -506,12 +551,12 @@ class TrajectoryRunner:
     async def publish(self, record: Trajectory) -> None:
         """Into TRAJECTORIES with the trajectory id as ``Nats-Msg-Id`` (a retry or a
         re-publication by a restarted controller is dropped by the server)."""
-        subject = subjects.trajectory(self.run.rollout_id, self.trajectory_id)
-        deadline = time.monotonic() + self.run.config.publish_timeout_s
+        subject = subjects.trajectory(self.ctx.rollout_id, self.trajectory_id)
+        deadline = time.monotonic() + self.ctx.config.publish_timeout_s
         delay = 0.2
         while True:
             try:
-                await self.run.js.publish(
+                await self.ctx.js.publish(
                     subject,
                     encode(record),
                     headers={"Nats-Msg-Id": self.trajectory_id},
