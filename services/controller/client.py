@@ -24,10 +24,10 @@ from schemas.rollout import (
     Trajectory,
 )
 from services.controller.config import ControllerConfig as ControllerConfig
-from services.controller.inject import KINDS as KINDS
-from services.controller.inject import TRIGGERS as TRIGGERS
-from services.controller.inject import Trigger as Trigger
-from services.controller.inject import parse_inject as parse_inject
+from services.controller.fault_specs import KINDS as KINDS
+from services.controller.fault_specs import TRIGGERS as TRIGGERS
+from services.controller.fault_specs import Trigger as Trigger
+from services.controller.fault_specs import parse_inject as parse_inject
 from services.controller.policy import parse_policy as parse_policy
 
 #: How often ``wait`` asks for the rollout's status.

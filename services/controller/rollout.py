@@ -35,14 +35,14 @@ from schemas.rollout import (
     TrajectoryState,
 )
 from services.controller.config import ControllerConfig
-from services.controller.inject import (
+from services.controller.fault_actions import Injector
+from services.controller.fault_specs import (
     SANDBOX_KINDS,
     fires_at_step,
     fires_at_turn,
     injected_probability,
     spec_key,
 )
-from services.controller.injector import Injector
 from services.controller.policy import PolicyConfig, PolicyStats, parse_policy
 from services.controller.runner import AttemptContext, TrajectoryRunner
 from services.controller.store import StateStore

@@ -37,8 +37,8 @@ from schemas.rollout import (
     TrajectoryState,
 )
 from services.controller.config import ControllerConfig
-from services.controller.inject import SANDBOX_KINDS, check_specs
-from services.controller.injector import Injector
+from services.controller.fault_actions import Injector
+from services.controller.fault_specs import SANDBOX_KINDS, check_specs
 from services.controller.policy import parse_policy
 from services.controller.rollout import RolloutRun
 from services.controller.store import StateStore

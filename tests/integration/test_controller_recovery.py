@@ -36,7 +36,7 @@ from schemas.events import FailureRecovered, RolloutDone, TrajectoriesAdopted, T
 from schemas.rollout import FaultSpec, RolloutRequest, Trajectory, TrajectoryState
 from schemas.serving import SamplingParams
 from services.controller.client import submit, trajectories, wait
-from services.controller.inject import parse_inject
+from services.controller.fault_specs import parse_inject
 from services.environment.client import EnvClient
 from services.environment.docker_ops import INIT_COMMAND, INIT_SLEEP
 from tests.integration.env_helpers import require_docker

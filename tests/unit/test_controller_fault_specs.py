@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.controller.inject import (
+from services.controller.fault_specs import (
     KINDS,
     TRIGGERS,
     Trigger,

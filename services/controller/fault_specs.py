@@ -1,5 +1,5 @@
 """The failure-injection grammar of ``belayer rollout --inject`` and when an injection fires.
-Pure: no clock, no I/O (the controller's ``injector.py`` acts on what this decides).
+Pure: no clock, no I/O (the controller's ``fault_actions.py`` carries out what this decides).
 
     SPEC    := ITEM ("," ITEM)*
     ITEM    := KIND "@" TRIGGER "=" VALUE

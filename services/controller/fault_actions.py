@@ -1,7 +1,7 @@
 """Carrying out injected failures on real things: ``docker kill`` / ``docker pause`` of a
 trajectory's sandbox container (the container id comes from ``EnvClient.list``), SIGKILL of a
 rollout worker (its pid from ``router.status``), SIGKILL of the controller itself. What fires
-when is decided in ``inject.py``."""
+when is decided in ``fault_specs.py``."""
 
 from __future__ import annotations
 
