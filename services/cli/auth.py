@@ -19,7 +19,7 @@ from common.auth import (
 from common.bus import connect, tls_context
 from common.errors import BelayerError
 from common.subjects import check_token
-from services.cli.common import fail, one_line
+from services.cli.shared import fail, one_line
 from services.supervisor.client import node_identity_names
 from services.supervisor.config import SupervisorConfig
 

@@ -10,7 +10,7 @@ import msgspec
 import typer
 
 from schemas.env import SandboxLimits
-from services.cli.common import print_json, run, with_bus
+from services.cli.shared import print_json, run, with_bus
 from services.environment.client import EnvClient
 
 env_app = typer.Typer(

@@ -13,7 +13,7 @@ import typer
 from common.config import RunPaths
 from common.node import read_node
 from schemas.serving import MAX_TOKENS, GenerateRequest, SamplingParams, TokenDelta
-from services.cli.common import checked, fail, finite, print_json, run, with_bus
+from services.cli.shared import checked, fail, finite, print_json, run, with_bus
 from services.router.client import generate as generate_request
 
 # `belayer generate`'s options (declared here, so that `generate` reads as what it does)

@@ -13,11 +13,11 @@ import typer
 
 from services.cli import auth as auth_cmds
 from services.cli import generate as generate_cmd
-from services.cli import model as model_cmd
+from services.cli import model_cmd
 from services.cli import node as node_cmds
 from services.cli import rollout as rollout_cmd
 from services.cli import run as run_cmd
-from services.cli.common import OneLineErrors, fail
+from services.cli.shared import OneLineErrors, fail
 from services.rl.node import NodeFailed
 
 app = typer.Typer(
@@ -78,7 +78,7 @@ def model_init(
         )
         raise typer.Exit(2)
     if warm_start is not None:
-        from services.cli.model import init_warm_command
+        from services.cli.model_cmd import init_warm_command
 
         init_warm_command(
             warm_start, out_dir, cache_dir, hidden_size=hidden_size, num_layers=num_layers,

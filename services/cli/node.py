@@ -25,7 +25,7 @@ from schemas.events import AnyEvent
 from schemas.node import SupervisorStatus
 from schemas.serving import RouterStatus
 from services.cli.auth import preflight
-from services.cli.common import fail, print_json, run, with_bus
+from services.cli.shared import fail, print_json, run, with_bus
 from services.rl.node import NodeFailed, launch, pid_alive, shut_down
 from services.router.client import router_status
 from services.supervisor.client import supervisor_status

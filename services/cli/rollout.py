@@ -13,7 +13,7 @@ from rich.table import Table
 
 from schemas.rollout import RolloutRequest, RolloutResult
 from schemas.serving import SamplingParams
-from services.cli.common import checked, fail, finite, print_json, run, with_bus
+from services.cli.shared import checked, fail, finite, print_json, run, with_bus
 from services.controller.client import parse_inject, parse_policy, submit, wait
 
 

@@ -20,8 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from common.errors import BelayerError, InvalidRequest
 from model.chat import ChatFormat
 from model.tokenizer import load_tokenizer
-from services.cli.common import fail, finite, one_line, print_json
 from services.cli.node import docker_usable, run_paths
+from services.cli.shared import fail, finite, one_line, print_json
 from services.rl.loop import RunContext, train_loop
 from services.rl.node import (
     NodeFailed,

@@ -18,7 +18,7 @@ from model.config import load_model_config
 from model.loader import load_safetensors
 from model.tokenizer import load_tokenizer
 from model.warm_start import STAMP_FILE, demonstrations_digest, read_stamp
-from services.cli.model import evaluate_math, evaluate_swe
+from services.cli.model_cmd import evaluate_math, evaluate_swe
 from services.rl.demonstrations import cache_root, general_actions, swe_demonstrations
 from tests.model_fixtures import warm_start_cli
 from workloads import BashAction, SubmitAction, load_workload, parse_action

@@ -175,7 +175,7 @@ def test_no_module_hands_out_names_lazily() -> None:
         ("services.cli.main", "services.environment.core", True),
         ("bench.env", "services.environment.manager", True),
         ("bench.train", "services.cli.run_loop", False),
-        ("bench.train", "services.cli.model", False),
+        ("bench.train", "services.cli.model_cmd", False),
         ("bench.train", "services.cli", False),
         ("bench.train", "bench.report", True),
         ("bench.train", "services.rl.loop", True),

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import typer
 
 from common.errors import BelayerError, InvalidRequest
-from services.cli.common import fail, one_line, print_json
+from services.cli.shared import fail, one_line, print_json
 from services.rl.warm import KINDS, tiny_settings, warm_start
 
 T = TypeVar("T")
