@@ -24,6 +24,7 @@ import json
 import os
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -146,115 +147,171 @@ _SERVICE_BASE = [*_JS_INFO, subjects.EVENTS_ALL, _INBOX_ALL]
 events, answer requests."""
 
 
+def _supervisor_grant() -> tuple[list[str], list[str]]:
+    """Declares the streams, asks every service for its status, reads the engine epochs;
+    answers status and stop; hears the handover and engine-failure events."""
+    ev = subjects.event
+    return (
+        [
+            "$JS.API.STREAM.CREATE.*",
+            "$JS.API.STREAM.UPDATE.*",
+            subjects.weights_get(),
+            subjects.kv_get(),
+            subjects.router_status(),
+            subjects.router_engine_failed(),
+            subjects.env("list"),
+            subjects.rollout_status(),
+            subjects.trainer_status(),
+            *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
+        ],
+        [
+            subjects.supervisor_status(),
+            subjects.supervisor_stop(),
+            ev("handover_detected"),
+            ev("handover_complete"),
+            ev("engine_failed"),
+            ev("engine_unhealthy"),
+        ],
+    )
+
+
+def _host_grant() -> tuple[list[str], list[str]]:
+    """The supervisor of a host that joins a deployment (``--role env-host``): lists the
+    sandboxes."""
+    return ([subjects.env("list")], [])
+
+
+def _weights_grant() -> tuple[list[str], list[str]]:
+    """Writes and reads the weight version; answers weight lookups and pushes."""
+    return (
+        [
+            *_kv_write(subjects.BUCKET_WEIGHT_VERSION),
+            *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
+        ],
+        [subjects.weights_get(), subjects.weights_push()],
+    )
+
+
+def _kv_grant() -> tuple[list[str], list[str]]:
+    """Reads the engine epochs; answers KV lookups and flushes."""
+    return (
+        [*_kv_read(subjects.BUCKET_ENGINE_EPOCHS)],
+        [subjects.kv_get(), subjects.kv_flush()],
+    )
+
+
+def _router_grant() -> tuple[list[str], list[str]]:
+    """Drives the engines, writes and reads the token and request logs, reads the engine
+    epochs; answers generate, register, tokens, status and cancel."""
+    return (
+        [
+            f"{P}.engine.*.generate",
+            f"{P}.engine.*.abort",
+            f"{P}.engine.*.ping",
+            f"{P}.engine.*.state",
+            subjects.TOKEN_LOG_ALL,
+            subjects.REQUEST_LOG_ALL,
+            *_stream_read(subjects.STREAM_TOKENS),
+            *_stream_read(subjects.STREAM_REQUESTS),
+            *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
+        ],
+        [
+            subjects.router_generate(),
+            subjects.router_register(),
+            subjects.router_engine_failed(),
+            subjects.router_tokens(),
+            subjects.router_status(),
+            subjects.router_cancel(),
+        ],
+    )
+
+
+def _engine_grant(engine: str) -> tuple[list[str], list[str]]:
+    """A main worker or the shadow of one engine (a shadow becomes its main): registers with
+    and streams to the router, asks the KV arena and the weight store, writes its own engine's
+    epoch; answers its engine's requests and hears weight updates."""
+    ev = subjects.event
+    return (
+        [
+            subjects.router_register(),
+            subjects.router_tokens(),
+            subjects.router_engine_failed(),
+            subjects.kv_get(),
+            subjects.kv_flush(),
+            subjects.weights_get(),
+            *_kv_write(subjects.BUCKET_ENGINE_EPOCHS, engine),
+            *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
+            *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
+        ],
+        [f"{P}.engine.{engine}.{op}" for op in ("generate", "abort", "ping", "state")]
+        + [ev("weights_updated")],
+    )
+
+
+def _environment_grant() -> tuple[list[str], list[str]]:
+    """Writes and reads the sandbox ready pointers; answers every env request."""
+    return (
+        [
+            *_kv_write(subjects.BUCKET_SANDBOX_PREFIX),
+            *_kv_read(subjects.BUCKET_SANDBOX_PREFIX),
+        ],
+        [f"{P}.env.*"],
+    )
+
+
+def _controller_grant() -> tuple[list[str], list[str]]:
+    """Uses the environment and the router, publishes trajectories, keeps rollout and
+    trajectory state; answers rollout submit and status."""
+    return (
+        [
+            f"{P}.env.*",
+            subjects.router_generate(),
+            subjects.router_cancel(),
+            subjects.router_status(),
+            subjects.TRAJECTORIES_ALL,
+            *_stream_read(subjects.STREAM_TRAJECTORIES),
+            *_kv_write(subjects.BUCKET_ROLLOUTS),
+            *_kv_read(subjects.BUCKET_ROLLOUTS),
+            *_kv_write(subjects.BUCKET_TRAJECTORY_PREFIX),
+            *_kv_read(subjects.BUCKET_TRAJECTORY_PREFIX),
+        ],
+        [subjects.rollout_submit(), subjects.rollout_status()],
+    )
+
+
+def _trainer_grant() -> tuple[list[str], list[str]]:
+    """Consumes the trajectories, asks for and pushes weights, publishes dead letters; answers
+    its status."""
+    return (
+        [
+            subjects.weights_get(),
+            subjects.weights_push(),
+            subjects.DEAD_LETTER_ALL,
+            *_stream_consume(subjects.STREAM_TRAJECTORIES),
+            *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
+        ],
+        [subjects.trainer_status()],
+    )
+
+
+_GRANTS: dict[str, Callable[[], tuple[list[str], list[str]]]] = {
+    "supervisor": _supervisor_grant,
+    "host": _host_grant,
+    "weights": _weights_grant,
+    "kv": _kv_grant,
+    "router": _router_grant,
+    "environment": _environment_grant,
+    "controller": _controller_grant,
+    "trainer": _trainer_grant,
+}
+"""The grant of each service role but ``engine`` (whose grant depends on its scope)."""
+
+
 def _service_grant(role: str, scope: str) -> tuple[list[str], list[str]]:
     """(publish, subscribe) of a service role, beyond ``_SERVICE_BASE`` and the inbox."""
-    engine = scope or "*"
-    ev = subjects.event
-    table: dict[str, tuple[list[str], list[str]]] = {
-        "supervisor": (
-            [
-                "$JS.API.STREAM.CREATE.*",
-                "$JS.API.STREAM.UPDATE.*",
-                subjects.weights_get(),
-                subjects.kv_get(),
-                subjects.router_status(),
-                subjects.router_engine_failed(),
-                subjects.env("list"),
-                subjects.rollout_status(),
-                subjects.trainer_status(),
-                *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
-            ],
-            [
-                subjects.supervisor_status(),
-                subjects.supervisor_stop(),
-                ev("handover_detected"),
-                ev("handover_complete"),
-                ev("engine_failed"),
-                ev("engine_unhealthy"),
-            ],
-        ),
-        "host": ([subjects.env("list")], []),
-        "weights": (
-            [
-                *_kv_write(subjects.BUCKET_WEIGHT_VERSION),
-                *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
-            ],
-            [subjects.weights_get(), subjects.weights_push()],
-        ),
-        "kv": (
-            [*_kv_read(subjects.BUCKET_ENGINE_EPOCHS)],
-            [subjects.kv_get(), subjects.kv_flush()],
-        ),
-        "router": (
-            [
-                f"{P}.engine.*.generate",
-                f"{P}.engine.*.abort",
-                f"{P}.engine.*.ping",
-                f"{P}.engine.*.state",
-                subjects.TOKEN_LOG_ALL,
-                subjects.REQUEST_LOG_ALL,
-                *_stream_read(subjects.STREAM_TOKENS),
-                *_stream_read(subjects.STREAM_REQUESTS),
-                *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
-            ],
-            [
-                subjects.router_generate(),
-                subjects.router_register(),
-                subjects.router_engine_failed(),
-                subjects.router_tokens(),
-                subjects.router_status(),
-                subjects.router_cancel(),
-            ],
-        ),
-        "engine": (  # a main worker or the shadow of one engine (a shadow becomes its main)
-            [
-                subjects.router_register(),
-                subjects.router_tokens(),
-                subjects.router_engine_failed(),
-                subjects.kv_get(),
-                subjects.kv_flush(),
-                subjects.weights_get(),
-                *_kv_write(subjects.BUCKET_ENGINE_EPOCHS, engine),
-                *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
-                *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
-            ],
-            [f"{P}.engine.{engine}.{op}" for op in ("generate", "abort", "ping", "state")]
-            + [ev("weights_updated")],
-        ),
-        "environment": (
-            [
-                *_kv_write(subjects.BUCKET_SANDBOX_PREFIX),
-                *_kv_read(subjects.BUCKET_SANDBOX_PREFIX),
-            ],
-            [f"{P}.env.*"],
-        ),
-        "controller": (
-            [
-                f"{P}.env.*",
-                subjects.router_generate(),
-                subjects.router_cancel(),
-                subjects.router_status(),
-                subjects.TRAJECTORIES_ALL,
-                *_stream_read(subjects.STREAM_TRAJECTORIES),
-                *_kv_write(subjects.BUCKET_ROLLOUTS),
-                *_kv_read(subjects.BUCKET_ROLLOUTS),
-                *_kv_write(subjects.BUCKET_TRAJECTORY_PREFIX),
-                *_kv_read(subjects.BUCKET_TRAJECTORY_PREFIX),
-            ],
-            [subjects.rollout_submit(), subjects.rollout_status()],
-        ),
-        "trainer": (
-            [
-                subjects.weights_get(),
-                subjects.weights_push(),
-                subjects.DEAD_LETTER_ALL,
-                *_stream_consume(subjects.STREAM_TRAJECTORIES),
-                *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
-            ],
-            [subjects.trainer_status()],
-        ),
-    }
-    return table[role]
+    if role == "engine":
+        return _engine_grant(scope or "*")
+    return _GRANTS[role]()
 
 
 _CLIENT_PUBLISH = [
