@@ -64,8 +64,15 @@ class FaultSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class RolloutRequest(Message, tag="RolloutRequest.v1"):
     """User → controller (``belayer.rollout.submit``): run ``n`` samples of each task."""
 
-    workload: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_-]{0,63}\Z")]
-    """Workload name (``math``, ``swe``); unknown → ``not_found``."""
+    workload: Annotated[
+        str,
+        msgspec.Meta(
+            pattern=r"^(?:[a-z][a-z0-9_-]{0,63}|[A-Za-z_][A-Za-z0-9_.]{0,199}:[A-Za-z_][A-Za-z0-9_]{0,63})\Z"
+        ),
+    ]
+    """Workload name (``math``, ``swe``, an installed package's entry point) or a
+    ``module:factory`` plugin the node enables (``belayer up --workload-plugin``); unknown →
+    ``not_found``, a plugin the node does not enable → ``unauthorized``."""
     rollout_id: IdOrEmpty = ""
     """Caller-chosen id (resubmitting the same request is idempotent); empty: a fresh one."""
     task_ids: list[TaskId] = []

@@ -1,4 +1,6 @@
-"""Workloads by name: ``load_workload("math")``, ``load_workload("dapo", path=...)``.
+"""Workloads by name: ``load_workload("math")``, ``load_workload("dapo", path=...)``, and a
+user's own: ``load_workload("my_pkg.tasks:make")`` or an installed package's entry point
+(``workloads.plugins``).
 
 A workload is registered as a factory taking keyword options; an unknown name is a
 ``NotFound``, an unknown or ill-typed option an ``InvalidRequest`` (both before anything is
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.errors import InvalidRequest, NotFound
+from workloads import plugins
 from workloads.base import Workload
 
 Factory = Callable[..., Workload]
@@ -85,38 +88,69 @@ def register_workload(name: str, factory: Factory) -> None:
 
 
 def workload_names() -> list[str]:
-    """Every registered name."""
-    return sorted(_REGISTRY)
+    """Every registered name and every installed package's workload (``belayer.workloads``)."""
+    return sorted(set(_REGISTRY) | set(plugins.entry_points()))
+
+
+def available() -> list[plugins.Found]:
+    """Every workload a name loads, with where it comes from (``belayer workloads ls``)."""
+    out = [
+        plugins.Found(
+            name,
+            "built-in" if name in _BUILTIN else "registered",
+            f"{f.__module__}:{f.__qualname__}",
+        )
+        for name, f in sorted(_REGISTRY.items())
+    ]
+    out += [f for n, f in sorted(plugins.entry_points().items()) if n not in _REGISTRY]
+    return out
 
 
 def load_workload(name: str, **options: Any) -> Workload:
-    """The workload registered as ``name``, made with ``options``. ``NotFound`` for an unknown
-    name; ``InvalidRequest`` for an option the workload does not take or a bad value."""
+    """The workload ``name`` names, made with ``options``: a registered name, an installed
+    package's entry point (group ``belayer.workloads``) or a ``module:factory`` plugin spec
+    (``workloads.plugins``). ``NotFound`` for an unknown name; ``InvalidRequest`` for an option
+    the workload does not take, a bad value, or a plugin that cannot be loaded."""
     factory = _REGISTRY.get(name)
     if factory is None:
+        spec = name if plugins.is_spec(name) else _installed(name)
+        plugin = plugins.import_factory(spec)
+        _check_options(name, plugin, options)
+        return plugins.make(spec, plugin, options)
+    _check_options(name, _target(name) if name in _BUILTIN else factory, options)
+    try:
+        return factory(**options)
+    except TypeError as exc:  # a wrongly typed option deep inside
+        raise InvalidRequest("bad workload option", workload=name, error=str(exc)) from None
+
+
+def _installed(name: str) -> str:
+    found = plugins.entry_points().get(name)
+    if found is None:
         raise NotFound("unknown workload", workload=name, known=workload_names())
-    target: Callable[..., Any] = _target(name) if name in _BUILTIN else factory
+    return found.target
+
+
+def _check_options(name: str, target: Callable[..., Any], options: dict[str, Any]) -> None:
+    """``InvalidRequest`` for an option ``target`` does not take or a required one missing."""
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):
         params = {}  # type: ignore[assignment]  # a builtin without a signature: no parameters known
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if not takes_any:
-        unknown = sorted(set(options) - set(params))
-        if unknown:
-            raise InvalidRequest(
-                "unknown workload option", workload=name, unknown=unknown, known=sorted(params)
-            )
-        required = [
-            p.name
-            for p in params.values()
-            if p.default is inspect.Parameter.empty
-            and p.kind is inspect.Parameter.KEYWORD_ONLY
-            and p.name not in options
-        ]
-        if required:
-            raise InvalidRequest("missing workload option", workload=name, missing=required)
-    try:
-        return factory(**options)
-    except TypeError as exc:  # a wrongly typed option deep inside
-        raise InvalidRequest("bad workload option", workload=name, error=str(exc)) from None
+    if takes_any:
+        return
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        raise InvalidRequest(
+            "unknown workload option", workload=name, unknown=unknown, known=sorted(params)
+        )
+    required = [
+        p.name
+        for p in params.values()
+        if p.default is inspect.Parameter.empty
+        and p.kind is inspect.Parameter.KEYWORD_ONLY
+        and p.name not in options
+    ]
+    if required:
+        raise InvalidRequest("missing workload option", workload=name, missing=required)

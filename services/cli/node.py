@@ -31,6 +31,8 @@ from services.router.client import router_status
 from services.supervisor.client import supervisor_status
 from services.supervisor.config import SupervisorConfig
 from services.worker.config import WorkerConfig
+from workloads import plugins
+from workloads.registry import load_workload
 
 NODE_DEFAULTS = SupervisorConfig()
 """``belayer up``'s defaults are the supervisor's (and its services') config defaults."""
@@ -173,6 +175,13 @@ UP_HANDOVER_TIMEOUT = typer.Option(
     min=0.0,
     help="Seconds a shadow's handover may take before the main worker is restarted cold.",
 )
+UP_WORKLOAD_PLUGIN = typer.Option(
+    None,
+    "--workload-plugin",
+    help="A workload plugin the node's controller may load, as package.module:factory "
+    "(repeatable; the module must be importable: installed, or on PYTHONPATH). Installed "
+    "packages' belayer.workloads entry points need no listing.",
+)
 UP_TIMEOUT = typer.Option(
     NODE_DEFAULTS.ready_timeout_s, help="Seconds to wait for the node to become ready."
 )
@@ -201,6 +210,7 @@ def up(
     hang_threshold: float = UP_HANG_THRESHOLD,
     handover_timeout: float = UP_HANDOVER_TIMEOUT,
     timeout: float = UP_TIMEOUT,
+    workload_plugin: list[str] | None = UP_WORKLOAD_PLUGIN,
 ) -> None:
     """Start a Belayer node: NATS (JetStream), weight store, KV arena, router, workers."""
     check_up_args(recovery, role, nats_url)
@@ -211,6 +221,7 @@ def up(
             f"a node is already running from {paths.root} (supervisor pid {node.supervisor_pid}); run `belayer down` first"
         )
     bus = bus_config(tls_cert, tls_key, tls_ca, replicas)
+    plugin_specs = check_plugins(workload_plugin or [])
     config = dataclasses.replace(
         NODE_DEFAULTS,
         run_dir=str(paths.root),
@@ -234,11 +245,25 @@ def up(
             heartbeat_interval_s=heartbeat_interval,
         ),
         worker=worker_config(hang_threshold, max_num_seqs, deterministic),
+        controller=dataclasses.replace(NODE_DEFAULTS.controller, workload_plugins=plugin_specs),
     )
     preflight(config)  # bad credentials, TLS files or cluster URL: one line, nothing started
     if not detach:
         run_in_foreground(config, paths)
     start_detached(config, paths, timeout)
+
+
+def check_plugins(specs: list[str]) -> tuple[str, ...]:
+    """Load every ``--workload-plugin`` here first, so one that cannot be imported or whose
+    factory raises is one clear error before anything starts (the controller loads it again)."""
+    for spec in specs:
+        if not plugins.is_spec(spec):
+            fail(f"--workload-plugin {spec!r}: expected package.module:factory")
+        try:
+            load_workload(spec)
+        except BelayerError as exc:
+            fail(f"--workload-plugin {spec!r}: {exc}")
+    return tuple(dict.fromkeys(specs))
 
 
 def check_up_args(recovery: str, role: str, nats_url: str) -> None:

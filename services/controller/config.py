@@ -20,6 +20,10 @@ class ControllerConfig(ServiceConfig):
     """Trajectory attempts running at once on this controller, over all rollouts."""
     default_concurrency: int = 8
     """Attempts of one rollout running at once when the request says 0."""
+    workload_plugins: tuple[str, ...] = ()
+    """``module:factory`` workload plugins a rollout request may name (``belayer up
+    --workload-plugin``). Importing one runs its code, so a spec in a request is not enough;
+    installed packages' entry points (``belayer.workloads``) need no listing."""
     max_invalid_in_row: int = MAX_INVALID_IN_ROW
     """Unparseable responses in a row before a trajectory ends as ``malformed``."""
     max_prompt_tokens: int = MAX_PROMPT_TOKENS

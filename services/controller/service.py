@@ -19,7 +19,14 @@ from nats.aio.msg import Msg
 
 from common import events, subjects
 from common.codec import decode, encode
-from common.errors import BelayerError, BusUnavailable, Conflict, InvalidRequest, NotFound
+from common.errors import (
+    BelayerError,
+    BusUnavailable,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    Unauthorized,
+)
 from common.logging import get_logger
 from common.service import Service, run_service
 from common.tasks import keep
@@ -44,6 +51,7 @@ from services.controller.rollout import RolloutRun
 from services.controller.store import StateStore
 from services.controller.summary import summarize
 from services.environment.client import EnvClient
+from workloads import plugins
 from workloads.base import Task, Workload
 from workloads.registry import load_workload
 
@@ -133,6 +141,15 @@ class Controller(Service[ControllerConfig]):
     # --- validation -----------------------------------------------------------------------
     async def workload_of(self, req: RolloutRequest) -> Workload:
         key = (req.workload, req.dataset)
+        if plugins.is_spec(req.workload) and req.workload not in self.config.workload_plugins:
+            raise Unauthorized(
+                "this node does not run that workload plugin: start the node with "
+                "`belayer up --workload-plugin SPEC` (a request alone may not make the "
+                "controller import code)",
+                plugin=req.workload,
+                field="$.workload",
+                enabled=list(self.config.workload_plugins),
+            )
         if key not in self.workloads:
             options: dict[str, Any] = {"path": req.dataset} if req.dataset else {}
             try:
