@@ -232,20 +232,7 @@ def main(
         "scratch_baseline": "never",
         "targets": targets_json(TARGETS),
     }
-    with tempfile.TemporaryDirectory(prefix="belayer-bench-policy-") as tmp:
-        model_dir = model or warm_model(Path(tmp) / "model")
-        run_dir = Path(tmp) / "run"
-        progress(NAME, "starting a node with the environment service and the warm-started model")
-        up = belayer(
-            "up", "--detach", "--run-dir", str(run_dir), "--engines", "1", "--environment",
-            "--model", str(model_dir), timeout=300,
-        )  # fmt: skip
-        if up.returncode != 0:
-            raise RuntimeError(f"belayer up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
-        try:
-            runs = asyncio.run(measure(run_dir, repeats=repeats, tasks=tasks, n=n))
-        finally:
-            belayer("down", "--run-dir", str(run_dir), timeout=120)
+    runs = measure_on_node(model, repeats=repeats, tasks=tasks, n=n)
     table = summarize(runs)
     result["runs"] = runs
     result["results"] = table
@@ -270,6 +257,33 @@ def main(
         ratio_vs_no_checkpoints=ratio_vs_no_checkpoints(table),
         values=values, verdicts=verdicts(TARGETS, values),
     )  # fmt: skip
+    print_table("bench policy: sandbox failures vs checkpoint policy", report_rows(result))
+    write_json(json_path, result)
+    return result
+
+
+def measure_on_node(model: Path | None, *, repeats: int, tasks: int, n: int) -> dict[str, Any]:
+    """Start a node with the environment service and the (warm-started) model, run every
+    (policy, p) on it, stop it."""
+    with tempfile.TemporaryDirectory(prefix="belayer-bench-policy-") as tmp:
+        model_dir = model or warm_model(Path(tmp) / "model")
+        run_dir = Path(tmp) / "run"
+        progress(NAME, "starting a node with the environment service and the warm-started model")
+        up = belayer(
+            "up", "--detach", "--run-dir", str(run_dir), "--engines", "1", "--environment",
+            "--model", str(model_dir), timeout=300,
+        )  # fmt: skip
+        if up.returncode != 0:
+            raise RuntimeError(f"belayer up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
+        try:
+            return asyncio.run(measure(run_dir, repeats=repeats, tasks=tasks, n=n))
+        finally:
+            belayer("down", "--run-dir", str(run_dir), timeout=120)
+
+
+def report_rows(result: dict[str, Any]) -> list[Row]:
+    """The printed table: every (policy, p), the two cost figures, the targets' values."""
+    table, values = result["results"], result["values"]
     rows: list[Row] = []
     for p in PROBABILITIES:
         for policy in POLICIES:
@@ -316,6 +330,4 @@ def main(
             "n/a" if value is None else (f"{value * 100:.2f} %" if unit == "%" else f"{value:.3g}")
         )
         rows.append(Row(label, shown, target_text(TARGETS[key], unit), result["verdicts"][key]))
-    print_table("bench policy: sandbox failures vs checkpoint policy", rows)
-    write_json(json_path, result)
-    return result
+    return rows
