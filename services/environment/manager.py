@@ -1,7 +1,9 @@
 """The sandbox manager: create/exec/full_checkpoint/full_restore/destroy over Docker + CRIU.
 
 Bus-agnostic: it publishes ready checkpoints through a ``ReadyStore`` (the service backs it
-with a JetStream KV bucket and stream). Invariants it keeps:
+with a JetStream KV bucket and stream). Its helpers ``lifecycle`` and ``restore`` get the
+manager as the narrow ``ports.Fleet`` / ``ports.RestoreHost`` (what each uses of it, nothing
+more). Invariants it keeps:
 
 * exec and checkpoint of one sandbox exclude each other (one asyncio lock per sandbox);
 * a checkpoint is captured while the container's cgroup is frozen (files, then processes),
@@ -25,7 +27,6 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Protocol
 
 from common.errors import (
     BelayerError,
@@ -46,23 +47,12 @@ from services.environment import criu_ops as ops
 from services.environment.config import EnvConfig
 from services.environment.core import Manifest, SandboxRecord, SandboxState
 from services.environment.docker_ops import DockerOps, ExecOutput
+from services.environment.ports import ReadyStore
 from services.environment.restore import Restored, full_restore, quarantined
 
 log = get_logger(component="env.manager")
 WRAPPER = Path(__file__).with_name("belayer-runc")
 """The ``belayer`` OCI runtime this service ships (``deploy/install_env.sh`` installs it)."""
-
-
-class ReadyStore(Protocol):
-    """Where ready pointers live (JetStream KV in production)."""
-
-    async def get(self, sandbox_id: str) -> tuple[ReadyPointer | None, int]: ...
-
-    async def advance(self, pointer: ReadyPointer, expected_rev: int) -> int: ...
-
-    async def delete(self, sandbox_id: str) -> None: ...
-
-    async def announce(self, info: CheckpointInfo) -> None: ...
 
 
 class SandboxManager:
@@ -341,15 +331,7 @@ class SandboxManager:
         self, sandbox_id: str, prefix: int, trajectory_id: str = "", timeout_s: float = 0.0
     ) -> CheckpointInfo:
         rec = self.get(sandbox_id)
-        if prefix < 0:
-            raise InvalidRequest("prefix must be >= 0", field="prefix")
-        now = time.time()
-        if now < rec.cooldown_until:
-            raise CheckpointBusy(
-                "checkpointing of this sandbox is disabled after a checkpoint timed out",
-                sandbox_id=rec.id,
-                retry_after_s=round(rec.cooldown_until - now, 3),
-            )
+        self._may_checkpoint(rec, prefix)
         timeout = timeout_s or self.config.checkpoint_timeout_s
         async with self._locked(rec, min(timeout, self.config.lock_wait_s)):
             if rec.status is SandboxState.FAILED:
@@ -419,6 +401,19 @@ class SandboxManager:
             container_exited=exited,
         )
         return info
+
+    @staticmethod
+    def _may_checkpoint(rec: SandboxRecord, prefix: int) -> None:
+        """Refuse a negative prefix, and any checkpoint during the cooldown after a timeout."""
+        if prefix < 0:
+            raise InvalidRequest("prefix must be >= 0", field="prefix")
+        now = time.time()
+        if now < rec.cooldown_until:
+            raise CheckpointBusy(
+                "checkpointing of this sandbox is disabled after a checkpoint timed out",
+                sandbox_id=rec.id,
+                retry_after_s=round(rec.cooldown_until - now, 3),
+            )
 
     async def _capture(
         self,

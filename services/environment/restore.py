@@ -18,7 +18,6 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from common.errors import BelayerError, CheckpointInvalid, Conflict, NotFound, Timeout
 from common.logging import get_logger
@@ -26,9 +25,7 @@ from schemas.env import ReadyPointer, RestoreAttempt
 from services.environment import core, snapshot
 from services.environment import criu_ops as ops
 from services.environment.core import Manifest, SandboxRecord, SandboxState
-
-if TYPE_CHECKING:
-    from services.environment.manager import SandboxManager
+from services.environment.ports import RestoreHost
 
 log = get_logger(component="env.restore")
 REASON_FILE = "quarantine-reason.txt"
@@ -53,22 +50,67 @@ class Restored:
         return ",".join(a.checkpoint_id for a in self.attempts if a.outcome != "restored")
 
 
-async def full_restore(mgr: SandboxManager, rec: SandboxRecord, checkpoint_id: str) -> Restored:
+async def full_restore(host: RestoreHost, rec: SandboxRecord, checkpoint_id: str) -> Restored:
     """Restore ``rec`` (its lock held by the caller) from ``checkpoint_id`` or, by default, the
     ready checkpoint then older ones."""
     start = time.monotonic()
-    base = mgr.sandbox_dir(rec.id)
+    base = host.sandbox_dir(rec.id)
     if checkpoint_id and (base / f"{core.QUARANTINE_PREFIX}{checkpoint_id}").is_dir():
         raise CheckpointInvalid(
             "checkpoint is quarantined: it failed to restore before",
             checkpoint_id=checkpoint_id,
             reason=quarantine_reason(base, checkpoint_id),
         )
-    method = await mgr.restore_method()
-    ptr, rev = await mgr.store.get(rec.id)
+    method = await host.restore_method()
+    ptr, rev = await host.store.get(rec.id)
+    candidates, attempts = _plan(host, rec, ptr, checkpoint_id)
+    recorded = ptr.manifests if ptr is not None and ptr.manifests else None
+    if recorded is None:
+        log.warning("restore_unverified", sandbox_id=rec.id, why="no recorded manifest digests")
+    previous = rec.status
+    rec.move(SandboxState.RESTORING)
+    errors: list[BelayerError] = []
+    try:
+        for m in candidates:
+            cid = await _restore_candidate(host, rec, base / m.checkpoint_id, m, method, recorded)
+            if isinstance(cid, BelayerError):
+                quarantine(host, rec, m, cid)
+                attempts.append(
+                    RestoreAttempt(
+                        checkpoint_id=m.checkpoint_id,
+                        prefix=m.prefix,
+                        outcome="quarantined",
+                        error=str(cid),
+                    )
+                )
+                errors.append(cid)
+                if checkpoint_id:
+                    break
+                continue
+            attempts.append(
+                RestoreAttempt(checkpoint_id=m.checkpoint_id, prefix=m.prefix, outcome="restored")
+            )
+            await _take_over(host, rec, cid, m, ptr, rev)
+            return _restored(rec, m, time.monotonic() - start, method, attempts)
+    finally:
+        if rec.status is SandboxState.RESTORING:  # no candidate restored (or an abort)
+            alive = previous is SandboxState.RUNNING and await snapshot.container_alive(
+                host.docker, rec.container_id
+            )
+            rec.state = (SandboxState.RUNNING if alive else SandboxState.FAILED).value
+            host.save(rec)
+    raise _no_usable_checkpoint(rec, attempts, errors)
+
+
+def _plan(
+    host: RestoreHost, rec: SandboxRecord, ptr: ReadyPointer | None, checkpoint_id: str
+) -> tuple[list[Manifest], list[RestoreAttempt]]:
+    """The candidates to try, in order, and the attempts already decided: a quarantined ready
+    checkpoint is ``skipped`` (when none was asked for). No candidate at all is ``NotFound``."""
+    base = host.sandbox_dir(rec.id)
     attempts: list[RestoreAttempt] = []
     candidates = core.restore_candidates(
-        mgr.manifests(rec.id),
+        host.manifests(rec.id),
         ready_checkpoint_id=ptr.checkpoint_id if ptr else None,
         requested=checkpoint_id or None,
         ready_prefix=ptr.prefix if ptr else None,
@@ -90,74 +132,62 @@ async def full_restore(mgr: SandboxManager, rec: SandboxRecord, checkpoint_id: s
             checkpoint_id=checkpoint_id or None,
             candidates=_candidates(attempts),
         )
-    recorded = ptr.manifests if ptr is not None and ptr.manifests else None
-    if recorded is None:
-        log.warning("restore_unverified", sandbox_id=rec.id, why="no recorded manifest digests")
-    previous = rec.status
-    rec.move(SandboxState.RESTORING)
-    errors: list[BelayerError] = []
+    return candidates, attempts
+
+
+async def _restore_candidate(
+    host: RestoreHost,
+    rec: SandboxRecord,
+    directory: Path,
+    m: Manifest,
+    method: str,
+    recorded: dict[str, str] | None,
+) -> str | BelayerError:
+    """One candidate into a fresh container under the restore deadline: the container's id, or
+    the candidate's own failure (to quarantine it). A failure that is not the checkpoint's
+    (``snapshot.NotTheCheckpoint``) is raised: it stops the restore."""
     try:
-        for m in candidates:
-            try:
-                cid = await asyncio.wait_for(
-                    snapshot.restore_one(
-                        mgr.docker, mgr.config, rec, base / m.checkpoint_id, m, method, recorded
-                    ),
-                    mgr.config.restore_timeout_s,
-                )
-            except snapshot.NotTheCheckpoint as exc:
-                log.warning("restore_aborted", sandbox_id=rec.id, error=str(exc.error))
-                raise exc.error from None
-            except (BelayerError, TimeoutError) as exc:
-                err = (
-                    exc
-                    if isinstance(exc, BelayerError)
-                    else Timeout(
-                        "restore ran past its deadline", timeout_s=mgr.config.restore_timeout_s
-                    )
-                )
-                quarantine(mgr, rec, m, err)
-                attempts.append(
-                    RestoreAttempt(
-                        checkpoint_id=m.checkpoint_id,
-                        prefix=m.prefix,
-                        outcome="quarantined",
-                        error=str(err),
-                    )
-                )
-                errors.append(err)
-                if checkpoint_id:
-                    break
-                continue
-            attempts.append(
-                RestoreAttempt(checkpoint_id=m.checkpoint_id, prefix=m.prefix, outcome="restored")
-            )
-            await _take_over(mgr, rec, cid, m, ptr, rev)
-            seconds = time.monotonic() - start
-            how = snapshot.LAYER if m.method == snapshot.LAYER else method
-            log.info(
-                "sandbox_restored",
-                sandbox_id=rec.id,
-                checkpoint_id=m.checkpoint_id,
-                prefix=m.prefix,
-                method=how,
-                seconds=round(seconds, 4),
-                passed_over=len(attempts) - 1,
-            )
-            return Restored(rec, m, seconds, how, attempts)
-    finally:
-        if rec.status is SandboxState.RESTORING:  # no candidate restored (or an abort)
-            alive = previous is SandboxState.RUNNING and await snapshot.container_alive(
-                mgr.docker, rec.container_id
-            )
-            rec.state = (SandboxState.RUNNING if alive else SandboxState.FAILED).value
-            mgr.save(rec)
+        return await asyncio.wait_for(
+            snapshot.restore_one(host.docker, host.config, rec, directory, m, method, recorded),
+            host.config.restore_timeout_s,
+        )
+    except snapshot.NotTheCheckpoint as exc:
+        log.warning("restore_aborted", sandbox_id=rec.id, error=str(exc.error))
+        raise exc.error from None
+    except BelayerError as exc:
+        return exc
+    except TimeoutError:
+        return Timeout("restore ran past its deadline", timeout_s=host.config.restore_timeout_s)
+
+
+def _restored(
+    rec: SandboxRecord, m: Manifest, seconds: float, method: str, attempts: list[RestoreAttempt]
+) -> Restored:
+    how = snapshot.LAYER if m.method == snapshot.LAYER else method
+    log.info(
+        "sandbox_restored",
+        sandbox_id=rec.id,
+        checkpoint_id=m.checkpoint_id,
+        prefix=m.prefix,
+        method=how,
+        seconds=round(seconds, 4),
+        passed_over=len(attempts) - 1,
+    )
+    return Restored(rec, m, seconds, how, attempts)
+
+
+def _no_usable_checkpoint(
+    rec: SandboxRecord, attempts: list[RestoreAttempt], errors: list[BelayerError]
+) -> BelayerError:
+    """The error of a restore whose every candidate failed: the candidate's own error when
+    there was one (and it was not about the checkpoint being invalid), else ``CheckpointInvalid``
+    naming them all."""
     data = _candidates(attempts)
     if len(errors) == 1 and not isinstance(errors[0], CheckpointInvalid):
         first = errors[0]
         first.data.setdefault("candidates", data)
-        raise first
-    raise CheckpointInvalid(
+        return first
+    return CheckpointInvalid(
         "no usable checkpoint: " + "; ".join(str(e) for e in errors),
         sandbox_id=rec.id,
         rejected=",".join(a.checkpoint_id for a in attempts),
@@ -172,7 +202,7 @@ def _candidates(attempts: list[RestoreAttempt]) -> str:
 
 
 async def _take_over(
-    mgr: SandboxManager,
+    host: RestoreHost,
     rec: SandboxRecord,
     cid: str,
     m: Manifest,
@@ -185,15 +215,15 @@ async def _take_over(
     rec.move(SandboxState.RUNNING)
     rec.restores += 1
     verified = rec.verified_checkpoint_id
-    if verified is None or not (mgr.sandbox_dir(rec.id) / verified).is_dir():
+    if verified is None or not (host.sandbox_dir(rec.id) / verified).is_dir():
         rec.verified_checkpoint_id = m.checkpoint_id
     else:
         with contextlib.suppress(CheckpointInvalid):
-            if core.read_manifest(mgr.sandbox_dir(rec.id) / verified).prefix <= m.prefix:
+            if core.read_manifest(host.sandbox_dir(rec.id) / verified).prefix <= m.prefix:
                 rec.verified_checkpoint_id = m.checkpoint_id
     if ptr is None or m.checkpoint_id != ptr.checkpoint_id:
-        kept = {c.checkpoint_id for c in mgr.manifests(rec.id)}
-        digest = core.manifest_digest(mgr.sandbox_dir(rec.id) / m.checkpoint_id)
+        kept = {c.checkpoint_id for c in host.manifests(rec.id)}
+        digest = core.manifest_digest(host.sandbox_dir(rec.id) / m.checkpoint_id)
         pointer = ReadyPointer(
             sandbox_id=rec.id,
             prefix=m.prefix,
@@ -206,17 +236,17 @@ async def _take_over(
         )
         if ptr is None or m.prefix <= ptr.prefix:
             with contextlib.suppress(Conflict):
-                await mgr.store.advance(pointer, rev)
+                await host.store.advance(pointer, rev)
     rec.ready_prefix, rec.checkpoint_id = m.prefix, m.checkpoint_id
-    mgr.save(rec)
+    host.save(rec)
     if old and old != cid:
-        mgr.retire(old)
+        host.retire(old)
 
 
-def quarantine(mgr: SandboxManager, rec: SandboxRecord, m: Manifest, err: BelayerError) -> None:
+def quarantine(host: RestoreHost, rec: SandboxRecord, m: Manifest, err: BelayerError) -> None:
     """Set a checkpoint that failed to restore aside (with the reason); keep at most
     ``quarantine_keep`` of them per sandbox."""
-    base = mgr.sandbox_dir(rec.id)
+    base = host.sandbox_dir(rec.id)
     src, dst = base / m.checkpoint_id, base / f"{core.QUARANTINE_PREFIX}{m.checkpoint_id}"
     log.warning(
         "checkpoint_quarantined", sandbox_id=rec.id, checkpoint_id=m.checkpoint_id, error=str(err)
@@ -230,7 +260,7 @@ def quarantine(mgr: SandboxManager, rec: SandboxRecord, m: Manifest, err: Belaye
     if rec.verified_checkpoint_id == m.checkpoint_id:
         rec.verified_checkpoint_id = None
     held = sorted(quarantined(base), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in held[max(0, mgr.config.quarantine_keep) :]:
+    for old in held[max(0, host.config.quarantine_keep) :]:
         ops.remove_tree(old)
 
 

@@ -74,21 +74,7 @@ async def capture(
         t1 = time.monotonic()
         fs_bytes = await ops.archive_layer(upper, tmp / core.FS_ARCHIVE, timeout=60.0)
         t2 = time.monotonic()
-        if method == LAYER:
-            (tmp / core.CRIU_DIR).mkdir()
-        elif method == "runc":
-            await ops.runc_checkpoint(
-                config.runc_bin,
-                root,
-                rec.container_id,
-                tmp / core.CRIU_DIR,
-                tmp / "work",
-                timeout=max(1.0, config.checkpoint_timeout_s),
-            )
-        else:
-            await asyncio.to_thread(
-                docker.checkpoint_create, rec.container_id, core.CRIU_DIR, str(tmp)
-            )
+        await _dump_processes(docker, config, rec.container_id, method, root, tmp)
         progress.dumped = True
         t3 = time.monotonic()
     finally:
@@ -116,6 +102,26 @@ async def capture(
     if config.fsync:
         await asyncio.to_thread(ops.fsync_tree, tmp, skip_pages=not config.fsync_page_images)
     return manifest
+
+
+async def _dump_processes(
+    docker: DockerOps, config: EnvConfig, container_id: str, method: str, root: Path, tmp: Path
+) -> None:
+    """The frozen container's processes into ``tmp/criu`` by ``method``: CRIU through runc,
+    Docker's checkpoint API, or nothing (an empty directory) for a ``layer`` checkpoint."""
+    if method == LAYER:
+        (tmp / core.CRIU_DIR).mkdir()
+    elif method == "runc":
+        await ops.runc_checkpoint(
+            config.runc_bin,
+            root,
+            container_id,
+            tmp / core.CRIU_DIR,
+            tmp / "work",
+            timeout=max(1.0, config.checkpoint_timeout_s),
+        )
+    else:
+        await asyncio.to_thread(docker.checkpoint_create, container_id, core.CRIU_DIR, str(tmp))
 
 
 def checkpoint_method(config: EnvConfig, container_id: str) -> tuple[str, Path]:
