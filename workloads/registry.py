@@ -94,14 +94,11 @@ def workload_names() -> list[str]:
 
 def available() -> list[plugins.Found]:
     """Every workload a name loads, with where it comes from (``belayer workloads ls``)."""
-    out = [
-        plugins.Found(
-            name,
-            "built-in" if name in _BUILTIN else "registered",
-            f"{f.__module__}:{f.__qualname__}",
-        )
-        for name, f in sorted(_REGISTRY.items())
-    ]
+    out = []
+    for name, factory in sorted(_REGISTRY.items()):
+        target = _target(name) if name in _BUILTIN else factory
+        source = "built-in" if name in _BUILTIN else "registered"
+        out.append(plugins.Found(name, source, f"{target.__module__}:{target.__qualname__}"))
     out += [f for n, f in sorted(plugins.entry_points().items()) if n not in _REGISTRY]
     return out
 

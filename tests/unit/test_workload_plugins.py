@@ -132,3 +132,27 @@ def test_the_controller_imports_only_the_plugins_its_node_enables(
         asyncio.run(svc.workload_of(RolloutRequest(workload="must_not_import:make")))
     wl = asyncio.run(svc.workload_of(RolloutRequest(workload="belayer_example_tasks:make")))
     assert wl.name == "capitals"
+
+
+def test_workloads_ls_lists_built_ins_and_a_plugin_and_refuses_a_broken_one() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLE)}
+    argv = [sys.executable, "-m", "services.cli.main", "workloads", "ls", "--json"]
+    out = subprocess.run([*argv, "--plugin", "belayer_example_tasks:make"], env=env,
+                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    listed = {w["name"]: w for w in json.loads(out.stdout)["workloads"]}
+    assert listed["math"] == {
+        "name": "math",
+        "source": "built-in",
+        "target": "workloads.math_tasks:MathWorkload",
+    }
+    assert listed["capitals"]["target"] == "belayer_example_tasks:make"
+    bad = subprocess.run([*argv, "--plugin", "no_such_module_xyz:make"], env=env,
+                         capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.startswith("error: --plugin 'no_such_module_xyz:make': cannot import")
+    assert "Traceback" not in bad.stderr
