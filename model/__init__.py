@@ -1,23 +1,7 @@
-"""The Qwen3 model Belayer serves and trains: config, weights, tokenizer, paged-KV forward
-and the dense training forward."""
+"""The Qwen3 model Belayer serves and trains: config (``model.config``), weights
+(``model.loader``), tokenizer and chat format (``model.tokenizer``, ``model.chat``), the paged-KV
+forward (``model.qwen3``) and the dense training forward (``model.train_forward``).
 
-from model.config import ModelConfig, load_model_config
-from model.loader import load_safetensors
-from model.qwen3 import AttentionMetadata, Qwen3ForCausalLM, build_model, kv_cache_shape
-from model.tokenizer import Tokenizer, load_tokenizer
-from model.train_forward import build_trainable_model, dense_forward, token_logprobs
-
-__all__ = [
-    "AttentionMetadata",
-    "ModelConfig",
-    "Qwen3ForCausalLM",
-    "Tokenizer",
-    "build_model",
-    "build_trainable_model",
-    "dense_forward",
-    "kv_cache_shape",
-    "load_model_config",
-    "load_safetensors",
-    "load_tokenizer",
-    "token_logprobs",
-]
+The package itself imports nothing, so what needs only a config or a tokenizer (the CLI,
+``belayer --help``) does not load torch: import from the submodule you use.
+"""

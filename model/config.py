@@ -12,17 +12,15 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads only when a dtype is asked for (a config alone needs none)
+    import torch
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+"""``torch_dtype`` values Belayer reads (each the name of a ``torch`` dtype)."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,10 @@ class ModelConfig:
     @property
     def dtype(self) -> torch.dtype:
         """``torch_dtype`` as a :class:`torch.dtype`."""
-        return _DTYPES[self.torch_dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.torch_dtype)
+        return dtype
 
     @property
     def num_kv_groups(self) -> int:
@@ -89,8 +90,10 @@ class ModelConfig:
         hidden = int(raw["hidden_size"])
         # transformers 5 writes "dtype" and nests rope_theta in rope_parameters; 4.x did not.
         dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
-        if dtype not in _DTYPES:
-            raise ValueError(f"unsupported torch_dtype {dtype!r}; expected one of {list(_DTYPES)}")
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"unsupported torch_dtype {dtype!r}; expected one of {list(DTYPE_NAMES)}"
+            )
         rope = raw.get("rope_parameters") or {}
         cfg = cls(
             vocab_size=int(raw["vocab_size"]),
