@@ -149,8 +149,8 @@ events, answer requests."""
 
 def _supervisor_grant() -> tuple[list[str], list[str]]:
     """Declares the streams, asks every service for its status, reads the engine epochs;
-    answers status and stop; hears the handover and engine-failure events."""
-    ev = subjects.event
+    answers status and stop; hears every event (the handover and engine-failure ones drive
+    promotions; all of them feed the metrics endpoint, ``--metrics-port``)."""
     return (
         [
             "$JS.API.STREAM.CREATE.*",
@@ -167,10 +167,7 @@ def _supervisor_grant() -> tuple[list[str], list[str]]:
         [
             subjects.supervisor_status(),
             subjects.supervisor_stop(),
-            ev("handover_detected"),
-            ev("handover_complete"),
-            ev("engine_failed"),
-            ev("engine_unhealthy"),
+            subjects.EVENTS_ALL,
         ],
     )
 

@@ -36,6 +36,8 @@ class NodeInfo:
     """Its key file."""
     role: str = "node"
     """``node`` or ``env-host`` (a host that joined another node's deployment)."""
+    metrics_url: str = ""
+    """The node's Prometheus endpoint (``belayer up --metrics-port``; empty: off)."""
 
     def write(self, paths: RunPaths) -> None:
         paths.root.mkdir(parents=True, exist_ok=True)

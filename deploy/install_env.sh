@@ -48,6 +48,9 @@ apt_install() {
 
 # --- 1. Docker ------------------------------------------------------------------------------
 apt_install docker.io iptables iproute2 ca-certificates xz-utils curl
+# A real Prometheus for the metrics test (belayer up --metrics-port); the package's service
+# is not started (no systemd here): tests run their own server.
+apt_install prometheus
 
 # --- 2. CRIU 4.1.1 (before dockerd starts, so dockerd's PATH sees it) -------------------------
 criu_ok() { command -v criu >/dev/null && criu --version 2>/dev/null | grep -q "Version: 4\.1"; }

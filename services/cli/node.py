@@ -175,6 +175,14 @@ UP_HANDOVER_TIMEOUT = typer.Option(
     min=0.0,
     help="Seconds a shadow's handover may take before the main worker is restarted cold.",
 )
+UP_METRICS_PORT = typer.Option(
+    -1,
+    "--metrics-port",
+    min=-1,
+    max=65535,
+    help="Serve the node's Prometheus metrics at http://127.0.0.1:PORT/metrics (0: any free "
+    "port, written to node.json as metrics_url; -1: off).",
+)
 UP_WORKLOAD_PLUGIN = typer.Option(
     None,
     "--workload-plugin",
@@ -211,6 +219,7 @@ def up(
     handover_timeout: float = UP_HANDOVER_TIMEOUT,
     timeout: float = UP_TIMEOUT,
     workload_plugin: list[str] | None = UP_WORKLOAD_PLUGIN,
+    metrics_port: int = UP_METRICS_PORT,
 ) -> None:
     """Start a Belayer node: NATS (JetStream), weight store, KV arena, router, workers."""
     check_up_args(recovery, role, nats_url)
@@ -236,6 +245,7 @@ def up(
         role="env-host" if role == "env-host" else "node",
         bus=bus,
         handover_timeout_s=handover_timeout,
+        metrics_port=metrics_port,
         ready_timeout_s=timeout,
         router=dataclasses.replace(
             NODE_DEFAULTS.router,

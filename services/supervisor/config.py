@@ -39,6 +39,11 @@ class SupervisorConfig:
     """Identity files (``<name>.nk``) of this node's services on an existing deployment
     (``belayer auth init``); empty: a local nats-server gets identities generated under
     ``<run dir>/auth``, an existing server none (unauthenticated)."""
+    metrics_port: int = -1
+    """Serve the node's Prometheus metrics on this port (``/metrics``; 0: any free port, the
+    one taken is in ``node.json`` as ``metrics_url``); -1: off."""
+    metrics_addr: str = "127.0.0.1"
+    """The address the metrics endpoint listens on."""
     role: Literal["node", "env-host"] = "node"
     """``node``: every service; ``env-host``: only the environment service, on a host that
     joins an existing deployment (``nats_url``), whose controller it serves."""

@@ -48,6 +48,7 @@ from services.supervisor.backoff import Backoff
 from services.supervisor.client import node_identity_names, remove_shm_files
 from services.supervisor.config import SupervisorConfig
 from services.supervisor.engines import Engines
+from services.supervisor.metrics import MetricsEndpoint
 from services.supervisor.procs import Child
 from services.trainer.client import TrainerConfig
 
@@ -93,6 +94,9 @@ class Supervisor(Service[SupervisorConfig]):
         self.engine_ids = [f"e{i}" for i in range(config.engines)]
         self.watchers: list[asyncio.Task[None]] = []
         self.engines = Engines(self)
+        self.metrics: MetricsEndpoint | None = None
+        self.metrics_url = ""
+        """Where the node's Prometheus metrics are served (``metrics_port``; empty: off)."""
         self.creds_dir: Path | None = Path(config.creds_dir) if config.creds_dir else None
         # A joined env host declares nothing: the deployment's node owns the streams.
         self.owns_jetstream = config.role == "node"
@@ -246,6 +250,9 @@ class Supervisor(Service[SupervisorConfig]):
         ]
         self.engines.watch_all()
         await self.engines.subscribe()
+        if c.metrics_port >= 0:
+            self.metrics = MetricsEndpoint(c.metrics_port, c.metrics_addr, log)
+            self.metrics_url = await self.metrics.start(self.nc)
         self.ready = True
         self._write_node()
         await self.publish(NodeReady(engines=self.engine_ids, run_id=self.run_id))
@@ -389,6 +396,11 @@ class Supervisor(Service[SupervisorConfig]):
         self.stop_requested.set()
         return Ok(detail="stopping")
 
+    async def metrics_loop(self) -> None:
+        """Read the router's status for the metrics endpoint (nothing when it is off)."""
+        if self.metrics is not None:
+            await self.metrics.poll_loop()
+
     # --- stop -------------------------------------------------------------------------------
     async def close(self) -> None:
         """Stop services in reverse start order, then NATS; remove shm files and node file.
@@ -396,6 +408,8 @@ class Supervisor(Service[SupervisorConfig]):
         self.stop_requested.set()
         for w in [*self.watchers, *self.engines.tasks]:
             w.cancel()
+        if self.metrics is not None:
+            self.metrics.close()
         for child in reversed(list(self.children.values())):
             await child.stop()
         if self.config.environment:  # whatever a killed environment service left behind
@@ -433,6 +447,7 @@ class Supervisor(Service[SupervisorConfig]):
             tls_cert=self.config.bus.tls_cert,
             tls_key=self.config.bus.tls_key,
             role=self.config.role,
+            metrics_url=self.metrics_url,
         ).write(self.paths)
 
     def identities(self) -> list[str]:
