@@ -102,6 +102,13 @@ class Unauthorized(FatalError):
     code = "unauthorized"
 
 
+class RewardFailed(FatalError):
+    """A user's reward function raised or returned something that is not a reward: that
+    trajectory's reward failed (it is recorded and counted; the step goes on)."""
+
+    code = "reward_failed"
+
+
 _BY_CODE: dict[str, type[BelayerError]] = {
     cls.code: cls
     for cls in (
@@ -120,6 +127,7 @@ _BY_CODE: dict[str, type[BelayerError]] = {
         SandboxError,
         Timeout,
         Unauthorized,
+        RewardFailed,
     )
 }
 

@@ -61,6 +61,12 @@ class FaultSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The spec as written (``sandbox-kill@turn=3``), for events and summaries."""
 
 
+PluginSpec = Annotated[
+    str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,199}:[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
+]
+"""``package.module:attribute`` naming a user's function (``workloads.plugins``)."""
+
+
 class RolloutRequest(Message, tag="RolloutRequest.v1"):
     """User → controller (``belayer.rollout.submit``): run ``n`` samples of each task."""
 
@@ -107,6 +113,13 @@ class RolloutRequest(Message, tag="RolloutRequest.v1"):
     """Trajectories run at once; 0: the controller's default."""
     max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
     """Attempts per slot before the slot counts as failed."""
+    rewards: Annotated[list[PluginSpec], msgspec.Meta(max_length=16)] = []
+    """Reward functions (``module:function``, TRL's shape: ``fn(prompts, completions,
+    **columns) -> list[float | None]``) scoring the trajectories instead of the workload's
+    reward, each one the node enables (``belayer up --reward-function``); empty: the
+    workload's own reward. Answer tasks only (docs/workloads.md, "Reward functions")."""
+    reward_weights: Annotated[list[float], msgspec.Meta(max_length=16)] = []
+    """One weight per reward function (TRL's ``reward_weights``); empty: all 1."""
 
 
 class RolloutAccepted(Message, tag="RolloutAccepted.v1"):
@@ -142,6 +155,8 @@ class RolloutSummary(msgspec.Struct, kw_only=True):
     """Attempts in flight."""
     restored: int = 0
     """Published trajectories that went through at least one restore or restart."""
+    reward_failures: int = 0
+    """Published trajectories whose reward functions failed (``reward_error``)."""
     env_failures: int = 0
     """Sandbox (infrastructure) failures seen, all attempts."""
     env_restores: int = 0
@@ -165,7 +180,7 @@ class RolloutSummary(msgspec.Struct, kw_only=True):
     rollout_s: float = 0.0
     """Wall time from acceptance to the last slot's end."""
     mean_reward: float = 0.0
-    """Over published trajectories."""
+    """Over published trajectories whose reward did not fail (``reward_failures``)."""
     failures_injected: int = 0
     failures_recovered: int = 0
     controller_restarts: int = 0
@@ -190,6 +205,8 @@ class TrajectoryRow(msgspec.Struct, kw_only=True):
     checkpoints: int = 0
     sandbox_failures: int = 0
     detail: str = ""
+    reward_error: str = ""
+    """Why its reward functions failed (empty: they did not); see ``Trajectory.reward_error``."""
 
 
 class RolloutResult(Message, tag="RolloutResult.v1"):
@@ -336,6 +353,10 @@ class Trajectory(Message, tag="Trajectory.v1"):
     policy: str = ""
     detail: str = ""
     """Why it finished (the answer found, the limit hit)."""
+    reward_error: str = ""
+    """Set when its reward functions raised or returned no reward (``reward_failed``): its
+    ``reward`` is 0.0 and means nothing — the trainer gives it no advantage and leaves it out
+    of its group's mean and std. Empty: the reward is the reward."""
     temperature: float = 1.0
     """Sampling temperature of its responses (the log-probabilities are at it)."""
 

@@ -51,39 +51,43 @@ def is_spec(name: str) -> bool:
     return ":" in name
 
 
-def parse_spec(spec: str) -> tuple[str, str]:
+def parse_spec(spec: str, what: str = "workload plugin") -> tuple[str, str]:
     """(module, attribute) of ``module.path:factory``; ``InvalidRequest`` if malformed."""
     m = _SPEC.match(spec)
     if m is None:
-        raise InvalidRequest(
-            "a workload plugin is `package.module:factory`", plugin=spec, field="workload"
-        )
+        raise InvalidRequest(f"a {what} is `package.module:attribute`", plugin=spec)
     return m["module"], m["attr"]
 
 
 def import_factory(spec: str) -> Callable[..., Any]:
     """The factory ``spec`` names, imported. ``InvalidRequest`` naming what went wrong."""
-    module_name, attr = parse_spec(spec)
+    return import_callable(spec, "workload plugin")
+
+
+def import_callable(spec: str, what: str) -> Callable[..., Any]:
+    """The callable ``spec`` (``module:attribute``) names, imported; every failure is one
+    ``InvalidRequest`` saying what (``what``: "workload plugin", "reward function") failed."""
+    module_name, attr = parse_spec(spec, what)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise InvalidRequest(
-            "cannot import the workload plugin's module (is it installed, or on PYTHONPATH?)",
+            f"cannot import the {what}'s module (is it installed, or on PYTHONPATH?)",
             plugin=spec,
             error=str(exc),
         ) from None
     except Exception as exc:  # the plugin's own code failed while importing: say so, no trace
         raise InvalidRequest(
-            "the workload plugin's module raised while importing",
+            f"the {what}'s module raised while importing",
             plugin=spec,
             error=f"{type(exc).__name__}: {exc}",
         ) from None
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
+    found = getattr(module, attr, None)
+    if found is None or not callable(found):
         raise InvalidRequest(
-            "the workload plugin's module has no such factory", plugin=spec, attribute=attr
+            f"the {what}'s module has no such callable", plugin=spec, attribute=attr
         )
-    return factory
+    return found
 
 
 def make(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> Workload:

@@ -33,6 +33,7 @@ from services.supervisor.config import SupervisorConfig
 from services.worker.config import WorkerConfig
 from workloads import plugins
 from workloads.registry import load_workload
+from workloads.rewards import load_reward_functions
 
 NODE_DEFAULTS = SupervisorConfig()
 """``belayer up``'s defaults are the supervisor's (and its services') config defaults."""
@@ -175,6 +176,12 @@ UP_HANDOVER_TIMEOUT = typer.Option(
     min=0.0,
     help="Seconds a shadow's handover may take before the main worker is restarted cold.",
 )
+UP_REWARD_FUNCTION = typer.Option(
+    None,
+    "--reward-function",
+    help="A reward function rollouts may name (belayer rollout --reward), as "
+    "package.module:function (repeatable; importable like --workload-plugin).",
+)
 UP_METRICS_PORT = typer.Option(
     -1,
     "--metrics-port",
@@ -220,6 +227,7 @@ def up(
     timeout: float = UP_TIMEOUT,
     workload_plugin: list[str] | None = UP_WORKLOAD_PLUGIN,
     metrics_port: int = UP_METRICS_PORT,
+    reward_function: list[str] | None = UP_REWARD_FUNCTION,
 ) -> None:
     """Start a Belayer node: NATS (JetStream), weight store, KV arena, router, workers."""
     check_up_args(recovery, role, nats_url)
@@ -231,6 +239,7 @@ def up(
         )
     bus = bus_config(tls_cert, tls_key, tls_ca, replicas)
     plugin_specs = check_plugins(workload_plugin or [])
+    reward_specs = check_reward_functions(reward_function or [])
     config = dataclasses.replace(
         NODE_DEFAULTS,
         run_dir=str(paths.root),
@@ -255,7 +264,9 @@ def up(
             heartbeat_interval_s=heartbeat_interval,
         ),
         worker=worker_config(hang_threshold, max_num_seqs, deterministic),
-        controller=dataclasses.replace(NODE_DEFAULTS.controller, workload_plugins=plugin_specs),
+        controller=dataclasses.replace(
+            NODE_DEFAULTS.controller, workload_plugins=plugin_specs, reward_functions=reward_specs
+        ),
     )
     preflight(config)  # bad credentials, TLS files or cluster URL: one line, nothing started
     if not detach:
@@ -273,6 +284,17 @@ def check_plugins(specs: list[str]) -> tuple[str, ...]:
             load_workload(spec)
         except BelayerError as exc:
             fail(f"--workload-plugin {spec!r}: {exc}")
+    return tuple(dict.fromkeys(specs))
+
+
+def check_reward_functions(specs: list[str]) -> tuple[str, ...]:
+    """Import every ``--reward-function`` here first: one that cannot be imported is one
+    clear error before anything starts."""
+    for spec in specs:
+        try:
+            load_reward_functions([spec])
+        except BelayerError as exc:
+            fail(f"--reward-function {spec!r}: {exc}")
     return tuple(dict.fromkeys(specs))
 
 

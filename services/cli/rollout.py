@@ -107,6 +107,16 @@ ROLLOUT_ID = typer.Option(
 ROLLOUT_TIMEOUT = typer.Option(
     3600.0, "--timeout", min=1.0, callback=finite, help="Seconds to wait for the rollout."
 )
+ROLLOUT_REWARD = typer.Option(
+    [],
+    "--reward",
+    help="A reward function package.module:function scoring the trajectories instead of the "
+    "workload's reward, TRL-shaped: fn(prompts, completions, **columns) -> list[float | None] "
+    "(repeatable; each enabled on the node with belayer up --reward-function).",
+)
+ROLLOUT_REWARD_WEIGHTS = typer.Option(
+    [], "--reward-weights", help="One weight per --reward, in order (default: all 1)."
+)
 ROLLOUT_JSON = typer.Option(False, "--json", help="Print a JSON summary on stdout.")
 ROLLOUT_NATS_URL = typer.Option("", "--nats-url", help="NATS URL (default: the running node's).")
 
@@ -131,6 +141,8 @@ def rollout(
     timeout: float = ROLLOUT_TIMEOUT,
     json_out: bool = ROLLOUT_JSON,
     nats_url: str = ROLLOUT_NATS_URL,
+    reward: list[str] = ROLLOUT_REWARD,
+    reward_weights: list[float] = ROLLOUT_REWARD_WEIGHTS,
 ) -> None:
     """Run agentic rollouts on the node: each trajectory alternates LLM turns with actions in its
     sandbox; sandbox failures are recovered by restoring the latest ready checkpoint together
@@ -150,7 +162,7 @@ def rollout(
             sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
             seed=seed, max_turns=max_turns, deadline_s=deadline, policy=policy,
             failure_rate=failure_rate, inject=faults, concurrency=concurrency,
-            max_attempts=max_attempts,
+            max_attempts=max_attempts, rewards=list(reward), reward_weights=list(reward_weights),
         )
     )  # fmt: skip
     console = Console(file=sys.stderr)

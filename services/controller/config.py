@@ -20,6 +20,9 @@ class ControllerConfig(ServiceConfig):
     """Trajectory attempts running at once on this controller, over all rollouts."""
     default_concurrency: int = 8
     """Attempts of one rollout running at once when the request says 0."""
+    reward_functions: tuple[str, ...] = ()
+    """``module:function`` reward functions a rollout request may name (``belayer up
+    --reward-function``): importing one runs its code, so each is enabled here first."""
     workload_plugins: tuple[str, ...] = ()
     """``module:factory`` workload plugins a rollout request may name (``belayer up
     --workload-plugin``). Importing one runs its code, so a spec in a request is not enough;

@@ -33,6 +33,7 @@ from common.errors import (
     BusUnavailable,
     Conflict,
     ResourceLimit,
+    RewardFailed,
     SandboxError,
     Timeout,
 )
@@ -131,6 +132,8 @@ class TrajectoryRunner:
         self.sample = slot % ctx.request.n
         self.env = ctx.env
         self.log = log.bind(trajectory_id=self.trajectory_id)
+        self.reward_error = ""
+        """Why the reward functions failed on this trajectory (``RewardFailed``)."""
         req, cfg = ctx.request, ctx.config
         limits = task.limits
         self.core = TrajectoryCore(
@@ -312,6 +315,13 @@ class TrajectoryRunner:
             else:
                 handle = SandboxHandle(ops=self.env, sandbox_id=self.sandbox_id)
                 reward = await self.ctx.workload.reward(self.task, handle)
+        except RewardFailed as exc:
+            # The user's reward function, not the infrastructure: a typed record on the
+            # trajectory (its reward means nothing; the trainer leaves it out), never a retry.
+            self.reward_error = str(exc)[:300]
+            self.log.warning("reward_failed", error=self.reward_error)
+            core.finished(action.reason, action.detail, 0.0)
+            return
         except BelayerError as exc:
             if exc.code == "invalid_request" or self.task.sandbox is None:
                 core.fail(f"scoring failed: {exc}")
@@ -490,7 +500,7 @@ class TrajectoryRunner:
             turns=c.turn, restores=c.recovery.restores,
             restarts_from_scratch=c.recovery.restarts_from_scratch,
             checkpoints=c.recovery.checkpoints, sandbox_failures=c.recovery.sandbox_failures,
-            detail=(f.detail if f else "")[:300],
+            detail=(f.detail if f else "")[:300], reward_error=self.reward_error,
         )  # fmt: skip
 
     def record(self) -> Trajectory:
@@ -504,7 +514,7 @@ class TrajectoryRunner:
             weight_versions=c.weight_versions, reward=f.reward, turns=c.turn,
             finish_reason=f.reason, actions=c.actions, timings=c.timings, recovery=c.recovery,
             seed=c.sample_seed, policy=c.policy.config.name, detail=f.detail,
-            temperature=self.ctx.request.sampling.temperature,
+            temperature=self.ctx.request.sampling.temperature, reward_error=self.reward_error,
         )  # fmt: skip
 
     async def end(self) -> TrajectoryRow:

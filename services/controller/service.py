@@ -54,6 +54,7 @@ from services.environment.client import EnvClient
 from workloads import plugins
 from workloads.base import Task, Workload
 from workloads.registry import load_workload
+from workloads.rewards import RewardFunctions, check_weights, load_reward_functions
 
 log = get_logger(service="controller")
 
@@ -74,6 +75,7 @@ def row_of(record: Trajectory) -> TrajectoryRow:
         reward=record.reward, turns=record.turns, restores=rec.restores,
         restarts_from_scratch=rec.restarts_from_scratch, checkpoints=rec.checkpoints,
         sandbox_failures=rec.sandbox_failures, detail=record.detail[:300],
+        reward_error=record.reward_error,
     )  # fmt: skip
 
 
@@ -162,7 +164,23 @@ class Controller(Service[ControllerConfig]):
                 raise InvalidRequest(
                     f"cannot load workload {req.workload!r}: {exc}", field="$.dataset"
                 ) from None
+        if req.rewards:
+            return self.rewarded(req, self.workloads[key])
         return self.workloads[key]
+
+    def rewarded(self, req: RolloutRequest, base: Workload) -> Workload:
+        """``base`` scored by the request's reward functions, each one the node enables."""
+        off = [spec for spec in req.rewards if spec not in self.config.reward_functions]
+        if off:
+            raise Unauthorized(
+                "this node does not run that reward function: start the node with "
+                "`belayer up --reward-function SPEC`",
+                functions=off,
+                field="$.rewards",
+                enabled=list(self.config.reward_functions),
+            )
+        weights = check_weights(req.rewards, req.reward_weights)
+        return RewardFunctions(base, load_reward_functions(req.rewards), weights)
 
     async def tasks_of(self, req: RolloutRequest, workload: Workload) -> list[Task]:
         if req.task_ids:
@@ -182,6 +200,11 @@ class Controller(Service[ControllerConfig]):
         except ValueError as exc:
             raise InvalidRequest(str(exc), field="$.inject") from None
         sandboxed = [t for t in tasks if t.sandbox is not None]
+        if sandboxed and req.rewards:
+            raise InvalidRequest(
+                "reward functions score answer tasks; this workload's run in a sandbox",
+                field="$.rewards",
+            )
         if not sandboxed and any(s.kind in SANDBOX_KINDS for s in req.inject):
             raise InvalidRequest(
                 f"workload {req.workload!r} runs no sandbox: nothing for a sandbox injection",

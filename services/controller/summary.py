@@ -35,7 +35,8 @@ def summarize(
         ),
         running=sum(1 for r in rows if r.state == "running"),
         restored=sum(1 for r in finished if r.restores or r.restarts_from_scratch),
-        mean_reward=sum(r.reward for r in finished) / len(finished) if finished else 0.0,
+        reward_failures=sum(1 for r in finished if r.reward_error),
+        mean_reward=_mean([r.reward for r in finished if not r.reward_error]),
         failures_injected=state.failures_injected,
         failures_recovered=state.failures_recovered,
         controller_restarts=max(0, state.incarnations - 1),
@@ -64,3 +65,8 @@ def summarize(
     ):
         setattr(out, name, round(getattr(out, name), 4))
     return out
+
+
+def _mean(values: list[float]) -> float:
+    """The mean of ``values`` (0.0 for none: nothing scored)."""
+    return sum(values) / len(values) if values else 0.0

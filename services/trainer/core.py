@@ -63,11 +63,19 @@ STD_EPS = 1e-4
 
 # --- advantages ---------------------------------------------------------------------------------
 def group_advantages(
-    rewards: Tensor | Sequence[float], group_size: int, *, scale: ScaleRewards = "group"
+    rewards: Tensor | Sequence[float],
+    group_size: int,
+    *,
+    scale: ScaleRewards = "group",
+    valid: Sequence[bool] | None = None,
 ) -> Tensor:
     """Group-relative advantages of ``rewards`` (``[groups * group_size]``, each group's samples
     contiguous): ``(r - mean_group) / (std + 1e-4)`` with the std of ``scale`` (see the module
-    doc). Returns fp32 ``[groups * group_size]``; a constant group gets 0, never NaN."""
+    doc). Returns fp32 ``[groups * group_size]``; a constant group gets 0, never NaN.
+
+    ``valid`` (default: all) leaves samples out: a sample whose reward failed gets advantage
+    0, and the mean and std it would have entered are those of the valid samples only (so
+    with every sample valid the result is TRL's, bit for bit)."""
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -75,6 +83,8 @@ def group_advantages(
         raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}")
     if not bool(torch.isfinite(r).all()):
         raise ValueError("rewards must be finite")
+    if valid is not None and not all(valid):
+        return _masked_advantages(r, group_size, scale, torch.tensor(list(valid)))
     grouped = r.view(-1, group_size)
     mean = grouped.mean(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
     advantages = r - mean
@@ -91,6 +101,30 @@ def group_advantages(
     else:
         raise ValueError(f"scale must be group, batch or none, got {scale!r}")
     return advantages / (std + STD_EPS)
+
+
+def _masked_advantages(r: Tensor, group_size: int, scale: ScaleRewards, ok: Tensor) -> Tensor:
+    """``group_advantages`` over the ``ok`` samples only; the others get 0."""
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be group, batch or none, got {scale!r}")
+    out = torch.zeros_like(r)
+    kept = r[ok]
+    for g in range(r.numel() // group_size):
+        idx = torch.arange(g * group_size, (g + 1) * group_size)
+        idx = idx[ok[idx]]
+        if idx.numel() == 0:
+            continue
+        vals = r[idx]
+        adv = vals - vals.mean()
+        if scale == "group":
+            std = vals.std(correction=1) if idx.numel() > 1 else torch.zeros(())
+        elif scale == "batch":
+            std = kept.std(correction=1) if kept.numel() > 1 else torch.zeros(())
+        else:
+            out[idx] = adv
+            continue
+        out[idx] = adv / (std + STD_EPS)
+    return out
 
 
 # --- loss ---------------------------------------------------------------------------------------
@@ -208,6 +242,9 @@ class Sample:
     """Per response token: the weight version that produced it (model tokens)."""
     reward: float
     """The trajectory's reward."""
+    reward_failed: bool = False
+    """Its reward functions failed (``Trajectory.reward_error``): it gets no advantage and
+    its group's mean and std are those of the others."""
     temperature: float = 1.0
     """Sampling temperature of the rollout (0, greedy, is scored at 1)."""
     stream_seq: int = 0

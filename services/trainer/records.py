@@ -35,6 +35,7 @@ def to_sample(traj: Trajectory, stream_seq: int, default_temperature: float) -> 
         rollout_logprobs=tuple(traj.logprobs),
         weight_versions=tuple(traj.weight_versions),
         reward=traj.reward,
+        reward_failed=bool(traj.reward_error),
         temperature=float(getattr(traj, "temperature", default_temperature)),
         stream_seq=stream_seq,
         slot=traj.slot,

@@ -83,6 +83,7 @@ class StepResult:
     loss: float
     """Mean loss per optimiser step."""
     reward_mean: float
+    """Over the samples whose reward did not fail (``Sample.reward_failed``)."""
     reward_std: float
     advantage_abs_mean: float
     samples: int
@@ -236,7 +237,9 @@ def grpo_step(
     doc. Mutates ``state``; returns the step's measurements."""
     check_grouped(samples, group_size)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    adv = group_advantages(rewards, group_size, scale=grpo.scale_rewards)
+    valid = [not s.reward_failed for s in samples]
+    adv = group_advantages(rewards, group_size, scale=grpo.scale_rewards, valid=valid)
+    scored = torch.tensor(valid)  # the step's reward statistics leave failed rewards out
     plan = plan_micro_batches(samples, state.step, grpo, optim.seed)
     max_len = grpo.max_completion_length or max(len(s.response_ids) for s in samples)
     t0 = time.perf_counter()
@@ -314,8 +317,8 @@ def grpo_step(
         step=state.step,
         version=state.version,
         loss=stats.loss / max(1, stats.optimizer_steps),
-        reward_mean=float(rewards.mean()),
-        reward_std=float(rewards.std(correction=0)),
+        reward_mean=float(rewards[scored].mean()) if bool(scored.any()) else 0.0,
+        reward_std=float(rewards[scored].std(correction=0)) if bool(scored.any()) else 0.0,
         advantage_abs_mean=float(adv.abs().mean()),
         samples=len(samples),
         groups=len(samples) // group_size,
@@ -354,7 +357,8 @@ def find_poison(
     state.model.eval()
     try:
         rewards = [s.reward for s in samples]
-        adv = group_advantages(rewards, group_size, scale=grpo.scale_rewards)
+        valid = [not s.reward_failed for s in samples]
+        adv = group_advantages(rewards, group_size, scale=grpo.scale_rewards, valid=valid)
     except ValueError:
         adv = torch.zeros(len(samples))
     out: dict[str, str] = {}

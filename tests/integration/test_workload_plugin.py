@@ -2,7 +2,9 @@
 PYTHONPATH as a user would put it) enabled with ``belayer up --workload-plugin``; ``belayer
 rollout`` runs its tasks on the controller, which scores them with the plugin's own reward; a
 plugin the node was not started with is refused ``unauthorized`` — the controller imports no
-code a request names."""
+code a request names. Reward functions (TRL-shaped, ``belayer rollout --reward``) score instead
+of the workload's reward; one that raises leaves a typed ``reward_error`` on each trajectory,
+counted in ``reward_failures``, and the rollout completes."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ pytestmark = pytest.mark.timeout(300)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plugin"
 SPEC = "belayer_example_tasks:make"
+BREVITY = "belayer_example_rewards:brevity"
+BROKEN = "belayer_example_rewards:broken"
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,10 @@ def plugin_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     with pytest.MonkeyPatch.context() as mp:
         path = os.environ.get("PYTHONPATH", "")
         mp.setenv("PYTHONPATH", f"{EXAMPLE}{os.pathsep}{path}" if path else str(EXAMPLE))
-        node = start_node(tmp_path_factory.mktemp("plugin"), "--workload-plugin", SPEC)
+        node = start_node(
+            tmp_path_factory.mktemp("plugin"), "--workload-plugin", SPEC,
+            "--reward-function", BREVITY, "--reward-function", BROKEN,
+        )  # fmt: skip
         try:
             yield node
         finally:
@@ -51,4 +58,38 @@ def test_a_plugin_the_node_does_not_enable_is_refused(plugin_node: Node) -> None
     )  # fmt: skip
     assert out.returncode != 0
     assert "does not run that workload plugin" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def _rollout(node: Node, *extra: str) -> dict:
+    args = ["rollout", SPEC, "--tasks", "2", "--n", "2", "--max-tokens", "8", "--json", *extra]
+    return dict(json.loads(cli(*args, run_dir=node.run_dir, timeout=180).stdout))
+
+
+def test_reward_functions_score_instead_of_the_workload(plugin_node: Node) -> None:
+    result = _rollout(plugin_node, "--reward", BREVITY, "--reward-weights", "2")
+    assert result["trajectories_completed"] == 4 and result["reward_failures"] == 0
+    for row in result["trajectories"]:
+        assert row["reward_error"] == ""
+        assert 0.0 < row["reward"] <= 2.0  # 2 × (1 - characters / 100) of a short response
+
+
+def test_a_failing_reward_function_is_a_counted_record_not_a_failed_rollout(
+    plugin_node: Node,
+) -> None:
+    result = _rollout(plugin_node, "--reward", BROKEN)
+    assert result["trajectories_completed"] == 4 == result["reward_failures"]
+    assert result["trajectories_failed"] == 0
+    for row in result["trajectories"]:
+        assert row["state"] == "finished"
+        assert "broken on purpose" in row["reward_error"]
+        assert BROKEN in row["reward_error"]
+
+
+def test_a_reward_function_the_node_does_not_enable_is_refused(plugin_node: Node) -> None:
+    out = cli(
+        "rollout", SPEC, "--tasks", "1", "--reward", "belayer_example_rewards:exact",
+        run_dir=plugin_node.run_dir, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode != 0 and "does not run that reward function" in out.stderr
     assert "Traceback" not in out.stderr

@@ -56,10 +56,10 @@ def _module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, body: st
     [
         ("no_such_module_xyz:make", None, "cannot import the workload plugin's module"),
         ("bad_plugin_a:make", "raise RuntimeError('boom at import')\n", "raised while importing"),
-        ("bad_plugin_b:make", "x = 1\n", "has no such factory"),
+        ("bad_plugin_b:make", "x = 1\n", "has no such callable"),
         ("bad_plugin_c:make", "def make():\n    raise ValueError('no data')\n", "factory raised"),
         ("bad_plugin_d:make", "def make():\n    return object()\n", "did not return a workload"),
-        ("not a spec:", None, "package.module:factory"),
+        ("not a spec:", None, "package.module:attribute"),
     ],
 )
 def test_a_broken_plugin_is_one_clear_error(

@@ -1,0 +1,77 @@
+"""TRL-shaped reward functions (``workloads.rewards``): called with lists of one in TRL's
+conversational format and the task's columns, combined as TRL combines ``reward_funcs``
+(weighted sum over the functions that apply), every failure a typed ``RewardFailed``; and the
+trainer's side: a sample whose reward failed gets no advantage and leaves its group's
+statistics, while with none failed the advantages are TRL's bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.errors import InvalidRequest, RewardFailed
+from services.trainer.core import group_advantages
+from workloads import load_workload
+from workloads.rewards import RewardFunctions, check_weights, combine, load_reward_functions
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plugin"
+
+
+@pytest.fixture
+def capitals(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    return load_workload("belayer_example_tasks:make")
+
+
+def _scored(workload, specs, weights, task, text):  # type: ignore[no-untyped-def]
+    rewarded = RewardFunctions(
+        workload, load_reward_functions(specs), check_weights(specs, weights)
+    )
+    return asyncio.run(rewarded.reward(task, text))
+
+
+def test_trl_combination() -> None:
+    assert combine([1.0, 0.5], [1.0, 2.0]) == 2.0
+    assert combine([None, 0.5], [1.0, 2.0]) == 1.0  # None: not applicable, left out (nansum)
+    assert combine([None, None], [1.0, 1.0]) is None
+    assert check_weights(["a:b", "c:d"], []) == [1.0, 1.0]
+    with pytest.raises(InvalidRequest, match="one reward weight per reward function"):
+        check_weights(["a:b"], [1.0, 2.0])
+
+
+def test_functions_get_the_conversation_and_the_columns(capitals) -> None:  # type: ignore[no-untyped-def]
+    task = capitals.tasks(1, seed=0)[0]
+    word = task.metadata["word"]
+    right = f"Answer: {word.upper()}"
+    assert _scored(capitals, ["belayer_example_rewards:exact"], [], task, right) == 1.0
+    assert _scored(capitals, ["belayer_example_rewards:exact"], [], task, f"Answer: {word}") == 0.0
+    both = _scored(capitals, ["belayer_example_rewards:exact", "belayer_example_rewards:brevity"],
+                   [1.0, 0.5], task, right)  # fmt: skip
+    assert both == pytest.approx(1.0 + 0.5 * (1 - len(right) / 100))
+
+
+def test_a_failing_function_is_a_typed_reward_failure(capitals) -> None:  # type: ignore[no-untyped-def]
+    task = capitals.tasks(1, seed=0)[0]
+    with pytest.raises(RewardFailed, match="the reward function raised") as info:
+        _scored(capitals, ["belayer_example_rewards:broken"], [], task, "Answer: X")
+    assert info.value.data["function"] == "belayer_example_rewards:broken"
+    assert "broken on purpose" in info.value.data["error"]
+    consonant = next(t for t in capitals.tasks(40, seed=1) if t.metadata["word"][0] not in "aeiou")
+    with pytest.raises(RewardFailed, match="no reward function applies"):
+        _scored(capitals, ["belayer_example_rewards:vowels_only"], [], consonant, "Answer: X")
+
+
+def test_group_advantages_leave_failed_rewards_out() -> None:
+    r = [1.0, 0.0, 0.5, 0.25, 0.0, 1.0, 1.0, 0.0]
+    plain = group_advantages(r, 4)
+    assert torch.equal(group_advantages(r, 4, valid=[True] * 8), plain)  # TRL's, bit for bit
+    masked = group_advantages(r, 4, valid=[True, True, False, True, True, True, True, True])
+    assert masked[2] == 0.0
+    assert torch.allclose(masked[:2], group_advantages([1.0, 0.0, 0.25], 3)[:2])
+    assert masked[3] == group_advantages([1.0, 0.0, 0.25], 3)[2]
+    assert torch.equal(masked[4:], plain[4:])  # the other group is untouched
+    alone = group_advantages(r, 4, valid=[False, False, False, False, True, True, True, True])
+    assert torch.equal(alone[:4], torch.zeros(4))

@@ -1,0 +1,131 @@
+"""Reward functions shaped like TRL's: ``fn(prompts, completions, **columns) -> list[float |
+None]``, loaded by ``module:function`` spec and combined as TRL's ``GRPOTrainer`` combines
+its ``reward_funcs``: each function's value times its weight, summed over the functions that
+gave one (``None``: not applicable to this sample — TRL's ``nansum``).
+
+Belayer scores one trajectory at a time, so every call gets lists of one, in TRL's
+conversational format: ``prompts=[[{"role": …, "content": …}, …]]`` (the task's chat),
+``completions=[[{"role": "assistant", "content": <final response>}]]``, and as columns
+``task_id``, ``answer`` (the task's reference answer) and each of the task's ``metadata`` keys
+— all lists of one. A function runs in a worker thread, so a slow one does not stall the
+controller.
+
+A function that raises, returns something other than a list of one finite number or ``None``,
+or a sample every function calls not applicable, is ``RewardFailed`` naming the function: that
+trajectory's reward failed (recorded as ``Trajectory.reward_error`` and counted), the rollout
+and the training step go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from common.errors import InvalidRequest, RewardFailed
+from workloads.base import Outcome, Task, Workload
+from workloads.plugins import import_callable
+
+RewardFn = Callable[..., Any]
+"""``fn(prompts, completions, **columns) -> list[float | None]``."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One reward function: its spec (its name in errors) and the callable."""
+
+    spec: str
+    fn: RewardFn
+
+
+def load_reward_functions(specs: Sequence[str]) -> list[Loaded]:
+    """Import every spec; ``InvalidRequest`` naming the first that cannot be imported."""
+    return [Loaded(spec, import_callable(spec, "reward function")) for spec in specs]
+
+
+def check_weights(specs: Sequence[str], weights: Sequence[float]) -> list[float]:
+    """The weights to use: one per function (empty: all 1)."""
+    if not weights:
+        return [1.0] * len(specs)
+    if len(weights) != len(specs):
+        raise InvalidRequest(
+            "give one reward weight per reward function", functions=len(specs), weights=len(weights)
+        )
+    if not all(math.isfinite(w) for w in weights):
+        raise InvalidRequest("reward weights must be finite numbers")
+    return [float(w) for w in weights]
+
+
+def combine(values: Sequence[float | None], weights: Sequence[float]) -> float | None:
+    """TRL's combination: the weighted sum over the functions that gave a value; ``None``
+    when none did."""
+    given = [(v, w) for v, w in zip(values, weights, strict=True) if v is not None]
+    if not given:
+        return None
+    return float(sum(v * w for v, w in given))
+
+
+def columns_of(task: Task) -> dict[str, list[Any]]:
+    """The keyword arguments a reward function gets besides prompts and completions."""
+    cols: dict[str, list[Any]] = {k: [v] for k, v in task.metadata.items()}
+    cols.update(task_id=[task.id], answer=[task.reference_answer])
+    return cols
+
+
+async def call_one(f: Loaded, task: Task, completion: str) -> float | None:
+    """One function's value for one trajectory (``RewardFailed`` if it fails)."""
+    prompts = [[{"role": m.role, "content": m.content} for m in task.prompt]]
+    completions = [[{"role": "assistant", "content": completion}]]
+    try:
+        out = await asyncio.to_thread(
+            f.fn, prompts=prompts, completions=completions, **columns_of(task)
+        )
+    except Exception as exc:  # the user's code: one typed record, never the step
+        raise RewardFailed(
+            "the reward function raised", function=f.spec, error=f"{type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(out, list | tuple) or len(out) != 1:
+        raise RewardFailed(
+            "a reward function returns a list with one value per completion",
+            function=f.spec,
+            returned=type(out).__name__,
+        )
+    value = out[0]
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RewardFailed(
+            "a reward is a finite number or None", function=f.spec, returned=repr(value)[:80]
+        )
+    return float(value)
+
+
+class RewardFunctions:
+    """``base``'s tasks, scored by reward functions instead of ``base.reward``."""
+
+    def __init__(self, base: Workload, functions: list[Loaded], weights: list[float]) -> None:
+        self.base, self.functions, self.weights = base, functions, weights
+        self.name = base.name
+
+    def tasks(self, count: int, seed: int = 0) -> list[Task]:
+        return self.base.tasks(count, seed)
+
+    def held_out(self, count: int) -> list[Task]:
+        return self.base.held_out(count)
+
+    def task(self, task_id: str) -> Task:
+        return self.base.task(task_id)
+
+    async def reward(self, task: Task, outcome: Outcome) -> float:
+        if not isinstance(outcome, str):
+            raise InvalidRequest("reward functions score answer tasks (no sandbox)", task=task.id)
+        values = [await call_one(f, task, outcome) for f in self.functions]
+        total = combine(values, self.weights)
+        if total is None:
+            raise RewardFailed(
+                "no reward function applies to this sample (every one returned None)",
+                functions=[f.spec for f in self.functions],
+            )
+        return total
