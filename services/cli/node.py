@@ -26,7 +26,8 @@ from schemas.node import SupervisorStatus
 from schemas.serving import RouterStatus
 from services.cli.auth import preflight
 from services.cli.shared import fail, print_json, run, with_bus
-from services.rl.node import NodeFailed, launch, pid_alive, shut_down
+from services.rl.node import NodeFailed, docker_usable, launch, pid_alive, shut_down
+from services.rl.run import run_paths
 from services.router.client import router_status
 from services.supervisor.client import supervisor_status
 from services.supervisor.config import SupervisorConfig
@@ -41,25 +42,6 @@ CREDS_HELP = (
     "Credentials (nkey seed file) for an existing, secured deployment. Default: "
     "$BELAYER_CREDS, else the running node's client identity from its run dir."
 )
-
-
-def run_paths(run_dir: Path | None) -> RunPaths:
-    """``--run-dir`` if given, else ``$BELAYER_HOME``, else ``./.belayer``."""
-    return RunPaths(run_dir.resolve()) if run_dir else RunPaths.default()
-
-
-def docker_usable(timeout: float = 3.0) -> bool:
-    """Whether dockerd answers on its socket (then ``up`` runs the environment service)."""
-    try:
-        import docker
-
-        client = docker.DockerClient(version="auto", timeout=int(max(1, timeout)))
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:  # no SDK, no socket, no daemon: no sandboxes
-        return False
 
 
 # `belayer up`'s options (declared here, so that `up` reads as what it does)

@@ -57,7 +57,14 @@ SWITCH_S = 60.0
 
 
 class Quiet:
-    """Progress hooks that show nothing (a caller without a terminal: the benchmarks)."""
+    """Progress hooks that show nothing (a caller without a terminal: the benchmarks, the
+    Python API)."""
+
+    def __enter__(self) -> Quiet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
     def begin_step(self, step: int, steps: int) -> None:
         pass

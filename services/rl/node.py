@@ -134,6 +134,20 @@ class NodeFailed(FatalError):
     code = "node_failed"
 
 
+def docker_usable(timeout: float = 3.0) -> bool:
+    """Whether dockerd answers on its socket (then ``up`` runs the environment service)."""
+    try:
+        import docker
+
+        client = docker.DockerClient(version="auto", timeout=int(max(1, timeout)))
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # no SDK, no socket, no daemon: no sandboxes
+        return False
+
+
 def pid_alive(pid: int | None) -> bool:
     if not pid:
         return False

@@ -4,14 +4,30 @@ it) and its status. Importing this module does not load torch; the GRPO math its
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from nats.aio.client import Client as NATS
 
 from common import subjects
 from common.bus import request
 from schemas.trainer import TrainerStatus, TrainerStatusRequest
+from services.trainer import journal
 from services.trainer.config import GrpoConfig, TrainerConfig
 
-__all__ = ["GrpoConfig", "TrainerConfig", "trainer_status"]
+__all__ = ["GrpoConfig", "TrainerConfig", "drop_unreplayable_plans", "trainer_status"]
+
+
+def drop_unreplayable_plans(checkpoint_dir: Path) -> list[int]:
+    """Remove the durable plans of the steps after the trainer's latest checkpoint (a fresh
+    node's bus holds none of their trajectories, so they cannot be redone from the plan: the
+    run redoes them with new rollouts). Returns those steps. No torch, no bus."""
+    latest = journal.latest_checkpoint(checkpoint_dir)
+    step = latest[0] if latest else 0
+    dropped = []
+    for plan in journal.plans_after(checkpoint_dir, step):
+        journal.plan_path(checkpoint_dir, plan.step).unlink(missing_ok=True)
+        dropped.append(plan.step)
+    return dropped
 
 
 async def trainer_status(nc: NATS, timeout: float = 2.0) -> TrainerStatus:

@@ -22,11 +22,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = ("schemas", "common", "model", "workloads", "services", "bench", "deploy")
+OURS = ("schemas", "common", "model", "workloads", "services", "belayer", "bench", "deploy")
 TOPS = ("services.cli", "bench")
 CLI = "services.cli"
 LIBRARY = "services.rl"
 """The RL loop library: above every service, below the CLI and the benchmarks."""
+API = "belayer"
+"""The Python API: above the RL library and the services' clients, below the CLI and bench."""
 
 #: What each layer may import of ours (besides itself).
 ALLOWED: dict[str, tuple[str, ...]] = {
@@ -101,7 +103,18 @@ def layer_violation(src: str, dst: str) -> str | None:
         if within(src, "bench"):
             return None
         return "nothing imports the CLI or the benchmarks"
-    if within(dst, LIBRARY) and not (within(src, LIBRARY) or any(within(src, t) for t in TOPS)):
+    if within(dst, API) and not within(src, API):
+        if within(src, CLI) or within(src, "bench"):
+            return None
+        return "the Python API (belayer/) is imported only by the CLI and the benchmarks"
+    if within(src, API):
+        if dst_top != "services" or within(dst, LIBRARY) or dst.split(".")[-1] == "client":
+            return None
+        if within(dst, ".".join(dst.split(".")[:2]) + ".client"):
+            return None
+        return "the Python API reaches the services through their client.py and services/rl"
+    ok_above = within(src, LIBRARY) or within(src, API) or any(within(src, t) for t in TOPS)
+    if within(dst, LIBRARY) and not ok_above:
         return "services/rl is above the services: only the CLI and the benchmarks import it"
     src_top = src.split(".")[0]
     if src_top in ALLOWED:
@@ -182,6 +195,13 @@ def test_no_module_hands_out_names_lazily() -> None:
         ("services.cli.main", "bench.train", True),
         ("services.cli.run", "services.rl.loop", True),
         ("services.rl.loop", "services.cli.run", False),
+        ("belayer.api", "services.rl.run", True),
+        ("belayer.api", "services.router.client", True),
+        ("belayer.api", "services.router.core", False),
+        ("belayer.api", "services.cli.run", False),
+        ("services.rl.run", "belayer.api", False),
+        ("services.router.service", "belayer", False),
+        ("services.cli.main", "belayer", True),
         ("services.rl.warm", "bench.report", False),
         ("services.rl.loop", "services.controller.client", True),
         ("services.rl.loop", "services.controller.core", False),
