@@ -266,7 +266,11 @@ class Node:
         return future.result()
 
     def open(self) -> Node:
-        self._call(self._node.open())
+        try:
+            self._call(self._node.open())
+        except BaseException:
+            self.close()  # nothing to attach to: the private loop ends too
+            raise
         return self
 
     def close(self) -> None:

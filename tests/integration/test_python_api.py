@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,39 +20,48 @@ from schemas.events import HandoverComplete
 pytestmark = pytest.mark.timeout(400)
 
 
-def test_node_generates_rolls_out_and_follows_a_handover(tmp_path: Path) -> None:
-    run_dir = tmp_path / "node"
-    with belayer.Node(run_dir) as node:
+@pytest.fixture(scope="module")
+def api_node(tmp_path_factory: pytest.TempPathFactory, warm_model) -> Iterator[belayer.Node]:  # type: ignore[no-untyped-def]
+    """One node for the module, started through the API: a trainer of 2 tasks × 2 samples on
+    the warm-started math model."""
+    run_dir = tmp_path_factory.mktemp("api") / "node"
+    node = belayer.Node(run_dir, training=True, model=warm_model("math"), tasks=2, n=2)
+    with node:
         assert node.started and (run_dir / "node.json").exists()
-        a = node.generate("Once upon a time", max_tokens=24, temperature=0, ignore_eos=True)
-        b = node.generate("Once upon a time", max_tokens=24, temperature=0, ignore_eos=True)
-        assert isinstance(a, belayer.GenerateResult) and len(a.token_ids) == 24
-        assert a.token_ids == b.token_ids and a.text == b.text
-
-        streamed: list[int] = []
-        c = node.generate("Once upon a time", max_tokens=24, temperature=0, ignore_eos=True,
-                          on_tokens=streamed.extend)  # fmt: skip
-        assert streamed == c.token_ids == a.token_ids
-
-        result = node.rollout("math", tasks=2, n=2, max_tokens=16)
-        assert isinstance(result, belayer.RolloutResult)
-        assert result.summary.trajectories_completed == 4 == len(result.rows)
-
-        with belayer.Node(run_dir, start=False) as attached:  # the same node, not a new one
-            assert not attached.started
-            assert attached.status()["run_id"] == node.status()["run_id"]
-        assert (run_dir / "node.json").exists()  # still running: the attached one left it
-
-        worker = next(p for p in node.status()["procs"] if p["name"] == "worker-e0")
-        seen = node.events(kinds=["handover_complete"], timeout=60)
-        os.kill(worker["pid"], signal.SIGKILL)  # the subscription is live from here on
-        ev = next(seen)
-        assert isinstance(ev, belayer.EventBase) and ev.kind == "handover_complete"
-        assert isinstance(ev, HandoverComplete) and ev.engine_id == "e0"
-        assert ev.old_pid == worker["pid"]
-        after = node.generate("Once upon a time", max_tokens=24, temperature=0, ignore_eos=True)
-        assert after.token_ids == a.token_ids  # the shadow serves the same weights
+        yield node
     assert not (run_dir / "node.json").exists()  # the Node that started it stopped it
+
+
+def test_node_generates_rolls_out_and_follows_a_handover(api_node: belayer.Node) -> None:
+    node, run_dir = api_node, api_node.run_dir
+    a = node.generate("Once upon a time", max_tokens=24, temperature=0, ignore_eos=True)
+    b = node.generate("Once upon a time", max_tokens=24, temperature=0, ignore_eos=True)
+    assert isinstance(a, belayer.GenerateResult) and len(a.token_ids) == 24
+    assert a.token_ids == b.token_ids and a.text == b.text
+
+    streamed: list[int] = []
+    c = node.generate("Once upon a time", max_tokens=24, temperature=0, ignore_eos=True,
+                      on_tokens=streamed.extend)  # fmt: skip
+    assert streamed == c.token_ids == a.token_ids
+
+    result = node.rollout("math", tasks=2, n=2, max_tokens=16)
+    assert isinstance(result, belayer.RolloutResult)
+    assert result.summary.trajectories_completed == 4 == len(result.rows)
+
+    with belayer.Node(run_dir, start=False) as attached:  # the same node, not a new one
+        assert not attached.started
+        assert attached.status()["run_id"] == node.status()["run_id"]
+    assert (run_dir / "node.json").exists()  # still running: the attached one left it
+
+    worker = next(p for p in node.status()["procs"] if p["name"] == "worker-e0")
+    seen = node.events(kinds=["handover_complete"], timeout=60)
+    os.kill(worker["pid"], signal.SIGKILL)  # the subscription is live from here on
+    ev = next(seen)
+    assert isinstance(ev, belayer.EventBase) and ev.kind == "handover_complete"
+    assert isinstance(ev, HandoverComplete) and ev.engine_id == "e0"
+    assert ev.old_pid == worker["pid"]
+    after = node.generate("Once upon a time", max_tokens=24, temperature=0, ignore_eos=True)
+    assert after.token_ids == a.token_ids  # the shadow serves the same weights
 
 
 def test_errors_are_typed(tmp_path: Path) -> None:
@@ -59,9 +69,10 @@ def test_errors_are_typed(tmp_path: Path) -> None:
         belayer.Node(tmp_path / "none", start=False).open()
 
 
-def test_async_node(tmp_path: Path) -> None:
+def test_async_node_attaches(api_node: belayer.Node) -> None:
     async def main() -> tuple[list[int], list[str]]:
-        async with belayer.AsyncNode(tmp_path / "anode") as node:
+        async with belayer.AsyncNode(api_node.run_dir, start=False) as node:
+            assert not node.started
             out = await node.generate("Once upon a time", max_tokens=8, temperature=0)
             with pytest.raises(belayer.InvalidRequest):
                 await node.run("math", steps=1, no_such_option=1)
@@ -71,12 +82,12 @@ def test_async_node(tmp_path: Path) -> None:
     assert len(tokens) >= 1 and "router" in procs
 
 
-def test_node_run_trains_one_step_and_returns_the_report(tmp_path: Path, warm_model) -> None:  # type: ignore[no-untyped-def]
-    """``node.run`` on a training node the API started: one GRPO step of math, the report
+def test_node_run_trains_one_step_and_returns_the_report(
+    api_node: belayer.Node, tmp_path: Path
+) -> None:
+    """``node.run`` on the training node the API started: one GRPO step of math, the report
     as ``belayer run --json`` prints it."""
-    model = warm_model("math")
-    with belayer.Node(tmp_path / "train", training=True, model=model, tasks=2, n=2) as node:
-        report = node.run("math", steps=1, tasks=2, n=2, held_out=2, out=tmp_path / "run")
+    report = api_node.run("math", steps=1, tasks=2, n=2, held_out=2, out=tmp_path / "run")
     assert report["steps"] == 1 and report["errors"] == []
     assert report["trajectories_completed"] == 4 and report["trajectories_lost"] == 0
     assert Path(report["run_dir"]) == (tmp_path / "run").resolve()
