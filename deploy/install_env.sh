@@ -51,6 +51,8 @@ apt_install docker.io iptables iproute2 ca-certificates xz-utils curl
 # A real Prometheus for the metrics test (belayer up --metrics-port); the package's service
 # is not started (no systemd here): tests run their own server.
 apt_install prometheus
+# tmux drives `belayer top` in a real terminal in its test.
+apt_install tmux
 
 # --- 2. CRIU 4.1.1 (before dockerd starts, so dockerd's PATH sees it) -------------------------
 criu_ok() { command -v criu >/dev/null && criu --version 2>/dev/null | grep -q "Version: 4\.1"; }
