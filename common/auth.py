@@ -47,12 +47,14 @@ ROLES = (
     "environment",
     "controller",
     "trainer",
+    "reward",
     "client",
     "operator",
 )
 """Every role. ``host``: the supervisor of a host that joins a deployment (``--role
 env-host``), which declares nothing; ``client``: a user's program or CLI (submit work, read
-status and events); ``operator``: the node owner's CLI (also sandboxes and ``down``)."""
+status and events); ``operator``: the node owner's CLI (also sandboxes and ``down``);
+``reward``: a reward service (any language) answering ``belayer.reward.<name>``."""
 
 P = subjects.PREFIX
 _INBOX_ALL = "_INBOX.>"
@@ -265,6 +267,7 @@ def _controller_grant() -> tuple[list[str], list[str]]:
             subjects.router_generate(),
             subjects.router_cancel(),
             subjects.router_status(),
+            subjects.REWARD_ALL,
             subjects.TRAJECTORIES_ALL,
             *_stream_read(subjects.STREAM_TRAJECTORIES),
             *_kv_write(subjects.BUCKET_ROLLOUTS),
@@ -274,6 +277,11 @@ def _controller_grant() -> tuple[list[str], list[str]]:
         ],
         [subjects.rollout_submit(), subjects.rollout_status()],
     )
+
+
+def _reward_grant() -> tuple[list[str], list[str]]:
+    """A reward service: answers ``belayer.reward.<name>`` (its replies go to inboxes)."""
+    return ([], [subjects.REWARD_ALL])
 
 
 def _trainer_grant() -> tuple[list[str], list[str]]:
@@ -300,6 +308,7 @@ _GRANTS: dict[str, Callable[[], tuple[list[str], list[str]]]] = {
     "environment": _environment_grant,
     "controller": _controller_grant,
     "trainer": _trainer_grant,
+    "reward": _reward_grant,
 }
 """The grant of each service role but ``engine`` (whose grant depends on its scope)."""
 

@@ -149,6 +149,15 @@ TRAJECTORIES_ALL = f"{PREFIX}.trajectories.>"
 """Every finished trajectory (stream TRAJECTORIES)."""
 
 
+def reward(name: str) -> str:
+    """Request: a reward service scores one trajectory (``RewardRequest`` → ``RewardReply``);
+    any process holding the ``reward`` identity may serve a name, in any language."""
+    return f"{PREFIX}.reward.{check_token(name, 'reward service name')}"
+
+
+REWARD_ALL = f"{PREFIX}.reward.>"
+
+
 def trainer_status() -> str:
     """Request: where the trainer stands (``TrainerStatusRequest`` → ``TrainerStatus``)."""
     return f"{PREFIX}.trainer.status"

@@ -53,6 +53,8 @@ apt_install docker.io iptables iproute2 ca-certificates xz-utils curl
 apt_install prometheus
 # tmux drives `belayer top` in a real terminal in its test.
 apt_install tmux
+# Node.js + npm: the reward-service test runs a service written in Node.js (nats.js).
+command -v node >/dev/null && command -v npm >/dev/null || apt_install nodejs npm
 
 # --- 2. CRIU 4.1.1 (before dockerd starts, so dockerd's PATH sees it) -------------------------
 criu_ok() { command -v criu >/dev/null && criu --version 2>/dev/null | grep -q "Version: 4\.1"; }

@@ -54,8 +54,8 @@ class RolloutDone(ControllerEvent, tag="RolloutDone.v1"):
     """Injected failures seen recovered."""
     rollout_s: float
     """Wall time of the rollout (seconds)."""
-    mean_reward: float
-    """Mean reward of the published trajectories."""
+    mean_reward: float | None
+    """Mean reward of the published trajectories whose reward did not fail (None: none)."""
 
 
 class TrajectoryFinished(ControllerEvent, tag="TrajectoryFinished.v1"):

@@ -179,8 +179,9 @@ class RolloutSummary(msgspec.Struct, kw_only=True):
     env_s: float = 0.0
     rollout_s: float = 0.0
     """Wall time from acceptance to the last slot's end."""
-    mean_reward: float = 0.0
-    """Over published trajectories whose reward did not fail (``reward_failures``)."""
+    mean_reward: float | None = 0.0
+    """Over published trajectories whose reward did not fail (``reward_failures``); ``None``
+    when there is none (nothing was scored: not a mean of 0)."""
     failures_injected: int = 0
     failures_recovered: int = 0
     controller_restarts: int = 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,17 +32,39 @@ RewardFn = Callable[..., Any]
 """``fn(prompts, completions, **columns) -> list[float | None]``."""
 
 
+SERVICE_PREFIX = "service:"
+"""A reward spec ``service:<name>`` asks the reward service ``belayer.reward.<name>`` on the
+bus instead of calling a Python function."""
+
+AskService = Callable[[str, Task, str], Awaitable[float | None]]
+"""``ask(name, task, completion)``: the score a reward service gives (``None``: not
+applicable); raises ``RewardFailed`` when it cannot get one."""
+
+
 @dataclass(frozen=True)
 class Loaded:
-    """One reward function: its spec (its name in errors) and the callable."""
+    """One reward function: its spec (its name in errors) and the callable, or the name of
+    the reward service that plays its part."""
 
     spec: str
-    fn: RewardFn
+    fn: RewardFn | None = None
+    service: str = ""
+
+
+def service_name(spec: str) -> str:
+    """The service a ``service:<name>`` spec names ("" for a ``module:function`` spec)."""
+    return spec.removeprefix(SERVICE_PREFIX) if spec.startswith(SERVICE_PREFIX) else ""
 
 
 def load_reward_functions(specs: Sequence[str]) -> list[Loaded]:
-    """Import every spec; ``InvalidRequest`` naming the first that cannot be imported."""
-    return [Loaded(spec, import_callable(spec, "reward function")) for spec in specs]
+    """Import every ``module:function`` spec (a ``service:<name>`` one imports nothing);
+    ``InvalidRequest`` naming the first that cannot be imported."""
+    return [
+        Loaded(spec, service=service_name(spec))
+        if service_name(spec)
+        else Loaded(spec, import_callable(spec, "reward function"))
+        for spec in specs
+    ]
 
 
 def check_weights(specs: Sequence[str], weights: Sequence[float]) -> list[float]:
@@ -74,8 +96,15 @@ def columns_of(task: Task) -> dict[str, list[Any]]:
     return cols
 
 
-async def call_one(f: Loaded, task: Task, completion: str) -> float | None:
+async def call_one(
+    f: Loaded, task: Task, completion: str, ask: AskService | None = None
+) -> float | None:
     """One function's value for one trajectory (``RewardFailed`` if it fails)."""
+    if f.service:
+        if ask is None:
+            raise RewardFailed("no bus to reach the reward service on", service=f.service)
+        return await ask(f.service, task, completion)
+    assert f.fn is not None
     prompts = [[{"role": m.role, "content": m.content} for m in task.prompt]]
     completions = [[{"role": "assistant", "content": completion}]]
     try:
@@ -105,8 +134,14 @@ async def call_one(f: Loaded, task: Task, completion: str) -> float | None:
 class RewardFunctions:
     """``base``'s tasks, scored by reward functions instead of ``base.reward``."""
 
-    def __init__(self, base: Workload, functions: list[Loaded], weights: list[float]) -> None:
-        self.base, self.functions, self.weights = base, functions, weights
+    def __init__(
+        self,
+        base: Workload,
+        functions: list[Loaded],
+        weights: list[float],
+        ask: AskService | None = None,
+    ) -> None:
+        self.base, self.functions, self.weights, self.ask = base, functions, weights, ask
         self.name = base.name
 
     def tasks(self, count: int, seed: int = 0) -> list[Task]:
@@ -121,7 +156,7 @@ class RewardFunctions:
     async def reward(self, task: Task, outcome: Outcome) -> float:
         if not isinstance(outcome, str):
             raise InvalidRequest("reward functions score answer tasks (no sandbox)", task=task.id)
-        values = [await call_one(f, task, outcome) for f in self.functions]
+        values = [await call_one(f, task, outcome, self.ask) for f in self.functions]
         total = combine(values, self.weights)
         if total is None:
             raise RewardFailed(

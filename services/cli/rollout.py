@@ -202,7 +202,7 @@ def print_result(result: RolloutResult) -> None:
     s = result.summary
     typer.echo(
         f"completed {s.trajectories_completed}/{s.trajectories}, failed attempts "
-        f"{s.trajectories_failed}, mean reward {s.mean_reward:.3f}, sandbox failures "
+        f"{s.trajectories_failed}, mean reward {'-' if s.mean_reward is None else format(s.mean_reward, '.3f')}, sandbox failures "
         f"{s.env_failures}, restores {s.env_restores}, restarts from scratch "
         f"{s.restarts_from_scratch}, checkpoints {s.checkpoints} (visible {s.visible_checkpoint_s:.2f} s "
         f"of {s.rollout_s:.1f} s), injected {s.failures_injected}, recovered {s.failures_recovered}"

@@ -23,6 +23,10 @@ class ControllerConfig(ServiceConfig):
     reward_functions: tuple[str, ...] = ()
     """``module:function`` reward functions a rollout request may name (``belayer up
     --reward-function``): importing one runs its code, so each is enabled here first."""
+    reward_timeout_s: float = 10.0
+    """Deadline of one try of a reward service (``service:<name>``)."""
+    reward_attempts: int = 3
+    """Tries of a reward service before that trajectory's reward fails."""
     workload_plugins: tuple[str, ...] = ()
     """``module:factory`` workload plugins a rollout request may name (``belayer up
     --workload-plugin``). Importing one runs its code, so a spec in a request is not enough;

@@ -47,6 +47,7 @@ from services.controller.config import ControllerConfig
 from services.controller.fault_actions import Injector
 from services.controller.fault_specs import SANDBOX_KINDS, check_specs
 from services.controller.policy import parse_policy
+from services.controller.reward_service import ask_reward_service
 from services.controller.rollout import RolloutRun
 from services.controller.store import StateStore
 from services.controller.summary import summarize
@@ -54,7 +55,12 @@ from services.environment.client import EnvClient
 from workloads import plugins
 from workloads.base import Task, Workload
 from workloads.registry import load_workload
-from workloads.rewards import RewardFunctions, check_weights, load_reward_functions
+from workloads.rewards import (
+    RewardFunctions,
+    check_weights,
+    load_reward_functions,
+    service_name,
+)
 
 log = get_logger(service="controller")
 
@@ -170,7 +176,11 @@ class Controller(Service[ControllerConfig]):
 
     def rewarded(self, req: RolloutRequest, base: Workload) -> Workload:
         """``base`` scored by the request's reward functions, each one the node enables."""
-        off = [spec for spec in req.rewards if spec not in self.config.reward_functions]
+        off = [
+            spec
+            for spec in req.rewards
+            if spec not in self.config.reward_functions and not service_name(spec)
+        ]
         if off:
             raise Unauthorized(
                 "this node does not run that reward function: start the node with "
@@ -180,7 +190,15 @@ class Controller(Service[ControllerConfig]):
                 enabled=list(self.config.reward_functions),
             )
         weights = check_weights(req.rewards, req.reward_weights)
-        return RewardFunctions(base, load_reward_functions(req.rewards), weights)
+        cfg, nc = self.config, self.nc
+
+        async def ask(name: str, task: Task, completion: str) -> float | None:
+            return await ask_reward_service(
+                nc, name, task, completion,
+                timeout_s=cfg.reward_timeout_s, attempts=cfg.reward_attempts,
+            )  # fmt: skip
+
+        return RewardFunctions(base, load_reward_functions(req.rewards), weights, ask)
 
     async def tasks_of(self, req: RolloutRequest, workload: Workload) -> list[Task]:
         if req.task_ids:

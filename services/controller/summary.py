@@ -55,18 +55,13 @@ def summarize(
         out.llm_s += tim.llm_s
         out.env_s += tim.env_s
         out.trajectory_s += tim.total_s
-    for name in (
-        "visible_checkpoint_s",
-        "checkpoint_s",
-        "llm_s",
-        "env_s",
-        "mean_reward",
-        "trajectory_s",
-    ):
+    for name in ("visible_checkpoint_s", "checkpoint_s", "llm_s", "env_s", "trajectory_s"):
         setattr(out, name, round(getattr(out, name), 4))
+    if out.mean_reward is not None:
+        out.mean_reward = round(out.mean_reward, 4)
     return out
 
 
-def _mean(values: list[float]) -> float:
-    """The mean of ``values`` (0.0 for none: nothing scored)."""
-    return sum(values) / len(values) if values else 0.0
+def _mean(values: list[float]) -> float | None:
+    """The mean of ``values`` (None for none: nothing was scored)."""
+    return sum(values) / len(values) if values else None

@@ -3,6 +3,8 @@ slots, a slot is failed only once it used up its attempts, times and recoveries 
 
 from __future__ import annotations
 
+import msgspec
+
 from schemas.rollout import RecoveryLog, RolloutRequest, RolloutState, Timings, TrajectoryRow
 from services.controller.summary import summarize
 
@@ -50,3 +52,19 @@ def test_counts() -> None:
     assert (s.failures_injected, s.failures_recovered, s.controller_restarts) == (3, 2, 1)
     state.finished_at = 110.0
     assert summarize(state, 4, rows, logs, now=500.0).rollout_s == 10.0
+
+
+def test_failed_rewards_are_counted_and_left_out_of_the_mean() -> None:
+    state = RolloutState(
+        request=RolloutRequest(workload="math", rollout_id="r", n=2), task_ids=["t"],
+        accepted_at=0.0, attempts=[0, 0],
+    )  # fmt: skip
+    failed = [
+        msgspec.structs.replace(row(i, 0, "finished"), reward_error="reward_failed")
+        for i in range(2)
+    ]
+    s = summarize(state, 2, failed, [], now=1.0)
+    assert (s.trajectories_completed, s.reward_failures, s.mean_reward) == (2, 2, None)
+    mixed = [failed[0], row(1, 0, "finished", 0.75)]
+    s = summarize(state, 2, mixed, [], now=1.0)
+    assert (s.reward_failures, s.mean_reward) == (1, 0.75)

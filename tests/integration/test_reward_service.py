@@ -1,0 +1,92 @@
+"""A reward service written in Node.js (``reward_service.mjs``: nats.js + @msgpack/msgpack,
+installed from npm by this test's setup, written from docs/protocol.md §5.1 alone) scores a
+math rollout through the real bus with the node's ``reward`` identity; once it is stopped, the
+same rollout completes with every trajectory's reward failed — recorded and counted, never
+read as 0."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.node_helpers import Node, cli
+
+pytestmark = pytest.mark.timeout(300)
+
+HERE = Path(__file__).resolve().parent
+PACKAGES = ("nats@2.29.3", "@msgpack/msgpack@3.1.3")
+NAME = "exact"
+
+
+def npm_modules() -> Path:
+    """nats.js and @msgpack/msgpack in a cache dir (installed once, from the npm registry)."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    assert node and npm, "Node.js and npm are needed (deploy/install_env.sh installs them)"
+    root = Path.home() / ".cache" / "belayer" / "node-reward-service"
+    if (
+        not (root / "node_modules" / "nats").is_dir()
+        or not (root / "node_modules" / "@msgpack").is_dir()
+    ):
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "package.json").write_text(
+            '{"name": "belayer-reward-test", "private": true, "type": "module"}'
+        )
+        subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", *PACKAGES],
+                       cwd=root, check=True, timeout=240)  # fmt: skip
+    return root
+
+
+@pytest.fixture
+def service(node: Node, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    root = npm_modules()
+    script = root / "reward_service.mjs"  # beside its node_modules, so imports resolve
+    shutil.copy(HERE / "reward_service.mjs", script)
+    count = tmp_path / "served"
+    seed = node.run_dir / "auth" / "reward.nk"
+    proc = subprocess.Popen(["node", str(script), node.nats_url, str(seed), NAME, str(count)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()  # blocks until the service has subscribed
+    assert line.startswith(f"ready {NAME}"), line
+    try:
+        yield proc, count
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _rollout(node: Node) -> dict:
+    args = ["rollout", "math", "--tasks", "2", "--n", "2", "--max-tokens", "16", "--json",
+            "--reward", f"service:{NAME}"]  # fmt: skip
+    return dict(json.loads(cli(*args, run_dir=node.run_dir, timeout=180).stdout))
+
+
+def test_a_node_js_reward_service_scores_a_rollout_and_its_absence_is_counted(
+    node: Node, service
+) -> None:  # type: ignore[no-untyped-def]
+    proc, count = service
+    result = _rollout(node)
+    assert result["trajectories_completed"] == 4 and result["reward_failures"] == 0
+    assert all(
+        row["reward"] in (0.0, 1.0) and row["reward_error"] == "" for row in result["trajectories"]
+    )
+    assert count.read_text() == "4"  # one request per trajectory, answered by the Node.js service
+
+    proc.kill()
+    proc.wait()
+    t0 = time.monotonic()
+    gone = _rollout(node)
+    assert gone["trajectories_completed"] == 4 == gone["reward_failures"]
+    assert gone["trajectories_failed"] == 0
+    for row in gone["trajectories"]:
+        assert (
+            "did not answer" in row["reward_error"] and f"service='{NAME}'" in row["reward_error"]
+        )
+    assert gone["mean_reward"] is None  # nothing was scored: no mean (not a mean of 0)
+    assert time.monotonic() - t0 < 120
