@@ -63,6 +63,16 @@ async def capture(
     upper = str(info["GraphDriver"]["Data"]["UpperDir"])
     method, root = checkpoint_method(config, rec.container_id)
     control = ops.freezer_path(pid)
+    if control is None and not _alive(pid):
+        # Killed between the inspect and here: its cgroup went with it. Docker may not have
+        # noticed yet, so this is the death the caller must hear of, not a missing cgroup.
+        rec.move(SandboxState.FAILED)
+        raise SandboxError(
+            "the sandbox's container died during the checkpoint, before the dump completed "
+            "(the checkpoint is dropped; full_restore the sandbox)",
+            sandbox_id=rec.id,
+            dump_completed=False,
+        )
     if control is None:
         raise SandboxError("cannot find the container's freezer cgroup", sandbox_id=rec.id)
     t0 = time.monotonic()
@@ -333,3 +343,12 @@ def unreadable_manifest(sandbox_id: str, name: str) -> Manifest:
         criu_files={},
         method="unreadable",
     )
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return False
