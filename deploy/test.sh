@@ -37,7 +37,7 @@ runprocs() {
 }
 pbefore=$(runprocs)
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$BASETEMP" "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 --basetemp "$BASETEMP" "$@"
 rc=$?
 set -e
 # Leftovers are defects: a test that leaked a process, a container, a /dev/shm file or a sandbox
