@@ -146,16 +146,36 @@ class Shadow:
 
     async def handover(self, d: Detection) -> int:
         """Steps 1-5. Returns the new epoch; raises ``Conflict`` if another worker won."""
-        nc, cfg = self.worker.nc, self.config
         old = d.identity
         epoch_now, _ = await current_epoch(self.worker.js, self.engine_id)
         if epoch_now != old.epoch:
             raise Conflict("engine already moved on", epoch=epoch_now, watched=old.epoch)
         t = {"t_detect": d.detected_at}
-        # 1. detect: tell the router right away so nothing more is placed on the dead worker.
+        await self._detected(d)
+        t["t_health"] = await self._health(old.pid)
+        # 3. claim epoch+1 (compare-and-set against the watched one), then flush the arena
+        # under exactly that epoch.
+        epoch = await self.worker.claim(
+            expected_epoch=old.epoch, flush_timeout=self.config.bus_check_timeout_s * 4
+        )
+        t["t_flush"] = time.time()
+        await self.event(
+            HandoverFlushed(source=self.source, engine_id=self.engine_id, t_flush=t["t_flush"])
+        )
+        # 4 + 5. serve under the new epoch and register.
+        await self.worker.serve_engine(on_ready=self._on_ready)
+        t["t_ready"] = self._t_ready
+        t["t_registered"] = time.time()
+        await self._complete(old, epoch, t)
+        return epoch
+
+    async def _detected(self, d: Detection) -> None:
+        """1. detect: tell the router right away so nothing more is placed on the dead
+        worker; announce it."""
+        old = d.identity
         with contextlib.suppress(BelayerError):
             await request(
-                nc,
+                self.worker.nc,
                 subjects.router_engine_failed(),
                 EngineFailed(
                     engine_id=self.engine_id,
@@ -165,7 +185,7 @@ class Shadow:
                     detected_at=d.detected_at,
                 ),
                 Ok,
-                timeout=cfg.bus_check_timeout_s,
+                timeout=self.config.bus_check_timeout_s,
             )
         await self.event(
             HandoverDetected(
@@ -178,34 +198,29 @@ class Shadow:
                 t_detect=d.detected_at,
             )
         )
-        # 2. health check: our own engine, then the two memory owners on the bus.
+
+    async def _health(self, old_pid: int) -> float:
+        """2. health check: our own engine, then the two memory owners on the bus; a residual
+        old worker is killed so it never writes the arena again. Returns when it passed."""
+        nc, timeout = self.worker.nc, self.config.bus_check_timeout_s
         forward_s = self.worker.health_check()
-        await fetch_manifest(nc, timeout=cfg.bus_check_timeout_s)
-        await fetch_arena(nc, self.engine_id, timeout=cfg.bus_check_timeout_s)
-        killed = kill_residual(old.pid)  # a hung worker must never write the arena again
-        t["t_health"] = time.time()
+        await fetch_manifest(nc, timeout=timeout)
+        await fetch_arena(nc, self.engine_id, timeout=timeout)
+        killed = kill_residual(old_pid)
+        t_health = time.time()
         await self.event(
             HandoverHealthOk(
                 source=self.source,
                 engine_id=self.engine_id,
                 forward_s=round(forward_s, 4),
                 residual_killed=killed,
-                t_health=t["t_health"],
+                t_health=t_health,
             )
         )
-        # 3. claim epoch+1 (compare-and-set against the watched one), then flush the arena
-        # under exactly that epoch.
-        epoch = await self.worker.claim(
-            expected_epoch=old.epoch, flush_timeout=cfg.bus_check_timeout_s * 4
-        )
-        t["t_flush"] = time.time()
-        await self.event(
-            HandoverFlushed(source=self.source, engine_id=self.engine_id, t_flush=t["t_flush"])
-        )
-        # 4 + 5. serve under the new epoch and register.
-        await self.worker.serve_engine(on_ready=self._on_ready)
-        t["t_ready"] = self._t_ready
-        t["t_registered"] = time.time()
+        return t_health
+
+    async def _complete(self, old: Identity, epoch: int, t: dict[str, float]) -> None:
+        """The ready and complete events, with every step's time."""
         src, eid = self.source, self.engine_id
         await self.event(
             HandoverReady(source=src, engine_id=eid, epoch=epoch, t_ready=t["t_ready"])
@@ -232,7 +247,6 @@ class Shadow:
             old_pid=old.pid,
             seconds=round(t["t_registered"] - t["t_detect"], 4),
         )
-        return epoch
 
     _t_ready = 0.0
 
