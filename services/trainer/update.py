@@ -223,6 +223,83 @@ def recompute(
     return old, checked
 
 
+def _behaviour_logprobs(
+    state: TrainState,
+    samples: Sequence[Sample],
+    plan: list[list[list[int]]],
+    adv: Tensor,
+    grpo: GrpoConfig,
+    pad_id: int,
+    generating: Generating | None,
+) -> tuple[list[list[_Micro]], Tensor, int]:
+    """Collate every micro-batch of ``plan`` and give it its behaviour (old) log-probabilities
+    (and the reference's when ``beta != 0``); also |old - rollout| per compared token and the
+    count of tokens that could not be compared."""
+    state.model.eval()
+    minis: list[list[_Micro]] = []
+    diffs: list[Tensor] = []
+    unchecked = 0
+    for mini in plan:
+        micros = [collate(samples, rows, adv, pad_id) for rows in mini]
+        for m in micros:
+            m.old_logp, checked = recompute(state, m, generating)
+            real = m.mask.bool()
+            diffs.append((m.old_logp - m.rollout_logp).abs()[real & checked])
+            unchecked += int((real & ~checked).sum())
+            if grpo.beta != 0.0:
+                if state.ref_model is None:
+                    raise ValueError("beta != 0 needs a reference model in the train state")
+                with torch.no_grad():
+                    m.ref_logp = token_logprobs(
+                        state.ref_model, m.input_ids, m.attention_mask, m.temperature
+                    ).float()
+        minis.append(micros)
+    return minis, (torch.cat(diffs) if diffs else torch.zeros(0)), unchecked
+
+
+class _Loss:
+    """The loss of one micro-batch (``train_step``'s ``loss_fn``), recording its clip
+    fractions and KL as it goes."""
+
+    def __init__(
+        self, state: TrainState, grpo: GrpoConfig, max_len: int, minis: list[list[_Micro]]
+    ) -> None:
+        self.state, self.grpo, self.max_len = state, grpo, max_len
+        self.tokens_in = {id(mb): float(sum(m.mask.sum() for m in mb)) for mb in minis}
+        self.clip_stats: list[tuple[float, float, float]] = []
+        self.kls: list[float] = []
+
+    def __call__(self, item: tuple[_Micro, list[_Micro]]) -> Tensor:
+        m, mini = item
+        grpo = self.grpo
+        assert m.old_logp is not None
+        logp = token_logprobs(self.state.model, m.input_ids, m.attention_mask, m.temperature)
+        loss = grpo_loss(
+            logp,
+            m.old_logp,
+            m.advantages,
+            m.mask,
+            loss_type=grpo.loss_type,
+            eps_low=grpo.eps_low,
+            eps_high=grpo.eps_high,
+            beta=grpo.beta,
+            ref_logp=m.ref_logp,
+            max_completion_length=self.max_len,
+            importance_sampling_level=grpo.importance_sampling_level,
+            num_items_in_batch=self.tokens_in[id(mini)],
+        )
+        lo, hi = clip_fractions(
+            logp.detach(), m.old_logp, m.advantages, m.mask,
+            eps_low=grpo.eps_low, eps_high=grpo.eps_high,
+        )  # fmt: skip
+        self.clip_stats.append((lo, hi, float(m.mask.sum())))
+        if m.ref_logp is not None:
+            d = (m.ref_logp - logp.detach()) * m.mask
+            kl = ((torch.exp(d) - d - 1) * m.mask).sum() / m.mask.sum().clamp(min=1)
+            self.kls.append(float(kl))
+        return loss if grpo.loss_type == "dapo" else loss / len(mini)
+
+
 def grpo_step(
     state: TrainState,
     samples: Sequence[Sample],
@@ -243,63 +320,11 @@ def grpo_step(
     plan = plan_micro_batches(samples, state.step, grpo, optim.seed)
     max_len = grpo.max_completion_length or max(len(s.response_ids) for s in samples)
     t0 = time.perf_counter()
-    state.model.eval()
-    minis: list[list[_Micro]] = []
-    diffs: list[Tensor] = []
-    unchecked = 0
-    for mini in plan:
-        micros = [collate(samples, rows, adv, pad_id) for rows in mini]
-        for m in micros:
-            m.old_logp, checked = recompute(state, m, generating)
-            real = m.mask.bool()
-            diffs.append((m.old_logp - m.rollout_logp).abs()[real & checked])
-            unchecked += int((real & ~checked).sum())
-            if grpo.beta != 0.0:
-                if state.ref_model is None:
-                    raise ValueError("beta != 0 needs a reference model in the train state")
-                with torch.no_grad():
-                    m.ref_logp = token_logprobs(
-                        state.ref_model, m.input_ids, m.attention_mask, m.temperature
-                    ).float()
-        minis.append(micros)
+    minis, all_diffs, unchecked = _behaviour_logprobs(
+        state, samples, plan, adv, grpo, pad_id, generating
+    )
     recompute_s = time.perf_counter() - t0
-    all_diffs = torch.cat(diffs) if diffs else torch.zeros(0)
-    tokens_in = {id(mb): float(sum(m.mask.sum() for m in mb)) for mb in minis}
-    clip_stats: list[tuple[float, float, float]] = []
-    kls: list[float] = []
-
-    def loss_fn(item: tuple[_Micro, list[_Micro]]) -> Tensor:
-        m, mini = item
-        assert m.old_logp is not None
-        logp = token_logprobs(state.model, m.input_ids, m.attention_mask, m.temperature)
-        loss = grpo_loss(
-            logp,
-            m.old_logp,
-            m.advantages,
-            m.mask,
-            loss_type=grpo.loss_type,
-            eps_low=grpo.eps_low,
-            eps_high=grpo.eps_high,
-            beta=grpo.beta,
-            ref_logp=m.ref_logp,
-            max_completion_length=max_len,
-            importance_sampling_level=grpo.importance_sampling_level,
-            num_items_in_batch=tokens_in[id(mini)],
-        )
-        lo, hi = clip_fractions(
-            logp.detach(),
-            m.old_logp,
-            m.advantages,
-            m.mask,
-            eps_low=grpo.eps_low,
-            eps_high=grpo.eps_high,
-        )
-        clip_stats.append((lo, hi, float(m.mask.sum())))
-        if m.ref_logp is not None:
-            d = (m.ref_logp - logp.detach()) * m.mask
-            kls.append(float(((torch.exp(d) - d - 1) * m.mask).sum() / m.mask.sum().clamp(min=1)))
-        return loss if grpo.loss_type == "dapo" else loss / len(mini)
-
+    loss_fn = _Loss(state, grpo, max_len, minis)
     stats: StepStats = train_step(
         state.model,
         state.optimizer,
@@ -312,6 +337,7 @@ def grpo_step(
     state.step += 1
     state.version += 1
     state.trained += [s.trajectory_id for s in samples]
+    clip_stats, kls = loss_fn.clip_stats, loss_fn.kls
     weight = sum(c[2] for c in clip_stats) or 1.0
     return StepResult(
         step=state.step,
