@@ -69,6 +69,8 @@ class _Stream:
     """The router incarnation a silence probe found working on the request (``_still_working``)."""
     outages: int = 0
     """Attempts that found no router at all."""
+    finished_seen: bool = False
+    """A silence probe found the request finished (its result may still be on its way)."""
 
     def saw(self, router_id: str) -> None:
         if router_id and router_id not in self.routers:
@@ -215,12 +217,18 @@ async def _still_working(nc: NATS, request_id: str, stream: _Stream) -> bool:
     alive and still working on it? A non-streamed request sends nothing until its result, so
     silence alone does not mean the router went away. True only if a router answers within
     ``PROBE_S``, holds the request as active, and is the incarnation the stream came from (a
-    restarted router may not know this inbox: re-attach to it). Anything else — no responders,
-    no answer, finished (the result went to an inbox gone quiet), unknown — re-attaches."""
+    restarted router may not know this inbox: re-attach to it). A request the router holds as
+    finished gets one more silence: the router marks it finished before its result, queued
+    behind the last token-log write, reaches the inbox. Anything else — no responders, no
+    answer, finished a second time (the result went to an inbox gone quiet), unknown —
+    re-attaches."""
     try:
         st = await router_status(nc, timeout=PROBE_S, request_id=request_id)
     except (BusUnavailable, Timeout):
         return False
+    if st.request == "finished" and not stream.finished_seen:
+        stream.finished_seen = True
+        return True
     if st.request != "active":
         return False
     if not st.router_id:
