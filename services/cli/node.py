@@ -7,6 +7,7 @@ import dataclasses
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -257,26 +258,26 @@ def up(
 
 
 def check_plugins(specs: list[str]) -> tuple[str, ...]:
-    """Load every ``--workload-plugin`` here first, so one that cannot be imported or whose
-    factory raises is one clear error before anything starts (the controller loads it again)."""
+    """Load every ``--workload-plugin`` here first (the controller loads it again)."""
     for spec in specs:
         if not plugins.is_spec(spec):
             fail(f"--workload-plugin {spec!r}: expected package.module:factory")
-        try:
-            load_workload(spec)
-        except BelayerError as exc:
-            fail(f"--workload-plugin {spec!r}: {exc}")
-    return tuple(dict.fromkeys(specs))
+    return preload("--workload-plugin", specs, load_workload)
 
 
 def check_reward_functions(specs: list[str]) -> tuple[str, ...]:
-    """Import every ``--reward-function`` here first: one that cannot be imported is one
-    clear error before anything starts."""
+    """Import every ``--reward-function`` here first."""
+    return preload("--reward-function", specs, lambda spec: load_reward_functions([spec]))
+
+
+def preload(flag: str, specs: list[str], load: Callable[[str], object]) -> tuple[str, ...]:
+    """``load`` each spec now, so one that cannot be imported (or whose factory raises) is one
+    clear error naming ``flag`` before anything starts; the specs, each once."""
     for spec in specs:
         try:
-            load_reward_functions([spec])
+            load(spec)
         except BelayerError as exc:
-            fail(f"--reward-function {spec!r}: {exc}")
+            fail(f"{flag} {spec!r}: {exc}")
     return tuple(dict.fromkeys(specs))
 
 
