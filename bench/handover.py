@@ -36,7 +36,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.report import (
     Row,
@@ -54,6 +54,9 @@ from bench.report import (
 )
 from bench.report import progress as report_progress
 from bench.serve import belayer, stop_node
+
+if TYPE_CHECKING:
+    from common.events import EventTail
 
 ENGINE = "e0"
 STREAM_TOKENS = 400
@@ -102,43 +105,11 @@ def up(run_dir: Path, model_dir: Path, *args: str) -> dict[str, Any]:
     return json.loads((run_dir / "node.json").read_text())
 
 
-class Events:
-    """The node's event stream from its start (JetStream ordered consumer)."""
+def last_handover(events: Any) -> float:
+    """Unix time of the last ``handover_complete`` (a newer ``shadow_ready`` means warm again)."""
+    from schemas.events import HandoverComplete
 
-    def __init__(self, nc: Any) -> None:
-        self.nc = nc
-        self.events: list[Any] = []
-        self.changed = asyncio.Event()
-        self.last_handover = 0.0
-        """Unix time of the last handover_complete (a newer shadow_ready means warm again)."""
-
-    async def start(self) -> Events:
-        from common import subjects
-        from common.codec import decode
-        from common.errors import BelayerError
-        from schemas.events import AnyEvent
-
-        async def cb(msg: Any) -> None:
-            with contextlib.suppress(BelayerError):  # an event type this bench does not know
-                self.events.append(decode(msg.data, AnyEvent))
-                self.changed.set()
-
-        await self.nc.jetstream().subscribe(subjects.EVENTS_ALL, ordered_consumer=True, cb=cb)
-        return self
-
-    async def wait(self, kind: str, *, after: float, timeout: float, **data: Any) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            for ev in self.events:
-                if ev.kind == kind and ev.ts > after:
-                    if all(getattr(ev, k, None) == v for k, v in data.items()):
-                        return ev
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no {kind} event {data} within {timeout} s")
-            self.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), left)
+    return max((e.ts for e in events.matching(HandoverComplete)), default=0.0)
 
 
 async def main_pid(nc: Any) -> int:
@@ -231,13 +202,14 @@ async def shadow_idle_cpu(nc: Any) -> dict[str, Any]:
 
 
 async def one_failure(
-    nc: Any, events: Events, reference: list[int], i: int, *, baseline: bool
+    nc: Any, events: EventTail, reference: list[int], i: int, *, baseline: bool
 ) -> dict[str, Any]:
     """Kill the main worker while a request streams; time detection, ready, first token."""
+    from schemas import events as ev
     from services.router.client import generate
 
     if not baseline:  # the shadow must be warm (it was respawned after the previous handover)
-        await events.wait("shadow_ready", after=events.last_handover, timeout=60)
+        await events.wait_for(ev.ShadowReady, after=last_handover(events), timeout=60)
     pid = await main_pid(nc)
     times: list[float] = []
     held = asyncio.Event()
@@ -255,16 +227,15 @@ async def one_failure(
     t_kill = time.time()
     os.kill(pid, signal.SIGKILL)
     if baseline:
-        failed = await events.wait("engine_failed", after=t_kill, timeout=60, pid=pid)
+        failed = await events.wait_for(ev.EngineFailedEvent, after=t_kill, timeout=60, pid=pid)
         t_detect = failed.ts
-        ready = await events.wait("worker_ready", after=t_kill, timeout=120)
+        ready = await events.wait_for(ev.WorkerReady, after=t_kill, timeout=120)
         t_ready = ready.ts
     else:
-        done = await events.wait("handover_complete", after=t_kill, timeout=60, old_pid=pid)
-        events.last_handover = done.ts
+        done = await events.wait_for(ev.HandoverComplete, after=t_kill, timeout=60, old_pid=pid)
         t_detect, t_ready = done.t_detect, done.t_ready
     result = await task
-    resumed = await events.wait("requests_resumed", after=t_kill, timeout=30)
+    resumed = await events.wait_for(ev.RequestsResumed, after=t_kill, timeout=30)
     after_kill = [t for t in times if t > t_kill]
     held_tokens = resumed.held_tokens
     row = {
@@ -284,14 +255,15 @@ async def one_failure(
     return row
 
 
-async def one_sampled_resume(nc: Any, events: Events, i: int) -> dict[str, Any]:
+async def one_sampled_resume(nc: Any, events: EventTail, i: int) -> dict[str, Any]:
     """One seeded sampled request streaming next to a longer greedy neighbour, the main worker
     SIGKILLed once the client holds ``KILL_AFTER`` tokens, against the request run alone."""
+    from schemas import events as ev
     from services.router.client import generate
 
     tag, seed = uuid.uuid4().hex[:8], 1000 + i
     reference = await generate(nc, request(f"sr-ref-{tag}", SAMPLED_TOKENS, i, seed), timeout=120)
-    await events.wait("shadow_ready", after=events.last_handover, timeout=60)
+    await events.wait_for(ev.ShadowReady, after=last_handover(events), timeout=60)
     pid = await main_pid(nc)
     count = 0
     held = asyncio.Event()
@@ -311,8 +283,7 @@ async def one_sampled_resume(nc: Any, events: Events, i: int) -> dict[str, Any]:
     await asyncio.wait_for(held.wait(), 60)
     t_kill = time.time()
     os.kill(pid, signal.SIGKILL)
-    done = await events.wait("handover_complete", after=t_kill, timeout=60, old_pid=pid)
-    events.last_handover = done.ts
+    await events.wait_for(ev.HandoverComplete, after=t_kill, timeout=60, old_pid=pid)
     result, _ = await asyncio.gather(task, neighbour)
     pairs = zip(result.token_ids, reference.token_ids, strict=False)
     diff = next((j for j, (a, b) in enumerate(pairs) if a != b), None)
@@ -326,7 +297,7 @@ async def one_sampled_resume(nc: Any, events: Events, i: int) -> dict[str, Any]:
     }
 
 
-async def sampled_resumes(nc: Any, events: Events, rounds: int) -> dict[str, Any]:
+async def sampled_resumes(nc: Any, events: EventTail, rounds: int) -> dict[str, Any]:
     """``rounds`` of :func:`one_sampled_resume`: how many end exactly as the request alone."""
     rows = []
     for i in range(rounds):
@@ -348,11 +319,13 @@ async def sampled_resumes(nc: Any, events: Events, rounds: int) -> dict[str, Any
 async def measure_sampled(url: str, rounds: int, run_dir: Path) -> dict[str, Any]:
     """Sampled-resume exactness alone (the ``--no-deterministic`` node)."""
     from common.bus import connect
+    from common.events import EventTail
+    from schemas import events as ev
 
     nc = await connect(url, name="bench-handover", bus=_client_bus(url, run_dir))
     try:
-        events = await Events(nc).start()
-        await events.wait("shadow_ready", after=0, timeout=60)
+        events = await EventTail(nc).start()
+        await events.wait_for(ev.ShadowReady, after=0, timeout=60)
         return await sampled_resumes(nc, events, rounds)
     finally:
         await nc.drain()
@@ -368,13 +341,15 @@ def _client_bus(url: str, run_dir: Path) -> Any:
 
 async def measure(url: str, failures: int, *, baseline: bool, run_dir: Path) -> dict[str, Any]:
     from common.bus import connect
+    from common.events import EventTail
+    from schemas import events as ev
     from services.router.client import generate
 
     nc = await connect(url, name="bench-handover", bus=_client_bus(url, run_dir))
     try:
-        events = await Events(nc).start()
+        events = await EventTail(nc).start()
         if not baseline:
-            await events.wait("shadow_ready", after=0, timeout=60)
+            await events.wait_for(ev.ShadowReady, after=0, timeout=60)
         progress(f"{'baseline' if baseline else 'belayer'}: failure-free throughput, batch {BATCH}")
         tp = await throughput(nc)
         progress(f"  {tp['tok_s']:.0f} tok/s (runs {[round(x) for x in tp['runs']]})")

@@ -97,10 +97,11 @@ def start(side: Side, model_dir: Path, tasks: int, n: int) -> None:
 
 
 async def connect(side: Side, model_dir: Path, tasks: int, n: int) -> None:
+    from common.events import EventTail
     from model.chat import ChatFormat
     from model.tokenizer import load_tokenizer
     from services.rl.loop import RunContext
-    from services.rl.node import EventTail, open_bus, wait_trainer
+    from services.rl.node import open_bus, wait_trainer
     from services.rl.options import RunOptions, RunState, choose_tasks
     from workloads import load_workload
 
@@ -120,7 +121,7 @@ async def connect(side: Side, model_dir: Path, tasks: int, n: int) -> None:
         base_step=base, rollout_seed=ROLLOUT_SEED,
         failure_rate=FAILURE_RATE if side.policy == "risk-aware" else None, nc=side.nc,
     )  # fmt: skip
-    side.ctx.events = await EventTail(side.nc).start()
+    side.ctx.events = await EventTail(side.nc).start(new_only=True)
 
 
 async def one_step(side: Side, faults: Any, label: str) -> dict[str, Any]:

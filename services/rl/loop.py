@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from common.errors import BelayerError, Conflict, Timeout
+from common.events import EventTail
 from common.logging import get_logger
 from model.chat import ChatFormat
 from schemas.events import (
@@ -39,7 +40,7 @@ from schemas.seeds import derive_seed
 from schemas.serving import GenerateRequest, SamplingParams
 from services.controller.client import submit, trajectories, wait
 from services.rl.held_out import EvalResult, evaluate
-from services.rl.node import EventTail, NodeHandle, kill_process, supervisor_procs
+from services.rl.node import NodeHandle, kill_process, supervisor_procs
 from services.rl.options import RunOptions, RunState, StepFaults, faults_of, step_tasks
 from services.rl.records import Batch, Phases, StepRecord, step0_record, step_record
 from services.rl.report import RunLogs
@@ -118,7 +119,7 @@ async def train_loop(nc: Any, ctx: RunContext, ui: Any) -> list[dict[str, Any]]:
     """Run steps ``start_step..steps``; returns this invocation's records (step 0 included
     when the run starts fresh)."""
     ctx.nc, ctx.ui = nc, ui
-    events = await EventTail(nc).start()
+    events = await EventTail(nc).start(new_only=True)
     logs = RunLogs(ctx.run_dir)
     records: list[dict[str, Any]] = []
     ctx.events = events
@@ -263,7 +264,7 @@ async def await_train_step(
             raise Conflict(f"the trainer refused {e.trajectory_id} ({e.reason}: {e.detail})")
         return False
 
-    started = await events.wait_for(
+    started = await events.wait_until(
         lambda e: check(e) or (isinstance(e, TrainStepStarted) and e.step == target),
         TRAIN_START_S,
         f"train_step_started for step {target}",
@@ -272,7 +273,7 @@ async def await_train_step(
     if faults.trainer_kill:
         await kill_trainer(nc, events, ctx, step, faults.trainer_kill, started.ts)
         ui.phase("train", 2, 3)
-    done = await events.wait_for(
+    done = await events.wait_until(
         lambda e: check(e) or (isinstance(e, TrainStep) and e.step == target),
         TRAIN_DONE_S,
         f"train_step {target}",
@@ -362,7 +363,7 @@ async def kill_trainer(
              "t": now, "update_started": started, "recovered_t": None}  # fmt: skip
     ctx.kills.append(entry)
     log.warning("trainer_killed", pid=st.pid, step=step)
-    resumed = await events.wait_for(
+    resumed = await events.wait_until(
         lambda e: isinstance(e, TrainerResumed) and e.ts >= now, TRAIN_START_S, "trainer_resumed"
     )
     entry["recovered_t"] = resumed.ts
@@ -395,7 +396,7 @@ async def settle_kills(events: EventTail, ctx: RunContext, step: int) -> None:
         if k["step"] != step or k["kind"] != "shadow-kill" or k["recovered_t"]:
             continue
         try:
-            ready = await events.wait_for(
+            ready = await events.wait_until(
                 lambda e, k=k: (
                     isinstance(e, ShadowReady)  # type: ignore[misc]  # a lambda with a default argument
                     and e.engine_id == k["engine_id"]

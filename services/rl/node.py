@@ -15,22 +15,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nats.js.api import DeliverPolicy
-
-from common import subjects
 from common.auth import redact
 from common.bus import connect
-from common.codec import decode
 from common.config import RunPaths, config_argv
 from common.errors import BelayerError, BusUnavailable, FatalError, InvalidRequest, Timeout
 from common.node import NodeInfo, read_node, resolve_bus
 from common.training_config import OptimConfig
-from schemas.events import AnyEvent, EventBase
+from schemas.events import EventBase
 from schemas.trainer import TrainerStatus
 from services.environment.client import (
     SandboxCleanup,
@@ -352,64 +347,6 @@ def kill_process(pid: int, expect: str) -> bool:
     return True
 
 
-class EventTail:
-    """Every event published on the node from now on, in order; ``wait_for`` blocks until a
-    matching one is there (bounded)."""
-
-    def __init__(self, nc: Any) -> None:
-        self.nc = nc
-        self.events: list[EventBase] = []
-        self._changed = asyncio.Condition()
-        self._sub: Any = None
-
-    async def start(self) -> EventTail:
-        async def cb(msg: Any) -> None:
-            try:
-                ev: EventBase = decode(msg.data, AnyEvent)
-            except BelayerError:
-                return  # not ours to trust, or a newer kind
-            async with self._changed:
-                self.events.append(ev)
-                self._changed.notify_all()
-
-        self._sub = await self.nc.jetstream().subscribe(
-            subjects.EVENTS_ALL, ordered_consumer=True, cb=cb, deliver_policy=DeliverPolicy.NEW
-        )
-        return self
-
-    async def stop(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-
-    def of(self, typ: type[E], *, after: float = 0.0, **fields: object) -> list[E]:
-        return [
-            e
-            for e in self.events
-            if isinstance(e, typ)
-            and e.ts >= after
-            and all(getattr(e, k) == v for k, v in fields.items())
-        ]
-
-    async def wait_for(
-        self, match: Callable[[EventBase], bool], timeout: float, what: str
-    ) -> EventBase:
-        """The first event ``match`` accepts (from the start of the tail)."""
-
-        async def first() -> EventBase:
-            async with self._changed:
-                while True:
-                    for e in self.events:
-                        if match(e):
-                            return e
-                    await self._changed.wait()
-
-        try:
-            return await asyncio.wait_for(first(), timeout)
-        except TimeoutError:
-            raise Timeout(f"no {what} within {timeout:.0f} s", timeout=timeout) from None
-
-
 def node_config_of(node: NodeInfo) -> dict[str, Any]:
     """What the run reports about its node."""
     return {"run_id": node.run_id, "recovery": node.recovery, "engines": list(node.engines),
@@ -417,7 +354,6 @@ def node_config_of(node: NodeInfo) -> dict[str, Any]:
 
 
 __all__ = [
-    "EventTail",
     "NodeFailed",
     "NodeHandle",
     "Stopped",

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from common.events import EventTail
 from schemas.events import (
     FailureInjected,
     FailureRecovered,
@@ -22,7 +23,6 @@ from schemas.events import (
 from schemas.rollout import RolloutResult, Trajectory
 from services.rl.counters import compared_nothing, exact_share, lost_slots
 from services.rl.held_out import EvalResult
-from services.rl.node import EventTail
 from services.rl.options import StepFaults, step_tasks
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def step_record(
     s = result.summary
     rid = result.rollout_id
     own = [k for k in ctx.kills if k["step"] == step]
-    handovers = len(events.of(HandoverComplete, after=t_start))
+    handovers = len(events.matching(HandoverComplete, after=t_start))
     for sample in batch.samples:
         sample["step"] = step
     slots = len(step_tasks(ctx.state.pool, step, ctx.state.tasks)) * ctx.state.n
@@ -146,7 +146,7 @@ def step_record(
         "env_checkpoints": s.checkpoints,
         "visible_checkpoint_s": s.visible_checkpoint_s,
         "handovers": handovers,
-        "trainer_restarts": len(events.of(TrainerResumed, after=t_start)),
+        "trainer_restarts": len(events.matching(TrainerResumed, after=t_start)),
         "replay": trained.replay,
         "inject": [f.text for f in faults.rollout] + [k["injection"] for k in own],
         "t_start": round(t_start - ctx.t0, 3),
@@ -194,9 +194,9 @@ def totals(ctx: RunContext, records: list[dict[str, Any]], wall: float) -> dict[
     steps = [r for r in records if r.get("step", 0) >= 1]
     held = [r for r in records if "heldout_reward" in r]
     rollout_ids = {r["rollout_id"] for r in steps}
-    for e in events.of(LogprobMismatch):
+    for e in events.matching(LogprobMismatch):
         ctx.errors.append(f"logprob_mismatch at step {e.step}: {e.logprob_diff_max:.3g}")
-    fired = {e.injection for e in events.of(FailureInjected) if e.rollout_id in rollout_ids}
+    fired = {e.injection for e in events.matching(FailureInjected) if e.rollout_id in rollout_ids}
     fired |= {k["injection"] for k in ctx.kills}
     for s in ctx.specs:
         if s.trigger == "step" and int(s.value) <= (steps[-1]["step"] if steps else 0):
@@ -210,8 +210,8 @@ def totals(ctx: RunContext, records: list[dict[str, Any]], wall: float) -> dict[
         "failures_recovered": sum(r["failures_recovered"] for r in steps),
         "env_restores": sum(r["env_restores"] for r in steps),
         "handovers": sum(r["handovers"] for r in steps),
-        "trainer_restarts": len(events.of(TrainerResumed)),
-        "checkpoints": len(events.of(TrainerCheckpointed)),
+        "trainer_restarts": len(events.matching(TrainerResumed)),
+        "checkpoints": len(events.matching(TrainerCheckpointed)),
         "weight_version": steps[-1]["weight_version"] if steps else None,
         "reward_first_step": steps[0]["reward_mean"] if steps else None,
         "reward_last_step": steps[-1]["reward_mean"] if steps else None,

@@ -5,20 +5,21 @@ from collections.abc import AsyncIterator
 
 import pytest_asyncio
 
+from common.events import EventTail
 from schemas.events import ShadowReady
-from tests.integration.node_helpers import EventLog, Node
+from tests.integration.node_helpers import Node
 from tests.node_fixtures import node
 
 __all__ = ["bus", "node"]
 
 
 @pytest_asyncio.fixture
-async def bus(node: Node) -> AsyncIterator[tuple[object, EventLog]]:
+async def bus(node: Node) -> AsyncIterator[tuple[object, EventTail]]:
     """A client of the module's node and its event log, once e0's and e1's shadows are ready."""
     from common.bus import connect
 
     nc = await connect(node.nats_url, name="chaos", bus=node.bus())
-    events = await EventLog(nc).start()
+    events = await EventTail(nc).start()
     try:
         for eid in ("e0", "e1"):
             await events.wait_for(ShadowReady, eid, timeout=60)

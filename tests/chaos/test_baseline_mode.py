@@ -12,9 +12,9 @@ import signal
 import pytest
 
 from common.bus import connect
+from common.events import EventTail
 from schemas.events import EngineFailedEvent, EngineRegistered
 from tests.integration.node_helpers import (
-    EventLog,
     Node,
     StreamRecord,
     greedy,
@@ -29,7 +29,7 @@ NODE_ARGS = ("--recovery", "baseline", "--heartbeat-interval", "1")
 
 async def test_baseline_detects_by_heartbeat_restarts_cold_and_regenerates(node: Node) -> None:
     nc = await connect(node.nats_url, name="baseline", bus=node.bus())
-    events = await EventLog(nc).start()
+    events = await EventTail(nc).start()
     try:
         st = node.status()
         assert not [p for p in st["procs"] if p["name"].startswith("shadow-")], (

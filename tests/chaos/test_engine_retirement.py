@@ -13,6 +13,7 @@ import signal
 import pytest
 
 from common.errors import EngineUnavailable
+from common.events import EventTail
 from schemas.events import (
     EngineRetired,
     EngineUnhealthy,
@@ -27,7 +28,6 @@ from tests.chaos.chaos_helpers import (
     references,
 )
 from tests.integration.node_helpers import (
-    EventLog,
     Node,
     greedy,
     main_pids,
@@ -45,7 +45,7 @@ NODE_ARGS = ("--engines", "2", "--token-log-chunk", str(K), "--deterministic")
 
 
 async def test_repeated_failure_marks_engine_unhealthy_and_retires_it(
-    node: Node, bus: tuple[object, EventLog]
+    node: Node, bus: tuple[object, EventTail]
 ) -> None:
     """Kill e0's main worker, then its successor inside the failure window: e0 is marked
     unhealthy with an alert, its requests move to e1 and complete unchanged (the sampled one

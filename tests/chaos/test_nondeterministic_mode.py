@@ -15,9 +15,10 @@ import signal
 import pytest
 
 from common.bus import connect
+from common.events import EventTail
 from schemas.events import HandoverComplete, ShadowReady
 from tests.chaos.chaos_helpers import check, launch, mark, prompt, references
-from tests.integration.node_helpers import EventLog, Node, main_pids, sampled
+from tests.integration.node_helpers import Node, main_pids, sampled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,7 +29,7 @@ N = 96
 
 async def test_sampled_request_keeps_its_prefix_through_a_sigkill(node: Node) -> None:
     nc = await connect(node.nats_url, name="chaos-nondet", bus=node.bus())
-    events = await EventLog(nc).start()
+    events = await EventTail(nc).start()
     try:
         await events.wait_for(ShadowReady, "e0", timeout=60)
         req = sampled("nd-s", prompt(90), N, seed=4321)

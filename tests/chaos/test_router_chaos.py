@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from common.events import EventTail
 from schemas.events import (
     ServiceRestarted,
 )
@@ -28,7 +29,6 @@ from tests.chaos.chaos_helpers import (
     references,
 )
 from tests.integration.node_helpers import (
-    EventLog,
     greedy,
     router_status,
     sampled,
@@ -52,7 +52,7 @@ NODE_ARGS = ("--engines", "2", "--token-log-chunk", str(K), "--deterministic")
     ],
 )
 async def test_router_killed_mid_stream_resumes_from_the_token_log(
-    bus: tuple[object, EventLog], n: int, kinds: str
+    bus: tuple[object, EventTail], n: int, kinds: str
 ) -> None:
     """SIGKILL the router while 4 requests stream; the supervisor restarts it, it rebuilds them
     from REQUESTS + TOKENS and the callers' streams carry on: same tokens as the reference, at

@@ -25,6 +25,7 @@ import pytest_asyncio
 from common import subjects
 from common.bus import connect
 from common.codec import encode
+from common.events import EventTail
 from schemas.events import (
     HandoverComplete,
     HandoverDetected,
@@ -36,7 +37,6 @@ from schemas.events import (
 from schemas.serving import GenerateRequest, SeqDelta, StepBatch
 from tests.chaos.chaos_helpers import SEED, check, check_all, launch, mark, prompt, references
 from tests.integration.node_helpers import (
-    EventLog,
     Node,
     greedy,
     main_pids,
@@ -57,10 +57,10 @@ deterministic mode (sampled requests are then compared exactly too)."""
 
 
 @pytest_asyncio.fixture
-async def bus(node: Node) -> AsyncIterator[tuple[object, EventLog]]:
+async def bus(node: Node) -> AsyncIterator[tuple[object, EventTail]]:
     """A client and the node's event log; waits until every engine has a warm shadow."""
     nc = await connect(node.nats_url, name="chaos", bus=node.bus())
-    events = await EventLog(nc).start()
+    events = await EventTail(nc).start()
     try:
         await settle(events)
         yield nc, events
@@ -69,14 +69,14 @@ async def bus(node: Node) -> AsyncIterator[tuple[object, EventLog]]:
         await nc.drain()
 
 
-async def settle(events: EventLog, *, after: float = 0.0, timeout: float = 60.0) -> None:
+async def settle(events: EventTail, *, after: float = 0.0, timeout: float = 60.0) -> None:
     """Wait until each engine's newest shadow announced ``shadow_ready`` (after ``after``)."""
     for eid in ENGINES:
         await events.wait_for(ShadowReady, eid, after=after, timeout=timeout)
 
 
 async def test_sigkill_at_random_points_resumes_every_request_exactly(
-    bus: tuple[object, EventLog],
+    bus: tuple[object, EventTail],
 ) -> None:
     """≥ 20 requests over 6 kill rounds, alternating engines: round 0 kills right after submit
     (before any token: prefill), the others after a random number of tokens, with 4 requests in
@@ -124,7 +124,7 @@ async def test_sigkill_at_random_points_resumes_every_request_exactly(
 
 
 async def test_sigstop_hang_is_taken_over_and_the_residual_is_fenced_and_killed(
-    bus: tuple[object, EventLog],
+    bus: tuple[object, EventTail],
 ) -> None:
     """SIGSTOP the main worker: the shadow sees the stale heartbeat and takes over; the old pid
     gets SIGCONT right after detection, so it runs again while the engine has moved on — none
@@ -160,7 +160,7 @@ async def test_sigstop_hang_is_taken_over_and_the_residual_is_fenced_and_killed(
     await events.wait_for(ShadowReady, "e0", after=done.ts, timeout=60)
 
 
-async def test_both_engines_killed_at_once_both_hand_over(bus: tuple[object, EventLog]) -> None:
+async def test_both_engines_killed_at_once_both_hand_over(bus: tuple[object, EventTail]) -> None:
     nc, events = bus
     reqs = [
         greedy("both-e0-g", prompt(50), N, engine_id="e0"),
@@ -188,7 +188,7 @@ async def test_both_engines_killed_at_once_both_hand_over(bus: tuple[object, Eve
 
 
 async def test_stale_epoch_output_never_reaches_the_caller(
-    node: Node, bus: tuple[object, EventLog]
+    node: Node, bus: tuple[object, EventTail]
 ) -> None:
     """A forged StepBatch from an old epoch of the request's engine (bogus tokens, even a
     'finished') is rejected with an event; the caller sees only the real tokens. The old epoch

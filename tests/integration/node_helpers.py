@@ -11,17 +11,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from common import subjects
 from common.auth import BusConfig
 from common.bus import connect
 from common.codec import decode, encode, raise_error
 from common.config import SHM_DIR, shm_prefix
-from common.errors import BelayerError, BusUnavailable
-from common.events import describe
+from common.errors import BusUnavailable
 from schemas.base import ErrorReply
-from schemas.events import AnyEvent, EventBase
 from schemas.serving import (
     GenerateReply,
     GenerateRequest,
@@ -112,79 +110,6 @@ def run_id_processes(run_id: str) -> list[int]:
 
 
 # --- chaos helpers: events as they happen, strict token streams, processes --------------------
-E = TypeVar("E", bound=EventBase)
-
-
-class EventLog:
-    """Every event of the node's EVENTS stream, from its first one on (a JetStream ordered
-    consumer), kept in arrival order; ``wait_for`` blocks until a matching one is there."""
-
-    def __init__(self, nc: Any) -> None:
-        self.nc = nc
-        self.events: list[EventBase] = []
-        self._changed = asyncio.Condition()
-        self._sub: Any = None
-
-    async def start(self) -> EventLog:
-        async def cb(msg: Any) -> None:
-            try:
-                ev: EventBase = decode(msg.data, AnyEvent)
-            except BelayerError:
-                return
-            async with self._changed:
-                self.events.append(ev)
-                self._changed.notify_all()
-
-        self._sub = await self.nc.jetstream().subscribe(
-            subjects.EVENTS_ALL, ordered_consumer=True, cb=cb
-        )
-        return self
-
-    async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-
-    def matching(
-        self, typ: type[E], engine_id: str | None = None, *, after: float = 0.0, **fields: object
-    ) -> list[E]:
-        """Events of type ``typ`` (for ``engine_id``, stamped after ``after``, with these
-        field values)."""
-        return [
-            e
-            for e in self.events
-            if isinstance(e, typ)
-            and (engine_id is None or getattr(e, "engine_id", None) == engine_id)
-            and e.ts > after
-            and all(getattr(e, k) == v for k, v in fields.items())
-        ]
-
-    async def wait_for(
-        self,
-        typ: type[E],
-        engine_id: str | None = None,
-        *,
-        after: float = 0.0,
-        timeout: float = 30.0,
-        **fields: object,
-    ) -> E:
-        """The first matching event (see ``matching``), waiting up to ``timeout`` for it."""
-
-        async def first() -> E:
-            async with self._changed:
-                while True:
-                    found = self.matching(typ, engine_id, after=after, **fields)
-                    if found:
-                        return found[0]
-                    await self._changed.wait()
-
-        try:
-            return await asyncio.wait_for(first(), timeout)
-        except TimeoutError:
-            seen = "\n  ".join(describe(e) for e in self.events[-20:])
-            raise AssertionError(
-                f"no {typ.kind} event for {engine_id} {fields} within {timeout} s; "
-                f"last events:\n  {seen}"
-            ) from None
 
 
 @dataclass

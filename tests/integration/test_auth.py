@@ -25,12 +25,12 @@ from common.auth import BusConfig, load_identities, new_seed
 from common.bus import connect, request
 from common.codec import encode
 from common.errors import BelayerError, Unauthorized
+from common.events import EventTail
 from schemas.events import HandoverComplete, ShadowReady
 from schemas.serving import EngineAbort
 from schemas.weights import ArenaDesc, KvFlush, KvGet
 from services.router.client import generate
 from tests.integration.node_helpers import (
-    EventLog,
     Node,
     cli,
     greedy,
@@ -284,7 +284,7 @@ async def test_no_credential_in_logs_events_status_or_errors(node: Node, tmp_pat
     file, the processes' command lines and the CLI's error messages are searched for every
     seed of the node: none appears."""
     nc = await node.connect("run", "client")
-    log = await EventLog(nc).start()
+    log = await EventTail(nc).start()
     try:
         await generate(nc, greedy("secret-run-1", n=8), timeout=60)
         await log.wait_for(ShadowReady, "e0", timeout=90)

@@ -30,6 +30,7 @@ import pytest
 
 from common import subjects
 from common.codec import decode
+from common.events import EventTail
 from model.chat import ChatFormat
 from model.tokenizer import load_tokenizer
 from schemas.events import FailureRecovered, RolloutDone, TrajectoriesAdopted, TrajectoryRestored
@@ -40,7 +41,7 @@ from services.controller.fault_specs import parse_inject
 from services.environment.client import EnvClient
 from services.environment.docker_ops import INIT_COMMAND, INIT_SLEEP
 from tests.integration.env_helpers import require_docker
-from tests.integration.node_helpers import EventLog, Node, cli, start_node, stop_node
+from tests.integration.node_helpers import Node, cli, start_node, stop_node
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -171,7 +172,7 @@ def context_text(chat: ChatFormat, t: Trajectory) -> str:
 
 async def test_sandbox_killed_after_a_ready_checkpoint(warm_node: Node, warm_model: Path) -> None:
     nc = await warm_node.connect("test-recovery")
-    events = await EventLog(nc).start()
+    events = await EventTail(nc).start()
     ctl = await warm_node.connect("test-recovery-kv", "controller")
     ops = await warm_node.connect("test-recovery-env", "operator")
     prefixes = await PrefixLog().start(ctl)
@@ -268,7 +269,7 @@ async def test_no_ready_checkpoint_restarts_from_the_base_image(
     warm_node: Node, warm_model: Path
 ) -> None:
     nc = await warm_node.connect("test-recovery")
-    events = await EventLog(nc).start()
+    events = await EventTail(nc).start()
     try:
         req = RolloutRequest(
             workload="swe", rollout_id="no-ckpt", task_ids=MULTI_STEP[:2], n=2, policy="never",
@@ -297,7 +298,7 @@ async def test_no_ready_checkpoint_restarts_from_the_base_image(
 
 async def test_controller_restart_mid_rollout(warm_node: Node) -> None:
     nc = await warm_node.connect("test-recovery")
-    events = await EventLog(nc).start()
+    events = await EventTail(nc).start()
     try:
         req = RolloutRequest(
             workload="swe", rollout_id="ctl-restart", task_ids=MULTI_STEP, n=2, policy="always",

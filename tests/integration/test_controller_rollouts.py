@@ -19,6 +19,7 @@ import pytest
 
 from common import subjects
 from common.errors import Conflict, InvalidRequest, NotFound
+from common.events import EventTail
 from model.chat import ChatFormat
 from model.tokenizer import load_tokenizer
 from schemas.events import FailureInjected, RolloutDone, TrajectoryRestored
@@ -29,7 +30,7 @@ from services.controller.client import submit, trajectories, wait
 from services.environment.client import EnvClient, node_label
 from services.router.client import generate
 from tests.integration.env_helpers import leftover_containers
-from tests.integration.node_helpers import EventLog, Node, cli
+from tests.integration.node_helpers import Node, cli
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(300)]
 NODE_ARGS = ("--environment",)
@@ -133,7 +134,7 @@ async def nc_request_raw(nc: Any, payload: dict[str, Any]) -> Any:
 
 async def test_math_rollout_publishes_every_trajectory_once(node: Node) -> None:
     nc = await bus(node)
-    events = await EventLog(nc).start()
+    events = await EventTail(nc).start()
     chat = chat_of(node)
     try:
         req = RolloutRequest(workload="math", rollout_id="math-once", tasks=3, n=2, seed=5)
@@ -182,7 +183,7 @@ async def test_worker_kill_is_absorbed_without_duplicate_tokens(node: Node) -> N
     their recovery logs, and each response is token for token what an uninterrupted run of the
     same request gives (no token lost or repeated; deterministic mode)."""
     nc = await bus(node)
-    events = await EventLog(nc).start()
+    events = await EventTail(nc).start()
     try:
         req = RolloutRequest(
             workload="swe", rollout_id="wkill", tasks=2, n=2,
@@ -227,7 +228,7 @@ async def test_sandbox_failure_without_a_checkpoint_restarts_from_scratch(node: 
     from the base image with context L_0 (counted), and nothing of the failure reaches the
     model."""
     nc = await bus(node)
-    events = await EventLog(nc).start()
+    events = await EventTail(nc).start()
     chat = chat_of(node)
     try:
         req = RolloutRequest(

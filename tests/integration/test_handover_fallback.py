@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
+from common.events import EventTail
 from schemas.events import (
     HandoverDetected,
     HandoverFailed,
@@ -28,7 +29,6 @@ from schemas.events import (
     ShadowReady,
 )
 from tests.integration.node_helpers import (
-    EventLog,
     Node,
     greedy,
     pid_gone,
@@ -45,10 +45,10 @@ NODE_ARGS = ("--engines", "1", "--handover-timeout", "10")
 
 
 @pytest_asyncio.fixture
-async def bus(node: Node) -> AsyncIterator[tuple[object, EventLog]]:
+async def bus(node: Node) -> AsyncIterator[tuple[object, EventTail]]:
     """A client and the node's event log, once e0's shadow is warm."""
     nc = await node.connect("handover-fallback")
-    events = await EventLog(nc).start()
+    events = await EventTail(nc).start()
     try:
         await events.wait_for(ShadowReady, "e0", timeout=120)
         yield nc, events
@@ -63,7 +63,7 @@ def signal_quietly(pid: int, sig: signal.Signals) -> None:
 
 
 async def test_a_shadow_that_dies_during_the_takeover_leads_to_a_cold_restart(
-    bus: tuple[object, EventLog],
+    bus: tuple[object, EventTail],
 ) -> None:
     nc, events = bus
     procs = await supervisor_pids(nc)

@@ -24,6 +24,7 @@ from common import subjects
 from common.bus import connect
 from common.codec import decode, encode
 from common.config import config_argv
+from common.events import EventTail
 from common.training_config import OptimConfig
 from model.config import load_model_config
 from model.training import load_weights, publishable_state_dict
@@ -45,7 +46,7 @@ from services.trainer.client import GrpoConfig, TrainerConfig, trainer_status
 from services.trainer.service import to_sample
 from services.trainer.update import grpo_step, load_state, weights_equal
 from services.weights.client import fetch_manifest, map_weights
-from tests.integration.node_helpers import EventLog, Node, stop_node, supervisor_pids, wait_until
+from tests.integration.node_helpers import Node, stop_node, supervisor_pids, wait_until
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -95,12 +96,12 @@ def training_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 
 
 @pytest_asyncio.fixture
-async def bus(training_node: Node) -> AsyncIterator[tuple[object, EventLog]]:
+async def bus(training_node: Node) -> AsyncIterator[tuple[object, EventTail]]:
     """The node's operator (reads every stream) and its event log."""
     nc = await connect(
         training_node.nats_url, name="test-trainer", bus=training_node.bus("operator")
     )
-    log = await EventLog(nc).start()
+    log = await EventTail(nc).start()
     try:
         yield nc, log
     finally:
@@ -163,7 +164,7 @@ async def all_acked(js: object) -> bool:
 
 
 async def test_a_batch_trains_pushes_and_the_workers_switch(
-    bus: tuple[object, EventLog], controller_js: object
+    bus: tuple[object, EventTail], controller_js: object
 ) -> None:
     nc, log = bus
     js = nc.jetstream()  # type: ignore[attr-defined]
@@ -205,7 +206,7 @@ async def test_a_batch_trains_pushes_and_the_workers_switch(
 
 
 async def test_a_trainer_killed_mid_step_resumes_and_trains_each_trajectory_once(
-    training_node: Node, bus: tuple[object, EventLog], controller_js: object
+    training_node: Node, bus: tuple[object, EventTail], controller_js: object
 ) -> None:
     nc, log = bus
     js = nc.jetstream()  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from common import subjects
+from common.events import EventTail
 from common.natsserver import NatsServer
 from model.config import load_model_config
 from model.loader import load_safetensors
@@ -26,7 +27,7 @@ from services.trainer.service import to_sample
 from services.trainer.update import grpo_step, new_state, weights_equal
 from services.weights.config import WeightStoreConfig
 from services.weights.service import run as run_weights
-from tests.integration.node_helpers import EventLog, wait_until
+from tests.integration.node_helpers import wait_until
 from tests.integration.shm_helpers import running_service
 from tests.integration.trainer_helpers import (
     GROUP,
@@ -43,7 +44,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 async def test_a_poison_trajectory_is_dead_lettered_and_training_goes_on(
     nats_server: NatsServer,
-    trainer_bus: tuple[object, EventLog],
+    trainer_bus: tuple[object, EventTail],
     model_dir: Path,
     run_id: str,
     tmp_path: Path,

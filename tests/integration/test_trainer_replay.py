@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common import subjects
+from common.events import EventTail
 from common.natsserver import NatsServer
 from model.config import load_model_config
 from model.loader import load_safetensors
@@ -26,7 +27,7 @@ from services.trainer.update import grpo_step, new_state, weights_equal
 from services.weights.client import fetch_manifest, map_weights
 from services.weights.config import WeightStoreConfig
 from services.weights.service import run as run_weights
-from tests.integration.node_helpers import EventLog, wait_until
+from tests.integration.node_helpers import wait_until
 from tests.integration.shm_helpers import running_service
 from tests.integration.trainer_helpers import (
     GROUP,
@@ -45,7 +46,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 async def test_a_kill_between_checkpoints_replays_both_steps_exactly(
     nats_server: NatsServer,
-    trainer_bus: tuple[object, EventLog],
+    trainer_bus: tuple[object, EventTail],
     model_dir: Path,
     run_id: str,
     tmp_path: Path,
@@ -109,7 +110,7 @@ async def test_a_kill_between_checkpoints_replays_both_steps_exactly(
 
 async def test_a_checkpoint_of_another_run_or_model_is_refused_before_training(
     nats_server: NatsServer,
-    trainer_bus: tuple[object, EventLog],
+    trainer_bus: tuple[object, EventTail],
     model_dir: Path,
     run_id: str,
     tmp_path: Path,

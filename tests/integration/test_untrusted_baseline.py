@@ -11,10 +11,10 @@ import pytest
 
 from common import events
 from common.bus import connect
+from common.events import EventTail
 from schemas.events import EngineFailedEvent, EngineRegistered, ServiceRestarted
 from services.router.client import generate
 from tests.integration.node_helpers import (
-    EventLog,
     Node,
     greedy,
     log_lines,
@@ -31,7 +31,7 @@ NODE_ARGS = ("--recovery", "baseline", "--heartbeat-interval", "1", "--failure-w
 async def test_a_forged_failure_event_restarts_nothing(node: Node) -> None:
     nc = await connect(node.nats_url, name="client", bus=node.bus())
     forger = await connect(node.nats_url, name="forger", bus=node.bus("engine-e0"))
-    log = await EventLog(nc).start()
+    log = await EventTail(nc).start()
     try:
         main = (await supervisor_pids(nc))["worker-e0"]
         e0 = next(e for e in (await router_status(nc)).engines if e.id == "e0")

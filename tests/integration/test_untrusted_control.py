@@ -23,6 +23,7 @@ from common.bus import connect, request
 from common.codec import encode
 from common.epoch import claim_epoch, current_epoch
 from common.errors import Conflict, EngineUnavailable, NotFound, ResourceLimit
+from common.events import EventTail
 from common.limits import ServingLimits
 from schemas.base import Ok
 from schemas.events import (
@@ -48,7 +49,6 @@ from services.router.client import generate
 from services.weights.client import fetch_manifest
 from services.worker.config import WorkerConfig
 from tests.integration.node_helpers import (
-    EventLog,
     Node,
     greedy,
     log_lines,
@@ -70,13 +70,13 @@ CAPACITY = WorkerConfig().engine.max_num_seqs + LIMITS.max_queued
 
 
 @pytest_asyncio.fixture
-async def bus(node: Node) -> AsyncIterator[tuple[Any, EventLog]]:
+async def bus(node: Node) -> AsyncIterator[tuple[Any, EventTail]]:
     """A client and the node's event log, once every engine has a warm shadow. (A forgery
     below comes from a peer holding the identity the server requires for that subject — a
     rogue process of an engine, of the router — since the server refuses it from anyone
     else: these tests show what each service checks on top of that.)"""
     nc = await connect(node.nats_url, name="untrusted", bus=node.bus())
-    log = await EventLog(nc).start()
+    log = await EventTail(nc).start()
     try:
         for eid in ("e0", "e1"):
             await log.wait_for(ShadowReady, eid, timeout=90)
@@ -94,7 +94,7 @@ async def all_finish(nc: Any, tag: str, n: int = 4) -> None:
     assert all(len(r.token_ids) == 12 for r in results)
 
 
-async def hand_over(nc: Any, log: EventLog, engine_id: str) -> HandoverComplete:
+async def hand_over(nc: Any, log: EventTail, engine_id: str) -> HandoverComplete:
     """SIGKILL the engine's main worker; its shadow takes over; a fresh shadow warms up."""
     pid = (await main_pids(nc))[engine_id]
     os.kill(pid, signal.SIGKILL)
@@ -104,7 +104,7 @@ async def hand_over(nc: Any, log: EventLog, engine_id: str) -> HandoverComplete:
 
 
 async def test_a_registration_must_be_a_live_worker_of_a_node_engine(
-    node: Node, bus: tuple[Any, EventLog]
+    node: Node, bus: tuple[Any, EventTail]
 ) -> None:
     """A phantom engine (an id the supervisor never started) and a phantom worker (a pid that
     does not answer the engine's ping, even under an epoch it claimed by compare-and-set) are
@@ -143,7 +143,7 @@ async def test_a_registration_must_be_a_live_worker_of_a_node_engine(
 
 
 async def test_no_flush_can_push_an_epoch_out_of_reach(
-    node: Node, bus: tuple[Any, EventLog]
+    node: Node, bus: tuple[Any, EventTail]
 ) -> None:
     """A flush under a made-up epoch, under the live epoch (already flushed by its worker) or
     under the next one (not claimed yet) is refused and zeroes nothing; the next handover of
@@ -168,7 +168,7 @@ async def test_no_flush_can_push_an_epoch_out_of_reach(
     assert len(res.token_ids) == 8
 
 
-async def test_events_inform_and_command_nothing(node: Node, bus: tuple[Any, EventLog]) -> None:
+async def test_events_inform_and_command_nothing(node: Node, bus: tuple[Any, EventTail]) -> None:
     """Forged `engine_unhealthy`, `handover_complete` and `weights_updated` events: the
     supervisor checks them with the router and the epoch bucket and does nothing (no engine
     retired, no shadow promoted, no worker killed); no worker switches weights."""
@@ -225,7 +225,7 @@ async def test_events_inform_and_command_nothing(node: Node, bus: tuple[Any, Eve
 
 
 async def test_status_never_shows_a_dead_worker_as_healthy(
-    node: Node, bus: tuple[Any, EventLog]
+    node: Node, bus: tuple[Any, EventTail]
 ) -> None:
     """The main worker dies while its shadow is stopped (no handover yet): `belayer status`
     shows the engine down with the dead pid; once the shadow runs again it takes over and the
@@ -260,7 +260,7 @@ async def test_status_never_shows_a_dead_worker_as_healthy(
 
 
 async def test_a_worker_takes_only_what_the_router_would(
-    node: Node, bus: tuple[Any, EventLog]
+    node: Node, bus: tuple[Any, EventTail]
 ) -> None:
     """Direct submits to a worker, past the router: over the limits they are refused
     (`resource_limit`); 300 long ones fill the worker's bounded queue and the rest get the

@@ -21,6 +21,7 @@ from common.bus import connect, ensure_jetstream
 from common.codec import encode
 from common.config import config_argv
 from common.errors import BelayerError
+from common.events import EventTail
 from common.natsserver import NatsServer
 from common.training_config import OptimConfig
 from model.config import load_model_config
@@ -28,7 +29,7 @@ from model.qwen3 import build_model
 from model.train_forward import token_logprobs
 from schemas.rollout import Trajectory
 from services.trainer.client import GrpoConfig, TrainerConfig, trainer_status
-from tests.integration.node_helpers import EventLog, wait_until
+from tests.integration.node_helpers import wait_until
 
 GROUP = 2
 SMALL = dict(
@@ -97,11 +98,11 @@ class TrainerProc:
 
 
 @pytest_asyncio.fixture
-async def trainer_bus(nats_server: NatsServer) -> AsyncIterator[tuple[object, EventLog]]:
+async def trainer_bus(nats_server: NatsServer) -> AsyncIterator[tuple[object, EventTail]]:
     """A client on the test's NATS server (JetStream streams declared) and its event log."""
     nc = await connect(nats_server.url, name="test-replay")
     await ensure_jetstream(nc.jetstream())
-    log = await EventLog(nc).start()
+    log = await EventTail(nc).start()
     try:
         yield nc, log
     finally:
