@@ -17,6 +17,7 @@ from services.cli import model_cmd
 from services.cli import node as node_cmds
 from services.cli import rollout as rollout_cmd
 from services.cli import run as run_cmd
+from services.cli import soak as soak_cmd
 from services.cli import top as top_cmd
 from services.cli import workloads as workloads_cmds
 from services.cli.shared import OneLineErrors, fail
@@ -39,6 +40,7 @@ app.command()(generate_cmd.generate)
 app.command()(rollout_cmd.rollout)
 app.command()(run_cmd.run)
 app.command()(top_cmd.top)
+app.command()(soak_cmd.soak)
 app.add_typer(auth_cmds.auth_app, name="auth")
 app.add_typer(workloads_cmds.workloads_app, name="workloads")
 

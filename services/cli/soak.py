@@ -1,0 +1,101 @@
+"""``belayer soak``: faults of every kind under a mixed load, invariants checked on every
+history (the driver is ``bench/soak.py``, the checker ``bench/soak_check.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from bench.soak_node import ALL_KINDS
+from services.cli.shared import fail, one_line
+
+_KINDS_HELP = (
+    "Comma-separated fault kinds (default: every kind the node takes): "
+    + ", ".join(ALL_KINDS)
+    + ". worker-hang is a SIGSTOP of the main worker, the others SIGKILL their process."
+)
+
+
+def soak(
+    faults: int = typer.Option(20, "--faults", min=1, help="Faults to inject."),
+    duration: float = typer.Option(
+        120.0, "--duration", min=1.0, help="Seconds to spread the faults over (and to load)."
+    ),
+    kinds: str = typer.Option("", "--kinds", help=_KINDS_HELP),
+    seed: int = typer.Option(0, "--seed", help="Seed of the fault schedule and of the load."),
+    workload: str = typer.Option(
+        "serve", "--workload", help="serve: generate requests (math and swe: not yet)."
+    ),
+    engines: int = typer.Option(
+        1, "--engines", min=1, max=8, help="Engines of a node the soak starts."
+    ),
+    concurrency: int = typer.Option(
+        4, "--concurrency", min=1, max=64, help="Requests in flight at once."
+    ),
+    run_dir: Path | None = typer.Option(
+        None,
+        "--run-dir",
+        help="Soak the node running from this run directory (default: $BELAYER_HOME or "
+        "./.belayer); with none running there, the soak starts its own in a temporary "
+        "directory and stops it at the end.",
+    ),
+    out: Path = typer.Option(
+        Path("bench-results/soak.json"), "--out", help="Where to write the JSON result."
+    ),
+    history: Path | None = typer.Option(
+        None,
+        "--history",
+        help="Where to write the history (JSONL; default: <out stem>-history.jsonl next to it).",
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the result as JSON on stdout (the tables go to stderr)."
+    ),
+) -> None:
+    """Faults of every kind under a mixed load; every request's history checked.
+
+    Streaming and non-streaming requests, greedy and seeded-sampled, of 8 to
+    320 tokens, run back to back while a seeded schedule SIGKILLs (or, for
+    worker-hang, SIGSTOPs) the node's processes: main workers, shadows, the
+    router, the weight store, the KV arena, the controller (the trainer and
+    the environment service where they run). After each fault the soak waits
+    until the node is whole again: its time to recover.
+
+    Then every request runs again without faults, and the history (JSONL) is
+    checked: each request finished exactly once, with the tokens of its
+    fault-free reference; its stream had no gap and no repeat; engine epochs
+    only grew; no two workers streamed for one engine in one epoch; nothing
+    was left over (processes, /dev/shm files, containers).
+
+    Prints a table per fault kind and the verdict; exit 1 on FAIL. A node of
+    your own should run with --failure-window 0 (else a second worker fault
+    of an engine inside the window retires it, as designed).
+    """
+    from bench.soak import SoakOptions
+    from bench.soak import main as soak_main
+    from common.errors import BelayerError, InvalidRequest
+    from services.rl.node import NodeFailed
+
+    opts = SoakOptions(
+        faults=faults, duration_s=duration, seed=seed, workload=workload, engines=engines,
+        concurrency=concurrency, run_dir=run_dir, out=out, history=history,
+        kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()),
+    )  # fmt: skip
+    try:
+        if as_json:
+            with contextlib.redirect_stdout(sys.stderr):
+                result = soak_main(opts)
+            sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
+        else:
+            result = soak_main(opts)
+    except KeyboardInterrupt:
+        fail("interrupted: the soak stopped what it started", 130)
+    except InvalidRequest as exc:
+        fail(one_line(str(exc)), 2)
+    except (BelayerError, NodeFailed, OSError) as exc:
+        fail(one_line(str(exc)))
+    if result["verdict"] != "PASS":
+        raise typer.Exit(1)

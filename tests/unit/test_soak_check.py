@@ -1,0 +1,178 @@
+"""The soak's invariant checker (``bench/soak_check.py``) on histories built by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.soak_check import (
+    SLOW_S,
+    BatchSeen,
+    Delta,
+    EpochSeen,
+    Errored,
+    Fault,
+    Finished,
+    Leftovers,
+    Record,
+    Reference,
+    Submitted,
+    check,
+    dump,
+    fault_table,
+    load,
+)
+
+
+def sub(rid: str, t: float = 0.0, stream: bool = True) -> Submitted:
+    return Submitted(
+        rid=rid, t=t, stream=stream, prompt="p", temperature=0.0, seed=None, max_tokens=4
+    )
+
+
+def good(rid: str = "r1", tokens: tuple[int, ...] = (1, 2, 3, 4)) -> list[Record]:
+    """A streaming request handed its tokens in two deltas, finished, with its reference."""
+    toks = list(tokens)
+    return [
+        sub(rid),
+        Delta(rid=rid, t=1.0, start=0, tokens=toks[:2]),
+        Delta(rid=rid, t=2.0, start=2, tokens=toks[2:]),
+        Finished(rid=rid, t=2.1, tokens=toks, finish_reason="length"),
+        Reference(rid=rid, tokens=toks),
+    ]
+
+
+def invariants(records: list[Record]) -> list[str]:
+    return [v.invariant for v in check(records)]
+
+
+def test_a_clean_history_passes() -> None:
+    records = [
+        *good("a"),
+        *good("b", (5, 6)),
+        sub("c", stream=False),
+        Finished(rid="c", t=3.0, tokens=[9], finish_reason="length"),
+        Reference(rid="c", tokens=[9]),
+        EpochSeen(engine="e0", epoch=1, t=0.0),
+        EpochSeen(engine="e0", epoch=2, t=5.0),
+        BatchSeen(engine="e0", epoch=1, pid=10, t=0.5),
+        BatchSeen(engine="e0", epoch=2, pid=11, t=5.5),
+        Fault(kind="worker-kill", t=1.5, target="e0", pid=10, recovered_t=1.6),
+        Leftovers(),
+    ]
+    assert check(records) == []
+
+
+def test_a_request_must_finish_exactly_once() -> None:
+    unfinished = [sub("r")]
+    assert invariants(unfinished) == ["finished_once"]
+    twice = [*good("r"), Finished(rid="r", t=3.0, tokens=[1, 2, 3, 4], finish_reason="length")]
+    assert invariants(twice) == ["finished_once"]
+    errored = [sub("r"), Errored(rid="r", t=1.0, error="timeout")]
+    assert invariants(errored) == ["finished_once"]
+    stray = [Finished(rid="x", t=1.0, tokens=[], finish_reason="length")]
+    assert invariants(stray) == ["finished_once"]
+
+
+def test_tokens_must_equal_the_reference() -> None:
+    records = good("r")
+    records[-1] = Reference(rid="r", tokens=[1, 2, 9, 4])
+    (v,) = check(records)
+    assert v.invariant == "reference" and "index 2" in v.detail
+    shorter = good("r")
+    shorter[-1] = Reference(rid="r", tokens=[1, 2, 3])
+    assert "index 3" in check(shorter)[0].detail
+    assert invariants(good("r")[:-1]) == ["reference"]  # none computed
+    failed = [*good("r")[:-1], Reference(rid="r", tokens=[], error="boom")]
+    assert invariants(failed) == ["reference"]
+
+
+@pytest.mark.parametrize(
+    ("starts", "what"),
+    [((0, 1), "overlap"), ((0, 3), "gap"), ((1, 2), "gap")],
+)
+def test_a_token_handed_twice_or_out_of_order_is_caught(starts: tuple[int, int], what: str) -> None:
+    records = good("r")
+    records[1] = Delta(rid="r", t=1.0, start=starts[0], tokens=[1, 2])
+    records[2] = Delta(rid="r", t=2.0, start=starts[1], tokens=[3, 4])
+    (v,) = check(records)
+    assert v.invariant == "stream" and what in v.detail
+
+
+def test_deltas_must_add_up_to_the_result() -> None:
+    records = good("r")
+    del records[2]  # the second delta never came, yet the result holds 4 tokens
+    assert invariants(records) == ["stream"]
+    quiet = [sub("q", stream=False), Delta(rid="q", t=1.0, start=0, tokens=[1])]
+    quiet += [Finished(rid="q", t=2, tokens=[1], finish_reason="length")]
+    quiet += [Reference(rid="q", tokens=[1])]
+    assert invariants(quiet) == ["stream"]
+
+
+def test_epochs_only_grow_and_one_worker_streams_per_epoch() -> None:
+    back = [EpochSeen(engine="e0", epoch=3, t=1.0), EpochSeen(engine="e0", epoch=2, t=2.0)]
+    assert invariants(back) == ["epochs"]
+    # out of order in the file, in order in time: fine; another engine's epochs are its own
+    fine = [
+        EpochSeen(engine="e0", epoch=3, t=2.0),
+        EpochSeen(engine="e0", epoch=2, t=1.0),
+        EpochSeen(engine="e1", epoch=1, t=3.0),
+    ]
+    assert check(fine) == []
+    brain = [
+        BatchSeen(engine="e0", epoch=4, pid=10, t=1.0),
+        BatchSeen(engine="e0", epoch=4, pid=11, t=1.1),
+        BatchSeen(engine="e1", epoch=4, pid=12, t=1.2),
+    ]
+    (v,) = check(brain)
+    assert v.invariant == "split_brain" and v.subject == "e0" and "[10, 11]" in v.detail
+
+
+def test_unrecovered_faults_and_leftovers_are_violations() -> None:
+    records: list[Record] = [
+        Fault(kind="router-kill", t=1.0, target="router", pid=5, recovered_t=None, detail="x"),
+        Leftovers(processes=["123 python -m services.worker"], shm=["/dev/shm/belayer-x"]),
+    ]
+    assert invariants(records) == ["recovered", "leftovers", "leftovers"]
+
+
+def test_the_fault_table_counts_recoveries_and_slow_requests() -> None:
+    records: list[Record] = [
+        Fault(kind="worker-kill", t=10.0, target="e0", pid=1, recovered_t=10.1, back_t=10.05),
+        Fault(kind="worker-kill", t=20.0, target="e0", pid=2, recovered_t=20.3),
+        Fault(kind="worker-kill", t=25.0, target="e0", pid=4, recovered_t=25.2),
+        Fault(kind="worker-hang", t=30.0, target="e0", pid=3, recovered_t=None),
+        # in flight at 10.0: next token 0.05 s later; at 30.0: 2.5 s later (slow)
+        sub("a", t=9.0),
+        Delta(rid="a", t=9.5, start=0, tokens=[1]),
+        Delta(rid="a", t=10.05, start=1, tokens=[2]),
+        Finished(rid="a", t=10.2, tokens=[1, 2], finish_reason="length"),
+        sub("b", t=29.0),
+        Delta(rid="b", t=29.5, start=0, tokens=[1]),
+        Delta(rid="b", t=30.0 + SLOW_S + 0.5, start=1, tokens=[2]),
+        Finished(rid="b", t=33.0, tokens=[1, 2], finish_reason="length"),
+        # not streaming, or not in flight: not counted
+        sub("c", t=9.0, stream=False),
+        Finished(rid="c", t=11.0, tokens=[1], finish_reason="length"),
+        sub("d", t=10.5),
+        Finished(rid="d", t=11.0, tokens=[], finish_reason="length"),
+    ]
+    kill, hang = fault_table(records)
+    assert (kill.kind, kill.count, kill.recovered) == ("worker-kill", 3, 3)
+    assert kill.recover_p50_s == pytest.approx(0.2) and kill.recover_p99_s == pytest.approx(0.3)
+    assert kill.back_p50_s == pytest.approx(0.05)  # the one fault that says when it was back
+    assert (kill.requests_hit, kill.slow) == (1, 0)
+    assert (hang.count, hang.recovered, hang.recover_p50_s) == (1, 0, None)
+    assert (hang.requests_hit, hang.slow) == (1, 1)
+    assert hang.wait_max_s == pytest.approx(SLOW_S + 0.5)
+
+
+def test_records_round_trip_through_jsonl(tmp_path: Path) -> None:
+    records = [*good("r"), Fault(kind="shadow-kill", t=1.0, target="e0", pid=7), Leftovers()]
+    path = tmp_path / "history.jsonl"
+    path.write_bytes(b"".join(dump(r) for r in records))
+    assert load(path) == records
+    path.write_bytes(b'{"type": "nonsense"}\n')
+    with pytest.raises(ValueError, match=r"history\.jsonl:1"):
+        load(path)
