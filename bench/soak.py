@@ -418,16 +418,21 @@ def _main(opts: SoakOptions, say: Callable[[str], None]) -> dict[str, Any]:
     history = History(opts.history_path)
     info: dict[str, Any] = {}
     shm_before = sn.shm_files(node.run_id) if tmp is None else set()
+    interrupted = False
     try:
         info = asyncio.run(_cancel_on_sigterm(soak_node(node, paths, opts, history)))
-    except asyncio.CancelledError:
-        raise KeyboardInterrupt from None
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        interrupted = True
     finally:
         if tmp is not None:
             say("stopping the soak's node")
             shut_down(paths, timeout=60.0)
         history.write(_leftovers(node, tmp is not None, shm_before, history))
         history.close()
+    if interrupted:  # stopped by the user: the node it started and that node's directory
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise KeyboardInterrupt
     result = report(opts, sc.load(history.path), info)
     if tmp is not None and result["verdict"] == "PASS":
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,109 @@
+"""``belayer soak`` end to end, as a user runs it: the command starts its own node (no node runs
+from its run directory), loads it, injects every fault kind of the serve workload on real
+processes, checks every request's history and stops the node. The verdict must be PASS with 0
+violations and every kind fired and recovered; what the checker judged is read back from the
+history, and the node's leftovers are looked for here as well. A SIGTERM in the middle of a
+soak stops it and the node it started, leaving nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.soak_check import Fault, Reference, Submitted, load
+from common.config import SHM_DIR, shm_prefix
+from tests.integration.node_helpers import BELAYER, run_id_processes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+KINDS = (
+    "worker-kill",
+    "worker-hang",
+    "shadow-kill",
+    "router-kill",
+    "weights-kill",
+    "kv-kill",
+    "controller-kill",
+)
+
+
+def soak_env(tmp_path: Path) -> dict[str, str]:
+    """No node runs from the run directory (the soak starts one); its temporary run directory
+    goes under the test's ``tmp_path``."""
+    return {**os.environ, "BELAYER_HOME": str(tmp_path / "no-node"), "TMPDIR": str(tmp_path)}
+
+
+def assert_nothing_left(run_id: str, tmp_path: Path) -> None:
+    assert not run_id_processes(run_id), "processes of the soak's node left behind"
+    assert not list(SHM_DIR.glob(f"{shm_prefix(run_id)}*")), "shared-memory files left behind"
+    assert not list(tmp_path.glob("belayer-soak-*")), "the soak's node directory was left"
+
+
+def test_a_short_soak_passes_with_every_fault_kind(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    args = ["soak", "--faults", str(len(KINDS)), "--duration", "35", "--kinds", ",".join(KINDS)]
+    args += ["--seed", "1", "--out", str(out), "--json"]
+    proc = subprocess.run(
+        [*BELAYER, *args], env=soak_env(tmp_path), capture_output=True, text=True, timeout=280
+    )
+    assert proc.returncode == 0, f"soak failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    result = json.loads(proc.stdout)
+    assert result == json.loads(out.read_text())
+    assert result["verdict"] == "PASS" and result["violations"] == []
+    rows = {r["kind"]: r for r in result["faults"]}
+    assert set(rows) == set(KINDS) and not result["kinds_not_fired"]
+    for kind, row in rows.items():
+        assert row["count"] == 1 and row["recovered"] == 1, (kind, row)
+        assert row["back_p50_s"] is not None and row["back_p50_s"] <= row["recover_p50_s"]
+    assert result["finished"] == result["requests"] > 0
+
+    # The history holds what was judged: the mixed load, each request's reference, each fault.
+    records = load(Path(result["history"]))
+    subs = [r for r in records if isinstance(r, Submitted)]
+    assert {s.stream for s in subs} == {True, False}
+    assert {s.temperature > 0 for s in subs} == {True, False}
+    assert len({s.max_tokens for s in subs}) > 2
+    refs = {r.rid for r in records if isinstance(r, Reference) and not r.error}
+    assert refs == {s.rid for s in subs}
+    assert sorted(f.kind for f in records if isinstance(f, Fault)) == sorted(KINDS)
+    assert_nothing_left(result["node"]["run_id"], tmp_path)
+
+
+def test_sigterm_stops_the_soak_and_the_node_it_started(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*BELAYER, "soak", "--faults", "50", "--duration", "300", "--kinds", "worker-kill",
+         "--out", str(tmp_path / "soak.json")],
+        env=soak_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr or []])
+    reader.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any("fault 1/" in x for x in seen):  # a fault injected, the load running
+            assert proc.poll() is None, "".join(seen)
+            seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=30)  # the pipe closed: every line is in the queue
+    while not lines.empty():
+        seen.append(lines.get())
+    text = "".join(seen)
+    assert "error: interrupted" in text and "Traceback" not in text
+    match = re.search(r"node ([0-9a-f]+):", text)
+    assert match, text
+    assert_nothing_left(match.group(1), tmp_path)
