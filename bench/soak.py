@@ -502,7 +502,7 @@ def print_kinds(rows: list[sc.KindRow]) -> None:
 
     table = Table(title=f"faults (slow: a stream waited > {sc.SLOW_S:g} s for its next token)")
     heads = ("kind", "n", "recovered", "back p50 s", "back p99 s", "whole p50 s",
-             "whole p99 s", "streams hit", "slow", "max wait s")  # fmt: skip
+             "whole p99 s", "hit", "slow", "max wait s")  # fmt: skip
     for col in heads:
         table.add_column(
             col, justify="left" if col == "kind" else "right", no_wrap=col in ("kind", "recovered")
