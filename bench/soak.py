@@ -442,6 +442,20 @@ def _main(opts: SoakOptions, say: Callable[[str], None]) -> dict[str, Any]:
     return result
 
 
+def recheck(history: Path, opts: SoakOptions) -> dict[str, Any]:
+    """Check a history kept by an earlier soak again (no node needed); the JSON result, also
+    written to ``opts.out``."""
+    try:
+        records = sc.load(history)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read the history {history}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    result = report(dataclasses.replace(opts, history=history), records, {})
+    progress(f"wrote {write_json(opts.out, result)}")
+    return result
+
+
 def report(opts: SoakOptions, records: list[sc.Record], info: dict[str, Any]) -> dict[str, Any]:
     """Check the history, print the table per fault kind and the verdict; the JSON result."""
     violations = sc.check(records)

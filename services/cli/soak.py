@@ -54,6 +54,11 @@ def soak(
     as_json: bool = typer.Option(
         False, "--json", help="Print the result as JSON on stdout (the tables go to stderr)."
     ),
+    check: Path | None = typer.Option(
+        None,
+        "--check",
+        help="Only check this history (JSONL) of an earlier soak again: no node, no faults.",
+    ),
 ) -> None:
     """Faults of every kind under a mixed load; every request's history checked.
 
@@ -74,7 +79,7 @@ def soak(
     your own should run with --failure-window 0 (else a second worker fault
     of an engine inside the window retires it, as designed).
     """
-    from bench.soak import SoakOptions
+    from bench.soak import SoakOptions, recheck
     from bench.soak import main as soak_main
     from common.errors import BelayerError, InvalidRequest
     from services.rl.node import NodeFailed
@@ -84,13 +89,17 @@ def soak(
         concurrency=concurrency, run_dir=run_dir, out=out, history=history,
         kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()),
     )  # fmt: skip
+
+    def go() -> dict:
+        return recheck(check, opts) if check is not None else soak_main(opts)
+
     try:
         if as_json:
             with contextlib.redirect_stdout(sys.stderr):
-                result = soak_main(opts)
+                result = go()
             sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
         else:
-            result = soak_main(opts)
+            result = go()
     except KeyboardInterrupt:
         fail("interrupted: the soak stopped what it started", 130)
     except InvalidRequest as exc:

@@ -77,6 +77,30 @@ def test_a_short_soak_passes_with_every_fault_kind(tmp_path: Path) -> None:
     assert sorted(f.kind for f in records if isinstance(f, Fault)) == sorted(KINDS)
     assert_nothing_left(result["node"]["run_id"], tmp_path)
 
+    # The kept history checks again on its own; one token changed in it is caught.
+    history = Path(result["history"])
+    again = recheck(history, tmp_path)
+    assert again.returncode == 0 and json.loads(again.stdout)["violations"] == []
+    lines = history.read_text().splitlines()
+    i = next(i for i, x in enumerate(lines) if '"type":"finished"' in x and '"tokens":[]' not in x)
+    rec = json.loads(lines[i])
+    rec["tokens"][0] += 1
+    lines[i] = json.dumps(rec)
+    bad = tmp_path / "tampered.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    failed = recheck(bad, tmp_path)
+    assert failed.returncode == 1
+    found = {(v["invariant"], v["subject"]) for v in json.loads(failed.stdout)["violations"]}
+    assert ("reference", rec["rid"]) in found
+
+
+def recheck(history: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``belayer soak --check HISTORY --json`` (no node)."""
+    return subprocess.run(
+        [*BELAYER, "soak", "--check", str(history), "--out", str(tmp_path / "re.json"), "--json"],
+        env=soak_env(tmp_path), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
 
 def test_sigterm_stops_the_soak_and_the_node_it_started(tmp_path: Path) -> None:
     proc = subprocess.Popen(
