@@ -7,11 +7,15 @@ import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from bench.soak_node import ALL_KINDS
 from services.cli.shared import fail, one_line
+
+if TYPE_CHECKING:
+    from bench.soak import SoakOptions
 
 _KINDS_HELP = (
     "Comma-separated fault kinds (default: every kind the node takes): "
@@ -79,16 +83,23 @@ def soak(
     your own should run with --failure-window 0 (else a second worker fault
     of an engine inside the window retires it, as designed).
     """
-    from bench.soak import SoakOptions, recheck
-    from bench.soak import main as soak_main
-    from common.errors import BelayerError, InvalidRequest
-    from services.rl.node import NodeFailed
+    from bench.soak import SoakOptions
 
     opts = SoakOptions(
         faults=faults, duration_s=duration, seed=seed, workload=workload, engines=engines,
         concurrency=concurrency, run_dir=run_dir, out=out, history=history,
         kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()),
     )  # fmt: skip
+
+    _run(opts, check, as_json)
+
+
+def _run(opts: SoakOptions, check: Path | None, as_json: bool) -> None:
+    """The soak (or ``--check``), its errors as one line; exit 1 unless the verdict is PASS."""
+    from bench.soak import main as soak_main
+    from bench.soak import recheck
+    from common.errors import BelayerError, InvalidRequest
+    from services.rl.node import NodeFailed
 
     def go() -> dict:
         return recheck(check, opts) if check is not None else soak_main(opts)
