@@ -233,6 +233,12 @@ async def inject_all(
         )  # fmt: skip
         history.write(fault)
         out.append(fault)
+        if whole is None and (v := await sn.view(nc)) is not None and v.retired:
+            progress(
+                f"engine {', '.join(v.retired)} retired as unhealthy (a node of your own needs "
+                "`belayer up --failure-window 0`): no more faults"
+            )
+            break
         took = (
             f"back in {back - inj.t:.2f} s, whole in {whole - inj.t:.2f} s"
             if back and whole

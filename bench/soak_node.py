@@ -65,6 +65,8 @@ class NodeView:
     """Supervisor process name → (pid, alive)."""
     engines: dict[str, tuple[bool, int]]
     """Engine id → (up, worker pid) as the router sees it."""
+    retired: tuple[str, ...] = ()
+    """Engines the router holds unhealthy (retired from placement for good)."""
 
 
 async def view(nc: Any) -> NodeView | None:
@@ -77,6 +79,7 @@ async def view(nc: Any) -> NodeView | None:
     return NodeView(
         procs={p.name: (p.pid or 0, p.alive) for p in sup.procs},
         engines={e.id: (e.healthy and e.state in ("", "up"), e.worker_pid) for e in st.engines},
+        retired=tuple(e.id for e in st.engines if e.state == "unhealthy"),
     )
 
 
