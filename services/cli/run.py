@@ -20,9 +20,7 @@ from services.cli.shared import fail, finite, one_line, print_json
 from services.rl.node import (
     NodeFailed,
 )
-from services.rl.options import (
-    RunOptions,
-)
+from services.rl.options import DEFAULTS, LR_DEFAULTS, RunOptions
 from services.rl.report import step_table
 from services.rl.run import execute
 
@@ -82,28 +80,36 @@ class Ui:
         )
 
 
-# `belayer run`'s options (declared here, so that `run` reads as what it does)
+def per_workload(knob: str) -> str:
+    """``math 8, swe 4``: a knob's per-workload default, as ``services/rl/options.py`` has it."""
+    return ", ".join(f"{w} {d[knob]}" for w, d in DEFAULTS.items())
+
+
+# `belayer run`'s options (declared here, so that `run` reads as what it does). Each default is
+# RunOptions' (services/rl/options.py), the one place it is stated.
 RUN_WORKLOAD = typer.Argument(..., help="math or swe.")
-RUN_STEPS = typer.Option(2, "--steps", min=1, max=100_000, help="Training steps.")
+RUN_STEPS = typer.Option(RunOptions.steps, "--steps", min=1, max=100_000, help="Training steps.")
 RUN_TASKS = typer.Option(
-    None, "--tasks", min=1, max=4096, help="Tasks per step (default: math 8, swe 4)."
-)
+    RunOptions.tasks, "--tasks", min=1, max=4096,
+    help=f"Tasks per step (default: {per_workload('tasks')}).",
+)  # fmt: skip
 RUN_N = typer.Option(
-    None, "--n", min=1, max=1024, help="Samples per task, the GRPO group (math 8, swe 2)."
-)
+    RunOptions.n, "--n", min=1, max=1024,
+    help=f"Samples per task, the GRPO group (default: {per_workload('n')}).",
+)  # fmt: skip
 RUN_MODEL = typer.Option(
-    None,
+    RunOptions.model,
     "--model",
     help="tiny (the warm-started tiny model of the workload, made once and cached) or a "
     "Qwen3 model directory. Default: a running node's model, else tiny.",
 )
 RUN_POLICY = typer.Option(
-    "risk-aware",
+    RunOptions.policy,
     "--policy",
     help="Sandbox checkpoints: never, always, risk-aware, interval:N, young-daly.",
 )
 RUN_INJECT = typer.Option(
-    "",
+    RunOptions.inject,
     "--inject",
     help="Failures, comma-separated KIND@WHEN: the rollout's kinds and triggers (every "
     "step's rollout) and WHEN step=S (once, during step S) with KIND worker-kill, "
@@ -111,40 +117,54 @@ RUN_INJECT = typer.Option(
     "worker-kill@step=1,sandbox-kill@turn=2,trainer-kill@step=2.",
 )
 RUN_RESUME = typer.Option(
-    False, "--resume", help="Continue the run in --out (default: the newest of the workload)."
+    RunOptions.resume,
+    "--resume",
+    help="Continue the run in --out (default: the newest of the workload).",
 )
 RUN_JSON = typer.Option(False, "--json", help="Print the final report as JSON.")
 RUN_OUT = typer.Option(
-    None, "--out", help="Run directory (default: <node run dir>/runs/<workload>-<time>)."
+    RunOptions.out, "--out", help="Run directory (default: <node run dir>/runs/<workload>-<time>)."
 )
 RUN_NODE_DIR = typer.Option(
-    None,
+    RunOptions.node_dir,
     "--run-dir",
     help="Where a running node is looked for (default $BELAYER_HOME or "
     "./.belayer); without one the run starts its own under --out.",
 )
 RUN_DATASET = typer.Option(
-    "", "--dataset", help="Dataset file: DAPO-style for math, SWE-Gym instances for swe."
+    RunOptions.dataset,
+    "--dataset",
+    help="Dataset file: DAPO-style for math, SWE-Gym instances for swe.",
 )
-RUN_SEED = typer.Option(0, "--seed", min=0, max=2**62, help="Root seed.")
+RUN_SEED = typer.Option(RunOptions.seed, "--seed", min=0, max=2**62, help="Root seed.")
 RUN_LR = typer.Option(
-    None,
+    RunOptions.lr,
     "--lr",
     min=1e-9,
     max=1.0,
     callback=finite,
-    help="Peak learning rate (AdamW; default: math 2e-4, swe 1e-4).",
+    help="Peak learning rate (AdamW; default: "
+    + ", ".join(f"{w} {lr:.0e}".replace("e-0", "e-") for w, lr in LR_DEFAULTS.items())
+    + ").",
 )
 RUN_HELD_OUT = typer.Option(
-    None, "--held-out", min=1, max=4096, help="Held-out tasks (default: math 64, swe 2)."
-)
+    RunOptions.held_out, "--held-out", min=1, max=4096,
+    help=f"Held-out tasks (default: {per_workload('held_out')}).",
+)  # fmt: skip
 RUN_TEMPERATURE = typer.Option(
-    1.0, "--temperature", min=0.01, max=10.0, callback=finite, help="Rollout temperature."
+    RunOptions.temperature,
+    "--temperature",
+    min=0.01,
+    max=10.0,
+    callback=finite,
+    help="Rollout temperature.",
 )
 RUN_RECOVERY = typer.Option(
-    "belayer", "--recovery", help="A started node's recovery: belayer or baseline."
+    RunOptions.recovery, "--recovery", help="A started node's recovery: belayer or baseline."
 )
-RUN_KEEP_NODE = typer.Option(False, "--keep-node", help="Leave the node the run started running.")
+RUN_KEEP_NODE = typer.Option(
+    RunOptions.keep_node, "--keep-node", help="Leave the node the run started running."
+)
 
 
 def run(

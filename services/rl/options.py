@@ -57,7 +57,7 @@ class RunOptions:
 
     workload: str
     """``math`` or ``swe``."""
-    steps: int
+    steps: int = 2
     """Training steps of this run (after resume: the total)."""
     tasks: int | None = None
     """Tasks per step (None: the workload's default, or the running trainer's)."""
