@@ -179,8 +179,7 @@ def grpo_loss(
     if beta != 0.0:
         if ref_logp is None or ref_logp.shape != logp.shape:
             raise ValueError("beta != 0 needs ref_logp of logp's shape")
-        delta = ref_logp - logp
-        per_token = per_token + beta * (torch.exp(delta) - delta - 1)
+        per_token = per_token + beta * k3(ref_logp - logp)
     per_token = per_token.expand_as(logp) if per_token.shape != logp.shape else per_token
 
     if loss_type == "grpo":
@@ -196,6 +195,13 @@ def grpo_loss(
         items = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
         return (per_token * m).sum() / items.to(logp.dtype).clamp(min=1.0)
     raise ValueError(f"loss_type must be grpo, bnpo, dr_grpo or dapo, got {loss_type!r}")
+
+
+def k3(delta: Tensor) -> Tensor:
+    """The k3 estimator of KL(policy ‖ reference) per token, ``exp(δ) − δ − 1`` with
+    ``δ = ref_logp − logp`` (≥ 0, 0 where the two agree): the loss's KL term and the ``kl``
+    a step reports."""
+    return torch.exp(delta) - delta - 1
 
 
 def clip_fractions(

@@ -50,7 +50,14 @@ from model.training import (
     train_step,
 )
 from services.trainer.config import GrpoConfig
-from services.trainer.core import Sample, check_grouped, clip_fractions, group_advantages, grpo_loss
+from services.trainer.core import (
+    Sample,
+    check_grouped,
+    clip_fractions,
+    group_advantages,
+    grpo_loss,
+    k3,
+)
 
 Generating = Callable[[int], Qwen3ForCausalLM | None]
 """Weights of an older version (inference mode), or None when they are gone."""
@@ -295,7 +302,7 @@ class _Loss:
         self.clip_stats.append((lo, hi, float(m.mask.sum())))
         if m.ref_logp is not None:
             d = (m.ref_logp - logp.detach()) * m.mask
-            kl = ((torch.exp(d) - d - 1) * m.mask).sum() / m.mask.sum().clamp(min=1)
+            kl = (k3(d) * m.mask).sum() / m.mask.sum().clamp(min=1)
             self.kls.append(float(kl))
         return loss if grpo.loss_type == "dapo" else loss / len(mini)
 
