@@ -1,6 +1,8 @@
 """Heartbeat files: the main worker refreshes the file's mtime every scheduling-loop turn and
 records who it is in the file's content; the shadow reads both to decide whether the main
-worker is alive, dead or hung. The decision (``assess``) is pure and unit-tested."""
+worker is alive, dead or hung. The decision (``assess``) is pure and unit-tested. Beside it, the
+liveness of a pid: ``PidWatch`` (a pidfd, for a process one watches) and ``process_alive`` (one
+look at ``/proc``, for any pid)."""
 
 from __future__ import annotations
 
@@ -78,6 +80,19 @@ def assess(*, pid_alive: bool | None, age_s: float | None, stale_after_s: float)
     if age_s > stale_after_s:
         return Verdict.HUNG
     return Verdict.ALIVE
+
+
+def process_alive(pid: int | None) -> bool:
+    """``pid`` runs: it exists and is neither a zombie nor dead (``/proc/<pid>/stat``). None, 0
+    and negative pids are not processes."""
+    if not pid or pid < 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b") ", 1)[-1][:1]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X", b"x")
 
 
 class PidWatch:

@@ -21,13 +21,14 @@ from common.bus import js_call
 from common.codec import decode
 from common.config import RunPaths, config_argv
 from common.errors import BelayerError, BusUnavailable, Timeout
+from common.heartbeat import process_alive
 from common.node import read_node
 from schemas.events import AnyEvent
 from schemas.node import SupervisorStatus
 from schemas.serving import RouterStatus
 from services.cli.auth import preflight
 from services.cli.shared import fail, print_json, run, with_bus
-from services.rl.node import NodeFailed, docker_usable, launch, pid_alive, shut_down
+from services.rl.node import NodeFailed, docker_usable, launch, shut_down
 from services.rl.run import run_paths
 from services.router.client import router_status
 from services.supervisor.client import supervisor_status
@@ -216,7 +217,7 @@ def up(
     check_up_args(recovery, role, nats_url)
     paths = run_paths(run_dir)
     node = read_node(paths)
-    if node is not None and pid_alive(node.supervisor_pid):
+    if node is not None and process_alive(node.supervisor_pid):
         fail(
             f"a node is already running from {paths.root} (supervisor pid {node.supervisor_pid}); run `belayer down` first"
         )
@@ -460,7 +461,7 @@ def mark_dead_workers(
         live = {p["pid"] for p in procs if p["alive"]}
         gone = [e for e in engines if e["worker_pid"] not in live]
     elif local:
-        gone = [e for e in engines if not pid_alive(e["worker_pid"])]
+        gone = [e for e in engines if not process_alive(e["worker_pid"])]
     else:
         return
     for e in gone:

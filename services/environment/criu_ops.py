@@ -188,17 +188,6 @@ def runc_knows(root: Path, container_id: str) -> bool:
     return (root / container_id / "state.json").exists()
 
 
-def process_alive(pid: int) -> bool:
-    """``pid`` exists and is neither a zombie nor dead (``/proc/<pid>/stat``)."""
-    if pid <= 0:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(") ", 1)[-1][:1] not in ("Z", "X", "x")
-
-
 def criu_errors(log: Path, limit: int = 3) -> str:
     """The last ``limit`` ``Error (…)`` lines of a CRIU log, joined (empty if none/unreadable)."""
     try:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from common.errors import BelayerError, CheckpointInvalid, NotFound, SandboxError
+from common.heartbeat import process_alive
 from schemas.env import CheckpointInfo
 from services.environment import core, quiescent
 from services.environment import criu_ops as ops
@@ -63,7 +64,7 @@ async def capture(
     upper = str(info["GraphDriver"]["Data"]["UpperDir"])
     method, root = checkpoint_method(config, rec.container_id)
     control = ops.freezer_path(pid)
-    if control is None and not _alive(pid):
+    if control is None and not process_alive(pid):
         # Killed between the inspect and here: its cgroup went with it. Docker may not have
         # noticed yet, so this is the death the caller must hear of, not a missing cgroup.
         rec.move(SandboxState.FAILED)
@@ -156,7 +157,7 @@ async def container_alive(docker: DockerOps, container_id: str) -> bool:
     except NotFound:
         return False
     state = info["State"]
-    return bool(state.get("Running")) and ops.process_alive(int(state.get("Pid") or 0))
+    return bool(state.get("Running")) and process_alive(int(state.get("Pid") or 0))
 
 
 class NotTheCheckpoint(Exception):
@@ -343,12 +344,3 @@ def unreadable_manifest(sandbox_id: str, name: str) -> Manifest:
         criu_files={},
         method="unreadable",
     )
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except OSError:
-        return False

@@ -23,6 +23,7 @@ from common.auth import redact
 from common.bus import connect
 from common.config import RunPaths, config_argv
 from common.errors import BelayerError, BusUnavailable, FatalError, InvalidRequest, Timeout
+from common.heartbeat import process_alive
 from common.node import NodeInfo, read_node, resolve_bus
 from common.training_config import OptimConfig
 from schemas.events import EventBase
@@ -62,7 +63,7 @@ class NodeHandle:
 def running_node(paths: RunPaths) -> NodeInfo | None:
     """The node running from ``paths`` (its supervisor alive), if any."""
     node = read_node(paths)
-    if node is None or not node.ready or not pid_alive(node.supervisor_pid):
+    if node is None or not node.ready or not process_alive(node.supervisor_pid):
         return None
     return node
 
@@ -143,23 +144,6 @@ def docker_usable(timeout: float = 3.0) -> bool:
         return False
 
 
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
-
-
 def launch(config: SupervisorConfig, paths: RunPaths, timeout: float) -> NodeInfo:
     """Start the supervisor of ``config`` in its own session (``belayer up --detach``) and
     wait until its node file says ready; a start that fails or times out raises
@@ -232,7 +216,7 @@ def shut_down(paths: RunPaths, *, timeout: float = 30.0, keep: bool = False) -> 
         return None
     keep_sandboxes(paths.root, keep)
     pid = node.supervisor_pid
-    if pid_alive(pid):
+    if process_alive(pid):
         try:
             if node.role != "node":  # a joined host: supervisor.stop is the deployment node's
                 raise BusUnavailable("stopped by signal")
@@ -241,9 +225,9 @@ def shut_down(paths: RunPaths, *, timeout: float = 30.0, keep: bool = False) -> 
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while pid_alive(pid) and time.monotonic() < deadline:
+        while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)  # waiting for the supervisor process to exit
-        if pid_alive(pid):
+        if process_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
     # A supervisor that died without its shutdown leaves the NATS server it started (its own
@@ -278,16 +262,16 @@ def stop_process(pid: int, timeout: float) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while pid_alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)  # waiting for the process to exit
-    if pid_alive(pid):
+    if process_alive(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
 
 def is_nats_server(pid: int) -> bool:
     """``pid`` is alive and runs nats-server (not some process that reused the pid)."""
-    if not pid_alive(pid):
+    if not process_alive(pid):
         return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -362,7 +346,6 @@ __all__ = [
     "launch",
     "node_config_of",
     "open_bus",
-    "pid_alive",
     "run_trainer_config",
     "running_node",
     "shut_down",

@@ -19,6 +19,7 @@ from common.bus import connect
 from common.codec import decode, encode, raise_error
 from common.config import SHM_DIR, shm_prefix
 from common.errors import BusUnavailable
+from common.heartbeat import process_alive
 from schemas.base import ErrorReply
 from schemas.serving import (
     GenerateReply,
@@ -216,11 +217,7 @@ def node_processes(node: Node, needle: str = "") -> list[str]:
 
 def pid_gone(pid: int) -> bool:
     """True once ``pid`` no longer runs (gone, or a zombie waiting to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    return not process_alive(pid)
 
 
 def greedy(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import select
 import subprocess
 import time
 from pathlib import Path
@@ -11,6 +13,7 @@ from common.heartbeat import (
     PidWatch,
     Verdict,
     assess,
+    process_alive,
     read_identity,
     write_identity,
 )
@@ -50,6 +53,23 @@ def test_pidwatch_sees_death_of_an_unreaped_child() -> None:
         watch.close()
         proc.wait()
     assert not PidWatch(proc.pid).alive()  # reaped: no such process
+
+
+def test_process_alive_counts_a_zombie_as_gone() -> None:
+    assert process_alive(os.getpid())
+    assert not process_alive(None) and not process_alive(0) and not process_alive(-1)
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert process_alive(proc.pid)
+        proc.kill()
+        watch = PidWatch(proc.pid)  # its pidfd turns readable once the child is a zombie
+        assert watch.fd is not None
+        select.select([watch.fd], [], [], 5.0)
+        watch.close()
+        assert not process_alive(proc.pid)  # a zombie, not yet reaped
+    finally:
+        proc.wait()
+    assert not process_alive(proc.pid)  # reaped: no such process
 
 
 def test_backoff_doubles_and_resets() -> None:
