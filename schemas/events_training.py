@@ -182,10 +182,11 @@ class TrainStepStarted(TrainerEvent, tag="TrainStepStarted.v1"):
     """True when a restarted trainer redoes a step from its durable plan."""
 
 
-class TrainStep(TrainerEvent, tag="TrainStep.v1"):
-    """A GRPO update finished, with its metrics (one per step; the run's metrics log)."""
+class UpdateMetrics(TrainerEvent, kw_only=True):
+    """What one GRPO update measured (``services.trainer.update.grpo_step`` returns it): the
+    fields a ``TrainStep`` starts with, declared once here. Not an event of its own (no tag):
+    the trainer publishes them as part of its ``TrainStep``, with the checkpoint and the push."""
 
-    kind: ClassVar[str] = "train_step"
     step: int
     """Steps done."""
     version: int
@@ -222,6 +223,18 @@ class TrainStep(TrainerEvent, tag="TrainStep.v1"):
     """Seconds recomputing log-probabilities (agreement check and old/ref log-probs)."""
     train_s: float
     """Seconds of forward/backward/optimiser work."""
+    logprob_tokens_compared: int = 0
+    """Model tokens whose training log-probability was compared with the engine's (counted
+    where compared; ``logprob_diff_*`` mean nothing when it is 0)."""
+    trajectory_ids: list[Id] = []
+    """The trajectories trained on, in training order (what ``trajectories_lost`` counts
+    against the slots a run submitted)."""
+
+
+class TrainStep(UpdateMetrics, kw_only=True, tag="TrainStep.v1"):
+    """A GRPO update finished, with its metrics (one per step; the run's metrics log)."""
+
+    kind: ClassVar[str] = "train_step"
     checkpoint_s: float
     """Seconds writing the checkpoint (0 when this step wrote none)."""
     push_s: float
@@ -239,12 +252,6 @@ class TrainStep(TrainerEvent, tag="TrainStep.v1"):
     """sha256 of the batch in training order: each sample's slot, index, tokens, loss mask,
     weight versions, reward and temperature (no ids: they name the run); empty from an older
     trainer."""
-    logprob_tokens_compared: int = 0
-    """Model tokens whose training log-probability was compared with the engine's (counted
-    where compared; ``logprob_diff_*`` mean nothing when it is 0)."""
-    trajectory_ids: list[Id] = []
-    """The trajectories trained on, in training order (what ``trajectories_lost`` counts
-    against the slots a run submitted)."""
 
 
 class LogprobMismatch(TrainerEvent, tag="LogprobMismatch.v1"):

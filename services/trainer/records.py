@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -16,10 +17,10 @@ from nats.js import JetStreamContext
 from common import subjects
 from schemas.base import ID_PATTERN
 from schemas.events import TrainStep
+from schemas.events_training import UpdateMetrics
 from schemas.rollout import Trajectory
 from schemas.weights import WeightManifest
 from services.trainer.core import Sample, Verdict, without_trailing_context
-from services.trainer.update import StepResult
 
 
 def to_sample(traj: Trajectory, stream_seq: int, default_temperature: float) -> Sample:
@@ -98,7 +99,7 @@ def stale(s: Sample, version: int) -> str:
 
 
 def train_step(
-    result: StepResult,
+    metrics: UpdateMetrics,
     *,
     version: int,
     checkpoint_s: float,
@@ -109,19 +110,17 @@ def train_step(
     weights_sha256: str,
     batch_sha256: str,
 ) -> TrainStep:
-    """The ``train_step`` event of an update (``version``: the weights' number after the push,
-    which may have renumbered them)."""
-    r = result
+    """The ``train_step`` event of an update: its ``metrics`` as measured (the timings to
+    0.1 ms), ``version`` the weights' number after the push (which may have renumbered them),
+    then the checkpoint and the push."""
+    measured = msgspec.structs.asdict(metrics)
+    del measured["ts"], measured["source"]  # the event's own: built now, by the trainer
+    measured |= {"version": version, "recompute_s": round(metrics.recompute_s, 4),
+                 "train_s": round(metrics.train_s, 4)}  # fmt: skip
     return TrainStep(
-        step=r.step, version=version, loss=r.loss, reward_mean=r.reward_mean,
-        reward_std=r.reward_std, samples=r.samples, groups=r.groups, tokens=r.model_tokens,
-        logprob_diff_max=r.logprob_diff_max, logprob_diff_mean=r.logprob_diff_mean,
-        unchecked_tokens=r.unchecked_tokens, clip_low=r.clip_low, clip_high=r.clip_high,
-        kl=r.kl, grad_norm=r.grad_norm, lr=r.lr, recompute_s=round(r.recompute_s, 4),
-        train_s=round(r.train_s, 4), checkpoint_s=round(checkpoint_s, 4),
-        push_s=round(push_s, 4), step_s=round(step_s, 4), checkpointed=checkpointed,
-        replay=replay, weights_sha256=weights_sha256, batch_sha256=batch_sha256,
-        logprob_tokens_compared=r.compared_tokens, trajectory_ids=list(r.trajectory_ids),
+        **measured, checkpoint_s=round(checkpoint_s, 4), push_s=round(push_s, 4),
+        step_s=round(step_s, 4), checkpointed=checkpointed, replay=replay,
+        weights_sha256=weights_sha256, batch_sha256=batch_sha256,
     )  # fmt: skip
 
 

@@ -59,6 +59,7 @@ from schemas.events import (
     TrainStepStarted,
     TrajectoryRefused,
 )
+from schemas.events_training import UpdateMetrics
 from schemas.rollout import Trajectory
 from schemas.trainer import TrainerStatus, TrainerStatusRequest
 from schemas.weights import WeightManifest
@@ -76,7 +77,6 @@ from services.trainer.core import (
 from services.trainer.journal import Plan
 from services.trainer.records import to_sample
 from services.trainer.update import (
-    StepResult,
     TrainState,
     find_poison,
     grpo_step,
@@ -472,14 +472,14 @@ class TrainerService(Service[TrainerConfig]):
         self.log.info("train_step", **events.fields(metrics))
         await self._publish(metrics)
 
-    async def _update(self, batch: list[Sample], plan: Plan, state: TrainState) -> StepResult:
+    async def _update(self, batch: list[Sample], plan: Plan, state: TrainState) -> UpdateMetrics:
         """``update.grpo_step`` in a thread; ``_UpdateFailed`` if it fails before changing
         ``state`` (it can be tried again), ``FatalError`` after (exit, resume the checkpoint)."""
         c = self.config
         generating = await self._generating_models(batch, state)
         lr_steps, step = state.scheduler.last_epoch, state.step
         try:
-            result: StepResult = await asyncio.to_thread(
+            result: UpdateMetrics = await asyncio.to_thread(
                 grpo_step, state, batch, group_size=c.group_size, grpo=c.grpo, optim=c.optim,
                 pad_id=c.pad_token_id, generating=generating.get,
             )  # fmt: skip

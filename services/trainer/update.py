@@ -49,6 +49,7 @@ from model.training import (
     save_checkpoint,
     train_step,
 )
+from schemas.events_training import UpdateMetrics
 from services.trainer.config import GrpoConfig
 from services.trainer.core import (
     Sample,
@@ -79,39 +80,6 @@ class TrainState:
     """Every trajectory id trained on, in order."""
     ref_model: Qwen3ForCausalLM | None = None
     """The frozen reference policy (only with ``beta > 0``)."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one :func:`grpo_step` measured."""
-
-    step: int
-    version: int
-    loss: float
-    """Mean loss per optimiser step."""
-    reward_mean: float
-    """Over the samples whose reward did not fail (``Sample.reward_failed``)."""
-    reward_std: float
-    advantage_abs_mean: float
-    samples: int
-    groups: int
-    model_tokens: int
-    logprob_diff_max: float
-    logprob_diff_mean: float
-    unchecked_tokens: int
-    compared_tokens: int
-    """Model tokens whose training log-probability was compared with the rollout's (counted
-    where they are compared, not derived; 0 means the step compared nothing)."""
-    trajectory_ids: tuple[str, ...]
-    """The trajectories trained on, in training order."""
-    clip_low: float
-    clip_high: float
-    kl: float
-    grad_norm: float
-    lr: float
-    optimizer_steps: int
-    recompute_s: float
-    train_s: float
 
 
 @dataclass
@@ -316,9 +284,10 @@ def grpo_step(
     optim: OptimConfig,
     pad_id: int,
     generating: Generating | None = None,
-) -> StepResult:
+) -> UpdateMetrics:
     """One GRPO update of ``state`` on ``samples`` (whole groups, contiguous); see the module
-    doc. Mutates ``state``; returns the step's measurements."""
+    doc. Mutates ``state``; returns the step's measurements (the first fields of its
+    ``TrainStep`` event)."""
     check_grouped(samples, group_size)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     valid = [not s.reward_failed for s in samples]
@@ -346,27 +315,25 @@ def grpo_step(
     state.trained += [s.trajectory_id for s in samples]
     clip_stats, kls = loss_fn.clip_stats, loss_fn.kls
     weight = sum(c[2] for c in clip_stats) or 1.0
-    return StepResult(
+    return UpdateMetrics(
         step=state.step,
         version=state.version,
         loss=stats.loss / max(1, stats.optimizer_steps),
         reward_mean=float(rewards[scored].mean()) if bool(scored.any()) else 0.0,
         reward_std=float(rewards[scored].std(correction=0)) if bool(scored.any()) else 0.0,
-        advantage_abs_mean=float(adv.abs().mean()),
         samples=len(samples),
         groups=len(samples) // group_size,
-        model_tokens=sum(s.model_tokens for s in samples),
+        tokens=sum(s.model_tokens for s in samples),
         logprob_diff_max=float(all_diffs.max()) if all_diffs.numel() else 0.0,
         logprob_diff_mean=float(all_diffs.mean()) if all_diffs.numel() else 0.0,
         unchecked_tokens=unchecked,
-        compared_tokens=int(all_diffs.numel()),
-        trajectory_ids=tuple(s.trajectory_id for s in samples),
+        logprob_tokens_compared=int(all_diffs.numel()),
+        trajectory_ids=[s.trajectory_id for s in samples],
         clip_low=sum(c[0] * c[2] for c in clip_stats) / weight,
         clip_high=sum(c[1] * c[2] for c in clip_stats) / weight,
         kl=sum(kls) / len(kls) if kls else 0.0,
         grad_norm=stats.grad_norm,
         lr=stats.lr,
-        optimizer_steps=stats.optimizer_steps,
         recompute_s=recompute_s,
         train_s=stats.seconds,
     )

@@ -192,10 +192,10 @@ def test_update_agrees_with_the_engine_moves_the_weights_and_advances_the_versio
     before = {k: v.clone() for k, v in publishable_state_dict(state.model).items()}
     res = grpo_step(state, rollouts, group_size=GROUP, grpo=GRPO, optim=OPTIM, pad_id=0)
     assert res.logprob_diff_max <= 1e-4 and res.unchecked_tokens == 0
-    assert res.model_tokens == sum(s.model_tokens for s in rollouts)
+    assert res.tokens == sum(s.model_tokens for s in rollouts)
     assert (state.step, state.version, res.version) == (1, 2, 2)
     assert state.trained == [s.trajectory_id for s in rollouts]
-    assert res.optimizer_steps == 2 and res.grad_norm > 0
+    assert state.scheduler.last_epoch == 2 and res.grad_norm > 0  # two optimiser steps
     after = publishable_state_dict(state.model)
     assert not weights_equal(before, after)
 
@@ -241,7 +241,7 @@ def test_stale_tokens_without_their_weights_are_counted_unchecked(
 ) -> None:
     state = new_state(cfg, load_safetensors(model_dir), 2, OPTIM)  # trainer at v2, rollouts v1
     res = grpo_step(state, rollouts, group_size=GROUP, grpo=GRPO, optim=OPTIM, pad_id=0)
-    assert res.unchecked_tokens == res.model_tokens and res.logprob_diff_max == 0.0
+    assert res.unchecked_tokens == res.tokens and res.logprob_diff_max == 0.0
 
 
 # --- the journal: checkpoints and plans -----------------------------------------------------------
