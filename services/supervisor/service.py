@@ -222,13 +222,7 @@ class Supervisor(Service[SupervisorConfig]):
             ),
         )  # fmt: skip
         if c.environment:
-            await self._start_and_wait(
-                self.child("environment", self._py("services.environment", dataclasses.replace(
-                    c.env, run_dir=self.paths.root, node=node_label(self.run_id),
-                    log_file=str(self._log_file("environment")))),
-                    stop_timeout=ENV_STOP_TIMEOUT_S),
-                self._env_probe,
-            )  # fmt: skip
+            await self._start_environment()
         await self.engines.start_all()
         await self._wait_engines()
         await self._start_and_wait(
@@ -262,14 +256,7 @@ class Supervisor(Service[SupervisorConfig]):
         """A host that joined a deployment to run only its sandboxes: the environment service
         (the deployment's controller calls it). This supervisor serves no ``supervisor.*``
         subject — those are the deployment's node's; ``belayer down`` here signals it."""
-        c = self.config
-        await self._start_and_wait(
-            self.child("environment", self._py("services.environment", dataclasses.replace(
-                c.env, run_dir=self.paths.root, node=node_label(self.run_id),
-                log_file=str(self._log_file("environment")))),
-                stop_timeout=ENV_STOP_TIMEOUT_S),
-            self._env_probe,
-        )  # fmt: skip
+        await self._start_environment()
         self.watchers = [
             asyncio.create_task(self.watch(child), name=f"watch_{child.name}")
             for child in self.children.values()
@@ -278,6 +265,16 @@ class Supervisor(Service[SupervisorConfig]):
         self.ready = True
         self._write_node()
         log.info("env_host_ready", nats_url=redact(self.nats_url), run_id=self.run_id)
+
+    async def _start_environment(self) -> None:
+        """The environment service of this host, started and answering ``env.list``."""
+        await self._start_and_wait(
+            self.child("environment", self._py("services.environment", dataclasses.replace(
+                self.config.env, run_dir=self.paths.root, node=node_label(self.run_id),
+                log_file=str(self._log_file("environment")))),
+                stop_timeout=ENV_STOP_TIMEOUT_S),
+            self._env_probe,
+        )  # fmt: skip
 
     async def _env_probe(self, nc: NATS) -> Any:
         from schemas.env import EnvList, EnvListing
