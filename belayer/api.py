@@ -26,8 +26,17 @@ from services.rl.options import RunOptions
 from services.rl.run import execute, run_paths
 from services.router.client import generate as router_generate
 from services.supervisor.client import SupervisorConfig, supervisor_status
+from workloads.table import dataset_workload
 
 T = TypeVar("T")
+
+
+def dataset_path(workload: str, dataset: str | Path, prompt_column: str, answer_column: str) -> str:
+    """``dataset`` as the controller reads it (absolute: its working directory is not ours);
+    ``InvalidRequest`` for columns without a dataset or for a sandbox workload."""
+    path = str(Path(dataset).resolve()) if dataset else ""
+    dataset_workload(workload, path, prompt_column, answer_column)
+    return path
 
 
 class AsyncNode:
@@ -167,15 +176,21 @@ class AsyncNode:
         rewards: Sequence[str] = (),
         reward_weights: Sequence[float] = (),
         timeout: float = 3600.0,
+        dataset: str | Path = "",
+        prompt_column: str = "",
+        answer_column: str = "",
     ) -> RolloutResult:
         """Run ``tasks`` × ``n`` trajectories of ``workload`` on the node's controller and wait
-        for them (``belayer rollout``)."""
+        for them (``belayer rollout``; ``dataset`` and its columns as ``--dataset``,
+        ``--prompt-column``, ``--answer-column``)."""
         try:
             faults = parse_inject(inject)
         except ValueError as exc:
             raise InvalidRequest(f"inject: {exc}") from None
+        path = dataset_path(workload, dataset, prompt_column, answer_column)
         req = RolloutRequest(
             workload=workload, tasks=tasks, n=n, seed=seed, max_turns=max_turns, inject=faults,
+            dataset=path, prompt_column=prompt_column, answer_column=answer_column,
             sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
             rewards=list(rewards), reward_weights=list(reward_weights),
         )  # fmt: skip

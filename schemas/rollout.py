@@ -86,8 +86,15 @@ class RolloutRequest(Message, tag="RolloutRequest.v1"):
     tasks: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 4
     """How many tasks when ``task_ids`` is empty."""
     dataset: str = ""
-    """A dataset file for the workload's loader (DAPO-style math, SWE-Gym instances); empty:
-    the workload's built-in tasks."""
+    """A dataset for the workload's loader (DAPO-style math, SWE-Gym instances; a ``.jsonl``,
+    ``.json`` or ``.parquet`` file or a ``datasets`` ``save_to_disk`` directory); empty: the
+    workload's built-in tasks."""
+    prompt_column: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    """The dataset's prompt column (a string or a list of ``{role, content}``); set, a math
+    dataset is read as a ``table`` (``workloads.table``). Empty: the loader's own."""
+    answer_column: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    """The dataset's answer column (a string or a number; ``a.b``: key ``b`` of column ``a``);
+    set, a math dataset is read as a ``table``. Empty: the loader's own."""
     n: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     """Samples per task (the GRPO group size)."""
     sampling: SamplingParams = msgspec.field(

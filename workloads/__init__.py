@@ -1,6 +1,8 @@
 """Task libraries the controller loads by name (docs/workloads.md): ``math`` (reasoning-gym),
-``dapo`` (DAPO-Math-17k-style files), ``swe`` (generated bug-fix repositories), ``swe-bundled`` (the bundled ones) and ``swe-gym``
-(SWE-Gym / SWE-bench instance files). Layer: imports schemas/, common/ and model/ only."""
+``dapo`` (DAPO-Math-17k-style files), ``table`` (prompt and answer columns of a user's
+dataset), ``swe`` (generated bug-fix repositories), ``swe-bundled`` (the bundled ones) and
+``swe-gym`` (SWE-Gym / SWE-bench instance files). Layer: imports schemas/, common/ and model/
+only."""
 
 from workloads.actions import (
     FINISH_COMMAND,

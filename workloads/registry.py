@@ -1,4 +1,5 @@
-"""Workloads by name: ``load_workload("math")``, ``load_workload("dapo", path=...)``, and a
+"""Workloads by name: ``load_workload("math")``, ``load_workload("dapo", path=...)``,
+``load_workload("table", path=..., prompt_column=..., answer_column=...)``, and a
 user's own: ``load_workload("my_pkg.tasks:make")`` or an installed package's entry point
 (``workloads.plugins``).
 
@@ -33,6 +34,12 @@ def _dapo(**options: Any) -> Workload:
     return DapoWorkload(**options)
 
 
+def _table(**options: Any) -> Workload:
+    from workloads.table import TableWorkload
+
+    return TableWorkload(**options)
+
+
 def _swe(**options: Any) -> Workload:
     from workloads.swe import SweWorkload
 
@@ -57,6 +64,10 @@ def _target(name: str) -> Callable[..., Any]:
         from workloads import math_tasks
 
         return math_tasks.MathWorkload if name == "math" else math_tasks.DapoWorkload
+    if name == "table":
+        from workloads.table import TableWorkload
+
+        return TableWorkload
     if name == "swe":
         from workloads.swe import SweWorkload
 
@@ -73,6 +84,7 @@ def _target(name: str) -> Callable[..., Any]:
 _REGISTRY: dict[str, Factory] = {
     "math": _math,
     "dapo": _dapo,
+    "table": _table,
     "swe": _swe,
     "swe-bundled": _swe_bundled,
     "swe-gym": _swe_gym,

@@ -4,6 +4,7 @@ with optional failure injection; progress while it runs, a table (or a JSON summ
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -11,10 +12,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from common.errors import InvalidRequest
 from schemas.rollout import RolloutRequest, RolloutResult
 from schemas.serving import SamplingParams
 from services.cli.shared import checked, fail, finite, print_json, run, with_bus
 from services.controller.client import parse_inject, parse_policy, submit, wait
+from workloads.table import dataset_workload
 
 
 def summary_json(result: RolloutResult, request: RolloutRequest) -> dict[str, Any]:
@@ -47,9 +50,19 @@ def table(result: RolloutResult) -> Table:
     return t
 
 
+def checked_dataset(workload: str, dataset: str, prompt_column: str, answer_column: str) -> str:
+    """``--dataset`` as the controller should read it (absolute: its working directory is not
+    ours); columns without a dataset, or for a sandbox workload, are the one error line."""
+    try:
+        dataset_workload(workload, dataset, prompt_column, answer_column)
+    except InvalidRequest as exc:
+        fail(str(exc), 2)
+    return str(Path(dataset).resolve()) if dataset and Path(dataset).exists() else dataset
+
+
 # `belayer rollout`'s options (declared here, so that `rollout` reads as what it does)
 ROLLOUT_WORKLOAD = typer.Argument(
-    ..., help="Workload: math, swe (also dapo, swe-gym with --dataset)."
+    ..., help="Workload: math, swe (also dapo, table, swe-gym with --dataset)."
 )
 ROLLOUT_TASKS = typer.Option(4, "--tasks", min=1, max=100_000, help="How many tasks.")
 ROLLOUT_N = typer.Option(1, "--n", min=1, max=1024, help="Samples per task (the GRPO group).")
@@ -67,7 +80,24 @@ ROLLOUT_INJECT = typer.Option(
     "E.g. sandbox-kill@turn=3,worker-kill@s=5.",
 )
 ROLLOUT_TASK_ID = typer.Option([], "--task-id", help="Run these tasks (repeatable).")
-ROLLOUT_DATASET = typer.Option("", "--dataset", help="Dataset file for the workload's loader.")
+ROLLOUT_DATASET = typer.Option(
+    "",
+    "--dataset",
+    help="Dataset for the workload's loader: a .jsonl, .json or .parquet file or a directory "
+    "saved by datasets' save_to_disk.",
+)
+ROLLOUT_PROMPT_COLUMN = typer.Option(
+    "",
+    "--prompt-column",
+    help="The dataset's prompt column (a string, asked with the math instruction, or a list of "
+    "{role, content}); math/dapo datasets are then read as a prompt/answer table.",
+)
+ROLLOUT_ANSWER_COLUMN = typer.Option(
+    "",
+    "--answer-column",
+    help="The dataset's answer column (a string or a number; a.b: key b of column a), matched "
+    "against the response's last 'Answer:' line.",
+)
 ROLLOUT_MAX_TURNS = typer.Option(
     20, "--max-turns", min=1, max=1000, help="LLM turns per trajectory."
 )
@@ -129,6 +159,8 @@ def rollout(
     inject: str = ROLLOUT_INJECT,
     task_id: list[str] = ROLLOUT_TASK_ID,
     dataset: str = ROLLOUT_DATASET,
+    prompt_column: str = ROLLOUT_PROMPT_COLUMN,
+    answer_column: str = ROLLOUT_ANSWER_COLUMN,
     max_turns: int = ROLLOUT_MAX_TURNS,
     deadline: float = ROLLOUT_DEADLINE,
     temperature: float = ROLLOUT_TEMPERATURE,
@@ -155,10 +187,11 @@ def rollout(
         parse_policy(policy)
     except ValueError as exc:
         fail(f"--policy: {exc}", 2)
+    dataset = checked_dataset(workload, dataset, prompt_column, answer_column)
     req = checked(
         RolloutRequest(
             workload=workload, rollout_id=rollout_id, task_ids=list(task_id), tasks=tasks,
-            dataset=dataset, n=n,
+            dataset=dataset, prompt_column=prompt_column, answer_column=answer_column, n=n,
             sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
             seed=seed, max_turns=max_turns, deadline_s=deadline, policy=policy,
             failure_rate=failure_rate, inject=faults, concurrency=concurrency,

@@ -134,7 +134,20 @@ RUN_NODE_DIR = typer.Option(
 RUN_DATASET = typer.Option(
     RunOptions.dataset,
     "--dataset",
-    help="Dataset file: DAPO-style for math, SWE-Gym instances for swe.",
+    help="Dataset: DAPO-style for math, SWE-Gym instances for swe; a .jsonl, .json or .parquet "
+    "file or a directory saved by datasets' save_to_disk.",
+)
+RUN_PROMPT_COLUMN = typer.Option(
+    RunOptions.prompt_column,
+    "--prompt-column",
+    help="math --dataset: the prompt column (a string, asked with the math instruction, or a "
+    "list of {role, content}); reads the dataset as a prompt/answer table.",
+)
+RUN_ANSWER_COLUMN = typer.Option(
+    RunOptions.answer_column,
+    "--answer-column",
+    help="math --dataset: the answer column (a string or a number; a.b: key b of column a), "
+    "matched against the response's last 'Answer:' line.",
 )
 RUN_SEED = typer.Option(RunOptions.seed, "--seed", min=0, max=2**62, help="Root seed.")
 RUN_LR = typer.Option(
@@ -149,7 +162,8 @@ RUN_LR = typer.Option(
 )
 RUN_HELD_OUT = typer.Option(
     RunOptions.held_out, "--held-out", min=1, max=4096,
-    help=f"Held-out tasks (default: {per_workload('held_out')}).",
+    help=f"Held-out tasks (default: {per_workload('held_out')}; with --dataset at most its "
+    "held-out rows).",
 )  # fmt: skip
 RUN_TEMPERATURE = typer.Option(
     RunOptions.temperature,
@@ -180,6 +194,8 @@ def run(
     out: Path | None = RUN_OUT,
     run_dir: Path | None = RUN_NODE_DIR,
     dataset: str = RUN_DATASET,
+    prompt_column: str = RUN_PROMPT_COLUMN,
+    answer_column: str = RUN_ANSWER_COLUMN,
     seed: int = RUN_SEED,
     lr: float | None = RUN_LR,
     held_out: int | None = RUN_HELD_OUT,
@@ -195,7 +211,7 @@ def run(
         workload=workload, steps=steps, tasks=tasks, n=n, model=model, policy=policy,
         inject=inject, resume=resume, out=out, node_dir=run_dir, dataset=dataset, seed=seed,
         lr=lr, held_out=held_out, temperature=temperature, recovery=recovery,
-        keep_node=keep_node,
+        keep_node=keep_node, prompt_column=prompt_column, answer_column=answer_column,
     )  # fmt: skip
     console = Console(file=sys.stderr)
     try:

@@ -61,6 +61,7 @@ from workloads.rewards import (
     load_reward_functions,
     service_name,
 )
+from workloads.table import dataset_workload
 
 log = get_logger(service="controller")
 
@@ -102,7 +103,7 @@ class Controller(Service[ControllerConfig]):
         self.limit = asyncio.Semaphore(cfg.max_trajectories)
         self.runs: dict[str, RolloutRun] = {}
         self.mains: set[asyncio.Task[None]] = set()
-        self.workloads: dict[tuple[str, str], Workload] = {}
+        self.workloads: dict[tuple[str, str, str, str], Workload] = {}
         self.submit_lock = asyncio.Lock()
         await self.adopt_all()
         await self.server.serve(
@@ -148,7 +149,7 @@ class Controller(Service[ControllerConfig]):
 
     # --- validation -----------------------------------------------------------------------
     async def workload_of(self, req: RolloutRequest) -> Workload:
-        key = (req.workload, req.dataset)
+        key = (req.workload, req.dataset, req.prompt_column, req.answer_column)
         if plugins.is_spec(req.workload) and req.workload not in self.config.workload_plugins:
             raise Unauthorized(
                 "this node does not run that workload plugin: start the node with "
@@ -159,11 +160,11 @@ class Controller(Service[ControllerConfig]):
                 enabled=list(self.config.workload_plugins),
             )
         if key not in self.workloads:
-            options: dict[str, Any] = {"path": req.dataset} if req.dataset else {}
             try:
-                self.workloads[key] = await asyncio.to_thread(
-                    load_workload, req.workload, **options
+                name, options = dataset_workload(
+                    req.workload, req.dataset, req.prompt_column, req.answer_column
                 )
+                self.workloads[key] = await asyncio.to_thread(load_workload, name, **options)
             except BelayerError:
                 raise
             except Exception as exc:  # a reader's own error on a bad file

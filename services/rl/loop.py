@@ -173,6 +173,8 @@ async def run_rollout(
         rollout_id=rollout_id(ctx, step),
         task_ids=step_tasks(st.pool, step, st.tasks),
         dataset=ctx.dataset,
+        prompt_column=ctx.opts.prompt_column,
+        answer_column=ctx.opts.answer_column,
         n=st.n,
         sampling=SamplingParams(temperature=ctx.opts.temperature, max_tokens=256),
         seed=derive_seed(st.seed, step) if ctx.rollout_seed is None else ctx.rollout_seed,

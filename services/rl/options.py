@@ -32,6 +32,7 @@ from typing import Any
 from common.errors import BelayerError, InvalidRequest
 from schemas.rollout import FaultSpec
 from services.controller.client import KINDS, TRIGGERS, Trigger, parse_inject, parse_policy
+from workloads.table import dataset_workload
 
 WORKLOADS = ("math", "swe")
 """What ``belayer run`` trains on (``--dataset`` swaps in the ``dapo`` / ``swe-gym`` loader)."""
@@ -78,7 +79,12 @@ class RunOptions:
     """Where a running node is looked for (``--run-dir``; default ``$BELAYER_HOME`` or
     ``./.belayer``)."""
     dataset: str = ""
-    """A dataset file (math: DAPO-style, swe: SWE-Gym instances)."""
+    """A dataset (math: DAPO-style, swe: SWE-Gym instances): a ``.jsonl``, ``.json`` or
+    ``.parquet`` file or a ``datasets`` ``save_to_disk`` directory."""
+    prompt_column: str = ""
+    """The math dataset's prompt column (set: read as a ``table``, ``workloads.table``)."""
+    answer_column: str = ""
+    """The math dataset's answer column (set: read as a ``table``)."""
     seed: int = 0
     """Root seed of the rollouts and the trainer."""
     lr: float | None = None
@@ -229,22 +235,35 @@ def warm_model(workload: str, run_dir: Path, say: Any) -> Path:
 
 
 # --- tasks ------------------------------------------------------------------------------------
-def workload_spec(workload: str, dataset: str) -> tuple[str, dict[str, Any]]:
-    """The registry name and options ``--dataset`` selects."""
+def workload_spec(
+    workload: str, dataset: str, prompt_column: str = "", answer_column: str = ""
+) -> tuple[str, dict[str, Any]]:
+    """The registry name and options ``--dataset`` (and its columns) select: math's dataset is
+    read by ``dapo``, or by ``table`` when columns are named; swe's by ``swe-gym``."""
     if not dataset:
-        return workload, {}
+        return dataset_workload(workload, dataset, prompt_column, answer_column)
     path = str(Path(dataset).resolve())
-    return ("dapo" if workload == "math" else "swe-gym"), {"path": path}
+    name = "dapo" if workload == "math" else "swe-gym"
+    return dataset_workload(name, path, prompt_column, answer_column)
 
 
 def choose_tasks(
-    workload: str, dataset: str, tasks: int, steps: int, held_out: int, seed: int
+    workload: str,
+    dataset: str,
+    tasks: int,
+    steps: int,
+    held_out: int,
+    seed: int,
+    columns: tuple[str, str] = ("", ""),
+    held_out_is_default: bool = False,
 ) -> tuple[list[str], list[str], bool]:
     """(training pool of task ids, held-out task ids, sandboxed). The pool is cycled through,
-    ``tasks`` per step; errors (no such dataset, no tasks, too many asked) are one line."""
+    ``tasks`` per step; errors (no such dataset, no tasks, too many asked) are one line.
+    ``columns``: the dataset's prompt and answer columns (empty: the loader's own);
+    ``held_out_is_default``: a dataset holding fewer held-out tasks gives them all."""
     from workloads import load_workload
 
-    name, options = workload_spec(workload, dataset)
+    name, options = workload_spec(workload, dataset, *columns)
     try:
         wl = load_workload(name, **options)
         first = wl.tasks(tasks, seed)
@@ -262,7 +281,10 @@ def choose_tasks(
     try:
         evaluation = wl.held_out(held_out)
     except BelayerError as exc:
-        raise InvalidRequest(f"--held-out: {exc}") from None
+        available = exc.data.get("available") if held_out_is_default else None
+        if not isinstance(available, int) or available < 1:
+            raise InvalidRequest(f"--held-out: {exc}") from None
+        evaluation = wl.held_out(available)
     sandboxed = any(t.sandbox is not None for t in first)
     return [t.id for t in pool], [t.id for t in evaluation], sandboxed
 
@@ -291,6 +313,10 @@ class RunState:
     created_at: float
     trainer_base_step: int = 0
     """The trainer's step count when the run started (a running node may have trained)."""
+    prompt_column: str = ""
+    """``--prompt-column`` of the dataset (empty: the loader's own)."""
+    answer_column: str = ""
+    """``--answer-column`` of the dataset (empty: the loader's own)."""
     incarnations: int = 1
     """Times the run was started (``--resume`` adds one; names its rollouts)."""
 
@@ -340,4 +366,8 @@ def check_options(o: RunOptions) -> None:
     except ValueError as exc:
         raise InvalidRequest(f"--policy: {exc}") from None
     if o.dataset and not Path(o.dataset).exists():
-        raise InvalidRequest(f"--dataset {o.dataset}: no such file")
+        raise InvalidRequest(f"--dataset {o.dataset}: no such file or directory")
+    try:
+        workload_spec(o.workload, o.dataset, o.prompt_column, o.answer_column)
+    except BelayerError as exc:
+        raise InvalidRequest(str(exc)) from None

@@ -70,7 +70,11 @@ def execute(
     n, tasks = group_shape(opts, running, node_paths, prior)
     seed = prior.seed if prior else opts.seed
     held_out = opts.held_out or DEFAULTS[opts.workload]["held_out"]
-    pool, held_ids, _ = choose_tasks(opts.workload, opts.dataset, tasks, opts.steps, held_out, seed)
+    pool, held_ids, _ = choose_tasks(
+        opts.workload, opts.dataset, tasks, opts.steps, held_out, seed,
+        columns=(opts.prompt_column, opts.answer_column),
+        held_out_is_default=opts.held_out is None and bool(opts.dataset),
+    )  # fmt: skip
     model_dir = model_for(opts, running, prior, out, say)
     fp = fingerprint(model_dir)
     if prior and prior.model_fingerprint != fp:
@@ -81,6 +85,7 @@ def execute(
         raise InvalidRequest("swe runs sandboxes: Docker + CRIU are needed (deploy/setup.sh)")
     state = prior or RunState(
         run_id=new_run_id(opts.workload), workload=opts.workload, dataset=opts.dataset,
+        prompt_column=opts.prompt_column, answer_column=opts.answer_column,
         model_dir=str(model_dir), model_fingerprint=fp, tasks=tasks, n=n, seed=seed,
         policy=opts.policy, pool=pool, held_out=held_ids, created_at=time.time(),
     )  # fmt: skip
@@ -119,10 +124,12 @@ def run_directory(opts: RunOptions, root: Path) -> tuple[Path, RunState | None]:
         prior = read_state(out)
         if prior is None:
             raise InvalidRequest(f"--resume: {out} holds no run (no readable run.json)")
-        if prior.workload != opts.workload or prior.dataset != opts.dataset:
+        was = (prior.workload, prior.dataset, prior.prompt_column, prior.answer_column)
+        if was != (opts.workload, opts.dataset, opts.prompt_column, opts.answer_column):
             raise InvalidRequest(
                 f"--resume: {out} is a {prior.workload} run"
                 + (f" on {prior.dataset}" if prior.dataset else "")
+                + (f" (columns {was[2]!r}, {was[3]!r})" if any(was[2:]) else "")
             )
     else:
         out = opts.out or default_out(root, opts.workload)
@@ -230,7 +237,9 @@ async def train(
     from services.supervisor.client import SupervisorConfig
     from workloads import load_workload
 
-    name, options = workload_spec(opts.workload, opts.dataset)
+    name, options = workload_spec(
+        opts.workload, opts.dataset, opts.prompt_column, opts.answer_column
+    )
     wl = load_workload(name, **options)
     nc = await open_bus(node)
     records: list[dict[str, Any]] = []

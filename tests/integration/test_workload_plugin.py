@@ -4,7 +4,9 @@ rollout`` runs its tasks on the controller, which scores them with the plugin's 
 plugin the node was not started with is refused ``unauthorized`` — the controller imports no
 code a request names. Reward functions (TRL-shaped, ``belayer rollout --reward``) score instead
 of the workload's reward; one that raises leaves a typed ``reward_error`` on each trajectory,
-counted in ``reward_failures``, and the rollout completes."""
+counted in ``reward_failures``, and the rollout completes. A user's own dataset (a
+``datasets`` ``save_to_disk`` directory, ``--prompt-column``/``--answer-column``) rolls out on
+the same node."""
 
 from __future__ import annotations
 
@@ -93,3 +95,29 @@ def test_a_reward_function_the_node_does_not_enable_is_refused(plugin_node: Node
     )  # fmt: skip
     assert out.returncode != 0 and "does not run that reward function" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_users_dataset_rolls_out_by_its_columns(plugin_node: Node, tmp_path: Path) -> None:
+    """``--dataset`` a ``datasets`` ``save_to_disk`` directory with ``--prompt-column`` and
+    ``--answer-column``: the controller reads it as a ``table`` and scores by the answer; a
+    column it lacks is the one error line, naming the column and the columns it has."""
+    import datasets
+
+    saved = tmp_path / "qa"
+    rows = [{"question": f"What is {i} + {i}?", "solution": str(2 * i)} for i in range(6)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved))
+    args = ["rollout", "math", "--dataset", str(saved), "--tasks", "2", "--max-tokens", "8"]
+    out = cli(
+        *args, "--prompt-column", "question", "--answer-column", "solution", "--json",
+        run_dir=plugin_node.run_dir, timeout=180,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    assert result["trajectories_completed"] == 2 and result["trajectories_failed"] == 0
+    assert all(r["task_id"].startswith("table-") for r in result["trajectories"])
+    assert all(r["reward"] in (0.0, 1.0) for r in result["trajectories"])
+    bad = cli(
+        *args, "--prompt-column", "q", "--answer-column", "solution",
+        run_dir=plugin_node.run_dir, timeout=60, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert "no prompt column 'q'" in bad.stderr and "question, solution" in bad.stderr
