@@ -5,7 +5,9 @@ of ``repeats`` runs, on the tiny model (hidden 256, 4 layers, vocab 4096) unless
 directory is given; the targets are the tiny model's. Both engine modes are measured in the same
 run, interleaved: the fast default kernels (``deterministic=False``) and deterministic mode
 (batch-invariant, ``EngineConfig.deterministic``), with the ratio at batch 8 judged against
-``≥ 50 %``. ``measure`` is also the first measurement of ``belayer bench serve``.
+``≥ 50 %``. Every verdict reads the value's 95 % bootstrap interval over the runs (the ratio's
+over the interleaved pairs of runs). ``measure`` is also the first measurement of
+``belayer bench serve``.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from bench.report import (
     target_text,
     targets_json,
     timestamp,
-    verdicts,
     write_json,
 )
+from bench.stats import Interval, ci_text, intervals_json, judge_all, median_interval, paired_ratio
 from model.config import load_model_config
 from model.loader import load_safetensors
 from model.qwen3 import kv_cache_shape
@@ -151,6 +153,18 @@ def measure(
     }
 
 
+def engine_intervals(
+    runs: dict[Any, list[float]], det_runs: dict[Any, list[float]]
+) -> dict[str, Interval | None]:
+    """The targets' intervals: tokens/s (fast mode) over the runs, deterministic / fast over
+    the pairs of runs (run i of each mode ran back to back)."""
+    out: dict[str, Interval | None] = {}
+    for b in runs:
+        out[f"engine_tok_s_b{b}"] = median_interval(runs[b])
+        out[f"engine_det_ratio_b{b}"] = paired_ratio(det_runs[b], runs[b])
+    return out
+
+
 def rows(result: dict[str, Any]) -> list[Row]:
     """Per batch size: fast mode, deterministic mode and their ratio; judged when the result
     has targets (the tiny model)."""
@@ -159,23 +173,30 @@ def rows(result: dict[str, Any]) -> list[Row]:
         target = TARGETS.get(key) if key in result["targets"] else None
         return (target_text(target, unit) if target else "", result["verdicts"].get(key, ""))
 
+    def ci(key: str, show: Any) -> str:
+        return ci_text(result["intervals"].get(key), show)
+
     out = []
     for b, value in result["tok_s"].items():
+        key = f"engine_tok_s_b{b}"
         out.append(
             Row(
                 f"engine alone, batch {b}",
-                f"{value:.0f} tok/s",
-                *judged(f"engine_tok_s_b{b}", "tok/s"),
+                f"{value:.0f} tok/s" + ci(key, lambda x: f"{x:.0f}"),
+                *judged(key, "tok/s"),
             )
         )
     for b, value in result["det_tok_s"].items():
         out.append(Row(f"engine alone, deterministic, batch {b}", f"{value:.0f} tok/s"))
     for b, value in result["det_ratio"].items():
-        shown = "n/a" if value is None else f"{value * 100:.1f} %"
-        out.append(
-            Row(f"deterministic / fast, batch {b}", shown, *judged(f"engine_det_ratio_b{b}", "%"))
-        )
+        key = f"engine_det_ratio_b{b}"
+        shown = "n/a" if value is None else f"{value * 100:.1f} %" + ci(key, _pct)
+        out.append(Row(f"deterministic / fast, batch {b}", shown, *judged(key, "%")))
     return out
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f} %"
 
 
 def main(
@@ -211,6 +232,7 @@ def main(
     targets = TARGETS if tiny else {"engine_det_ratio_b8": TARGETS["engine_det_ratio_b8"]}
     values = {f"engine_tok_s_b{b}": v for b, v in tok_s.items()}
     values.update({f"engine_det_ratio_b{b}": v for b, v in det_ratio.items()})
+    intervals = engine_intervals(measured["runs"], measured["det_runs"])
     result: dict[str, Any] = {
         "bench": "engine",
         "timestamp": timestamp(),
@@ -226,10 +248,11 @@ def main(
         "runs": {str(b): v for b, v in measured["runs"].items()},
         "det_runs": {str(b): v for b, v in measured["det_runs"].items()},
         "targets": targets_json(targets),
-        "verdicts": verdicts(targets, values),
+        "intervals": intervals_json(intervals),
+        "verdicts": judge_all(targets, values, intervals),
         "machine": {**machine, "loadavg_after": loadavg()},
     }
-    print_table("belayer bench engine (medians)", rows(result))
+    print_table("belayer bench engine (medians, 95 % intervals over the runs)", rows(result))
     progress("engine", f"wrote {write_json(json_path, result)}")
     return result
 

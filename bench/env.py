@@ -7,7 +7,10 @@ consistency cycles. Runs the real manager with a real nats-server (KV compare-an
 Targets: the small sandbox (an idle python process, 2 MB layer) checkpoints within 300 ms and
 restores within 600 ms; the largest process measured (256 MB, 64 MB with ``quick``)
 checkpoints within 1.5× raw criu + tar and restores within 2× raw untar + runc restore; no
-kill/restore cycle comes back inconsistent.
+kill/restore cycle comes back inconsistent. The times and ratios are judged on their 95 %
+bootstrap interval over the repeats (a ratio's over the pairs: repeat i of each side ran back
+to back); the consistency count is an invariant (one inconsistent cycle is a MISS), its
+interval over the cycles stated.
 """
 
 from __future__ import annotations
@@ -33,8 +36,16 @@ from bench.report import (
     target_text,
     targets_json,
     timestamp,
-    verdicts,
     write_json,
+)
+from bench.stats import (
+    Interval,
+    bootstrap,
+    ci_text,
+    intervals_json,
+    judge_all,
+    median_interval,
+    paired_ratio,
 )
 from common.bus import connect, ensure_jetstream
 from common.natsserver import start_nats_server
@@ -241,10 +252,18 @@ async def _config_run(
             "raw_restore_untar_ms": round(_median(raw_rs) * 1000, 1),
             "restore_over_raw": round(_median(rs) / _median(raw_rs), 2),
             "restore_method": restored.method,
+            "runs_ms": _runs_ms(
+                checkpoint=ck, restore=rs, raw_criu_tar=raw, raw_restore_untar=raw_rs
+            ),
         }
     finally:
         raw_restore.close()
         await mgr.destroy(rec.id)
+
+
+def _runs_ms(**runs: list[float]) -> dict[str, list[float]]:
+    """Every repeat's seconds, in ms (what the intervals resample)."""
+    return {name: [round(x * 1000, 1) for x in xs] for name, xs in runs.items()}
 
 
 async def _fresh_container(mgr: SandboxManager, repeats: int) -> float:
@@ -265,7 +284,7 @@ async def _cycles(mgr: SandboxManager, n: int) -> dict[str, Any]:
     rec = await mgr.create(
         image="", files=[], limits=core.Limits(memory_mb=256, cpus=1.0, pids=256)
     )
-    bad = 0
+    outcomes: list[int] = []
     try:
         await mgr.exec(
             rec.id,
@@ -291,10 +310,10 @@ async def _cycles(mgr: SandboxManager, n: int) -> dict[str, Any]:
             await mgr.kill(rec.id)
             await mgr.restore(rec.id)
             got = (await mgr.exec(rec.id, HASH + "; tail -n1 /root/n", 10)).stdout
-            bad += got != want
+            outcomes.append(int(got != want))
     finally:
         await mgr.destroy(rec.id)
-    return {"cycles": n, "inconsistent": bad}
+    return {"cycles": n, "inconsistent": sum(outcomes), "outcomes": outcomes}
 
 
 async def run_bench(repeats: int, cycles: int, quick: bool) -> dict[str, Any]:
@@ -345,6 +364,30 @@ def judged(measured: dict[str, Any]) -> dict[str, float]:
     return values
 
 
+INVARIANTS = ("inconsistent_restores",)
+"""Targets judged on every trial (one violation is a MISS), not on an interval."""
+
+
+def env_intervals(measured: dict[str, Any]) -> dict[str, Interval | None]:
+    """The targets' 95 % bootstrap intervals, from the configurations ``judged`` reads."""
+    out: dict[str, Interval | None] = {}
+    for r in measured["rows"]:
+        runs = r.get("runs_ms")
+        if runs and (r["memory_mb"], r["layer_mb"]) == SMALL:
+            out["checkpoint_small_ms"] = median_interval(runs["checkpoint"])
+            out["restore_small_ms"] = median_interval(runs["restore"])
+    biggest = _ratio_config(measured["rows"])
+    if biggest is not None and biggest.get("runs_ms"):
+        runs = biggest["runs_ms"]
+        out["checkpoint_over_raw"] = paired_ratio(runs["checkpoint"], runs["raw_criu_tar"])
+        out["restore_over_raw"] = paired_ratio(runs["restore"], runs["raw_restore_untar"])
+    if "consistency" in measured:
+        out["inconsistent_restores"] = bootstrap(
+            measured["consistency"].get("outcomes", []), lambda v: float(sum(v))
+        )
+    return out
+
+
 def table(result: dict[str, Any]) -> list[Row]:
     """The table: four rows per configuration, the fresh container, the consistency cycles."""
     judged_verdicts = result["verdicts"]
@@ -352,6 +395,8 @@ def table(result: dict[str, Any]) -> list[Row]:
     def row(metric: str, shown: str, key: str | None = None, unit: str = "") -> Row:
         if key is None or key not in judged_verdicts:
             return Row(metric, shown)
+        fmt = {"ms": lambda x: f"{x:.0f} ms", "x": lambda x: f"{x:.2f}x"}.get(unit, str)
+        shown += ci_text(result["intervals"].get(key), fmt)
         return Row(metric, shown, target_text(TARGETS[key], unit), judged_verdicts[key])
 
     out = []
@@ -412,6 +457,7 @@ def main(
     measured = asyncio.run(run_bench(repeats, cycles, quick))
     values = judged(measured)
     targets = {k: t for k, t in TARGETS.items() if k in values}
+    intervals = env_intervals(measured)
     biggest = _ratio_config(measured["rows"])
     result: dict[str, Any] = {
         "bench": "env",
@@ -424,9 +470,10 @@ def main(
             None if biggest is None else {k: biggest[k] for k in ("memory_mb", "layer_mb")}
         ),
         "targets": targets_json(targets),
-        "verdicts": verdicts(targets, values),
+        "intervals": intervals_json(intervals),
+        "verdicts": judge_all(targets, values, intervals, INVARIANTS),
         "machine": {**machine, "loadavg_after": loadavg()},
     }
-    print_table("belayer bench env (medians)", table(result))
+    print_table("belayer bench env (medians, 95 % intervals over the repeats)", table(result))
     progress("env", f"wrote {write_json(json_path, result)}")
     return result

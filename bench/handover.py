@@ -21,6 +21,11 @@ requests, each with a greedy neighbour in flight, through a SIGKILL of the main 
 exact when they end with the tokens of an uninterrupted run (made alone) — on the belayer node
 (``--deterministic``) and on a second belayer node with ``--no-deterministic``. Every node is
 stopped with ``belayer down``, whatever happens.
+
+Each verdict reads a 95 % bootstrap interval (``bench.stats``): the latencies' percentiles over
+the failures, the speed-up over the two modes' failures (independent samples), the shadow's
+overhead over the interleaved pairs. Regenerated tokens and sampled-resume exactness are
+invariants (every failure counted: one violation is a MISS), their intervals stated.
 """
 
 from __future__ import annotations
@@ -48,12 +53,19 @@ from bench.report import (
     target_text,
     targets_json,
     timestamp,
-    verdict,
-    verdicts,
     write_json,
 )
 from bench.report import progress as report_progress
 from bench.serve import belayer, stop_node
+from bench.stats import (
+    Interval,
+    bootstrap,
+    ci_text,
+    intervals_json,
+    judge_all,
+    quantile_interval,
+    two_sample,
+)
 
 if TYPE_CHECKING:
     from common.events import EventTail
@@ -87,6 +99,8 @@ TARGETS: dict[str, Target] = {
 }
 """Metric → (comparison, bound); fractions for the overhead (0.02 = 2 %) and for the share of
 sampled resumes that are exact in deterministic mode (1.0: all of them)."""
+INVARIANTS = ("regenerated_tokens", "sampled_exact_det")
+"""Targets judged on every trial (one violation is a MISS), not on an interval."""
 
 
 def progress(message: str) -> None:
@@ -390,14 +404,43 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def target_row(metric: str, value: float | None, shown: str, key: str, unit: str) -> Row:
-    """A row judged against ``TARGETS[key]``."""
-    return Row(metric, shown, target_text(TARGETS[key], unit), verdict(value, TARGETS[key]))
+def intervals_of(result: dict[str, Any]) -> dict[str, Interval | None]:
+    """Each target's 95 % bootstrap interval (``bench.stats``)."""
+    b, base = result["belayer"]["summary"], result["baseline"]["summary"]
+    rows = result["belayer"]["failures"]
+    det = result["belayer"]["sampled_resumes"]["rounds"]
+    ratios = result["belayer"]["shadow_ab"]["pair_ratios"]
+
+    def speedup(a: Any, c: Any) -> float | None:
+        pa, pc = percentile(list(a), 50), percentile(list(c), 50)
+        return pa / pc if pa and pc else None
+
+    return {
+        "detect_p50_s": quantile_interval(b["detect_s"]["all"], 50),
+        "detect_p99_s": quantile_interval(b["detect_s"]["all"], 99),
+        "first_token_p50_s": quantile_interval(b["first_token_s"]["all"], 50),
+        "speedup_first_token": two_sample(
+            base["first_token_s"]["all"], b["first_token_s"]["all"], speedup
+        ),
+        "regenerated_tokens": bootstrap(
+            [r["regenerated_tokens"] for r in rows], lambda v: float(max(v))
+        ),
+        "throughput_overhead": bootstrap(ratios, lambda v: 1.0 - statistics.median(v)),
+        "sampled_exact_det": bootstrap([float(r["exact"]) for r in det], lambda v: sum(v) / len(v)),
+    }
 
 
 def report(result: dict[str, Any]) -> list[Row]:
     b, base = result["belayer"], result["baseline"]
     rows: list[Row] = []
+
+    def target_row(metric: str, value: float | None, shown: str, key: str, unit: str) -> Row:
+        """A row judged against ``TARGETS[key]``, its interval shown."""
+        if value is not None:
+            fmt = {"s": lambda x: f"{x:.3f} s", "x": lambda x: f"{x:.1f}x",
+                   "%": lambda x: f"{x * 100:.1f} %"}.get(unit, lambda x: f"{x:g}")  # fmt: skip
+            shown += ci_text(result["intervals"].get(key), fmt)
+        return Row(metric, shown, target_text(TARGETS[key], unit), result["verdicts"][key])
 
     def s(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.3f} s"
@@ -509,7 +552,9 @@ def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> di
         "throughput_overhead": result["throughput_overhead"],
         "sampled_exact_det": result["belayer"]["sampled_resumes"]["share"],
     }
-    result["verdicts"] = verdicts(TARGETS, values)
+    intervals = intervals_of(result)
+    result["intervals"] = intervals_json(intervals)
+    result["verdicts"] = judge_all(TARGETS, values, intervals, INVARIANTS)
     result["machine"]["loadavg_after"] = loadavg()
     print_table("belayer bench handover", report(result))
     progress(f"wrote {write_json(json_path, result)}")

@@ -3,9 +3,13 @@ Figure 12, scaled to this machine).
 
 On a real node (NATS, Docker + CRIU, the warm-started tiny SWE model so the agent acts), SWE
 rollouts run with sandbox failures injected at p = 0, 0.01 and 0.05 per environment step
-(``sandbox-kill@p=P``), ``repeats`` times each, for the policies ``risk-aware``, ``always`` and
-``never``. ``never`` takes no checkpoint, so each failure restarts its trajectory from the base
-image: it *is* the restart-from-scratch baseline. Each configuration reports the total rollout
+(``sandbox-kill@p=P``), ``repeats`` times each, for the policies ``risk-aware``,
+``risk-aware-oracle``, ``always`` and ``never``. ``risk-aware`` is not told p: it estimates the
+failure rate from the failures it observes (a prior updated online, per environment image;
+each rollout reports its estimate, ``failure_p_estimate``); ``risk-aware-oracle`` is the same
+policy told the injected p (``RolloutRequest.failure_probability``). Both are reported; the
+verdicts judge the estimating one. ``never`` takes no checkpoint, so each failure restarts its
+trajectory from the base image: it *is* the restart-from-scratch baseline. Each configuration reports the total rollout
 time and the critical-path checkpoint time (actions waiting for a checkpoint), mean and spread.
 Repeat r uses the same seed in every configuration (paired runs).
 
@@ -14,8 +18,11 @@ summed wall time (each trajectory's own critical path); the rollout time is the 
 acceptance to the last trajectory's end.
 
 Targets: risk-aware's visible checkpoint time ≤ 2 % of its trajectory time (at every p); its
-rollout-time increase from p = 0 to p = 0.05 ≤ ⅓ of restart-from-scratch's; no trajectory
-restarted from scratch while a ready checkpoint existed.
+rollout-time increase from p = 0 to p = 0.05 ≤ ⅓ of restart-from-scratch's (a negative
+increase is shown as measured, never clamped to 0); no trajectory restarted from scratch while
+a ready checkpoint existed. The first two are judged on their 95 % bootstrap interval over the
+repeats (a repeat's runs, one per configuration with the same seed, resampled together); the
+third is an invariant: one such restart is a MISS.
 """
 
 from __future__ import annotations
@@ -40,12 +47,19 @@ from bench.report import (
     target_text,
     targets_json,
     timestamp,
-    verdicts,
     write_json,
 )
+from bench.stats import Interval, bootstrap_many, ci_text, intervals_json, judge_all
 
 NAME = "policy"
 POLICIES = ("risk-aware", "always", "never")
+"""The policies a rollout request names."""
+ORACLE = "risk-aware-oracle"
+"""Risk-aware told the injected probability (``failure_probability``) instead of estimating it."""
+VARIANTS = ("risk-aware", ORACLE, "always", "never")
+"""What runs at every p: the policies and the oracle."""
+INVARIANTS = ("restarts_with_checkpoint",)
+"""Targets that count violations over every trial (judged on the count, interval stated)."""
 PROBABILITIES = (0.0, 0.01, 0.05)
 TARGETS: dict[str, Target] = {
     "risk_aware_visible_fraction": ("<=", 0.02),
@@ -102,17 +116,20 @@ async def one_rollout(
     from schemas.rollout import RolloutRequest
     from schemas.serving import SamplingParams
     from services.controller.client import parse_inject, submit, wait
+    from services.controller.fault_specs import injected_probability
 
     rid = f"bench-{tag}-{policy.replace(':', '')}-p{int(p * 1000)}-s{seed}"
+    inject = parse_inject(f"sandbox-kill@p={p}") if p > 0 else []
     req = RolloutRequest(
         workload="swe-bundled",  # the tasks the swe-long policy was warm-started on
         rollout_id=rid,
         tasks=tasks,
         n=n,
         seed=seed,
-        policy=policy,
+        policy="risk-aware" if policy == ORACLE else policy,
+        failure_probability=(injected_probability(inject) or 0.0) if policy == ORACLE else None,
         sampling=SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS),
-        inject=parse_inject(f"sandbox-kill@p={p}") if p > 0 else [],
+        inject=inject,
         max_turns=MAX_TURNS,
     )
     await submit(nc, req)
@@ -136,7 +153,7 @@ async def measure(run_dir: Path, *, repeats: int, tasks: int, n: int) -> dict[st
             for p in PROBABILITIES:
                 # the policies' order rotates with the repeat, so a drift of the machine's
                 # load does not always hit the same policy first
-                for policy in POLICIES[r % len(POLICIES) :] + POLICIES[: r % len(POLICIES)]:
+                for policy in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:
                     key = f"{policy}@{p}"
                     progress(NAME, f"repeat {r + 1}/{repeats}: {policy}, p = {p}")
                     s = await one_rollout(nc, policy=policy, p=p, seed=r, tasks=tasks, n=n, tag=tag)
@@ -145,7 +162,8 @@ async def measure(run_dir: Path, *, repeats: int, tasks: int, n: int) -> dict[st
                         NAME,
                         f"  rollout {s['rollout_s']:.1f} s, visible checkpoint "
                         f"{s['visible_checkpoint_s']:.2f} s, failures {s['env_failures']}, "
-                        f"restores {s['env_restores']}, scratch {s['restarts_from_scratch']}",
+                        f"restores {s['env_restores']}, scratch {s['restarts_from_scratch']}, "
+                        f"estimated p {s.get('failure_p_estimate')}",
                     )
     finally:
         await nc.drain()
@@ -170,6 +188,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "restarts_with_checkpoint": sum(r["restarts_from_scratch_with_checkpoint"] for r in rs),
             "completed": sum(r["trajectories_completed"] for r in rs),
             "trajectories": sum(r["trajectories"] for r in rs),
+            "failure_p_estimate": mean_sd(
+                [r["failure_p_estimate"] for r in rs if r.get("failure_p_estimate") is not None]
+            ),
         }
     return table
 
@@ -206,7 +227,72 @@ def ratio_vs_no_checkpoints(table: dict[str, Any]) -> float | None:
     scratch = hi["rollout_s"]["mean"] - lo["rollout_s"]["mean"]
     if scratch <= 0:
         return None
-    return float(max(0.0, ra["rollout_s"]["mean"] - lo["rollout_s"]["mean"]) / scratch)
+    # As measured: below never's p = 0 time it is negative (noise), not clamped to 0.
+    return float((ra["rollout_s"]["mean"] - lo["rollout_s"]["mean"]) / scratch)
+
+
+def judged_values(table: dict[str, Any], policy: str = "risk-aware") -> dict[str, float | None]:
+    """The targets' values for ``policy`` (``risk-aware`` or the oracle). The increase ratio
+    is as measured: a negative increase (p = 0.05 faster than p = 0, noise) stays negative."""
+    fractions = [
+        table[k]["visible_fraction"]["mean"]
+        for k in (f"{policy}@{p}" for p in PROBABILITIES)
+        if k in table and table[k]["visible_fraction"]["mean"] is not None
+    ]
+    inc, scratch = increase(table, policy), increase(table, "never")
+    return {
+        "risk_aware_visible_fraction": max(fractions) if fractions else None,
+        "increase_ratio_vs_scratch": (
+            inc / scratch if inc is not None and scratch is not None and scratch > 0 else None
+        ),
+        "restarts_with_checkpoint": float(
+            sum(table[k]["restarts_with_checkpoint"] for k in table if k.startswith(f"{policy}@"))
+        ),
+    }
+
+
+def repeat_intervals(
+    runs: dict[str, list[dict[str, Any]]], policy: str = "risk-aware"
+) -> dict[str, Interval | None]:
+    """Each target's value with its 95 % bootstrap interval over the repeats: repeat r's runs
+    (every configuration, the same seed) are resampled together."""
+    repeats = min((len(v) for v in runs.values()), default=0)
+    return bootstrap_many(
+        list(range(repeats)),
+        lambda idx: judged_values(_means({k: [v[i] for i in idx] for k, v in runs.items()}),
+                                  policy),
+    )  # fmt: skip
+
+
+def _means(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """What ``judged_values`` reads of ``summarize``'s table, alone (cheap enough to be
+    computed for every bootstrap resample)."""
+
+    def mean(xs: list[float]) -> dict[str, float | None]:
+        return {"mean": sum(xs) / len(xs) if xs else None}
+
+    return {
+        key: {
+            "rollout_s": mean([r["rollout_s"] for r in rs]),
+            "visible_fraction": mean(
+                [r["visible_checkpoint_s"] / r["trajectory_s"] for r in rs if r["trajectory_s"] > 0]
+            ),
+            "restarts_with_checkpoint": sum(r["restarts_from_scratch_with_checkpoint"] for r in rs),
+        }
+        for key, rs in runs.items()
+    }
+
+
+def failure_p(table: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per injected p: the oracle (p itself) and what risk-aware estimated (mean over its
+    rollouts of each rollout's final estimate)."""
+    return {
+        str(p): {
+            "oracle": p,
+            "estimated": table.get(f"risk-aware@{p}", {}).get("failure_p_estimate"),
+        }
+        for p in PROBABILITIES
+    }
 
 
 def main(
@@ -227,39 +313,45 @@ def main(
         "repeats": repeats,
         "tasks": tasks,
         "n": n,
-        "policies": list(POLICIES),
+        "policies": list(VARIANTS),
+        "oracle": ORACLE,
         "probabilities": list(PROBABILITIES),
         "scratch_baseline": "never",
         "targets": targets_json(TARGETS),
     }
     runs = measure_on_node(model, repeats=repeats, tasks=tasks, n=n)
-    table = summarize(runs)
     result["runs"] = runs
-    result["results"] = table
-    ra = [table[f"risk-aware@{p}"]["visible_fraction"]["mean"] for p in PROBABILITIES]
-    ra_values = [v for v in ra if v is not None]
-    inc_ra, inc_scratch = increase(table, "risk-aware"), increase(table, "never")
-    ratio = None
-    if inc_ra is not None and inc_scratch is not None and inc_scratch > 0:
-        ratio = max(0.0, inc_ra) / inc_scratch
-    values: dict[str, float | None] = {
-        "risk_aware_visible_fraction": max(ra_values) if ra_values else None,
-        "increase_ratio_vs_scratch": ratio,
-        "restarts_with_checkpoint": float(
-            sum(table[k]["restarts_with_checkpoint"] for k in table if k.startswith("risk-aware"))
-        ),
-    }
-    result.update(
-        risk_aware_increase_s=inc_ra, scratch_increase_s=inc_scratch,
+    result.update(judge_runs(runs, repeats))
+    print_table("bench policy: sandbox failures vs checkpoint policy", report_rows(result))
+    write_json(json_path, result)
+    return result
+
+
+def judge_runs(runs: dict[str, list[dict[str, Any]]], repeats: int) -> dict[str, Any]:
+    """The result's judged part: the table, the values with their intervals and verdicts
+    (risk-aware, estimating), the oracle's beside them, the cost figures."""
+    table = summarize(runs)
+    values = judged_values(table)
+    intervals = repeat_intervals(runs)
+    oracle = judged_values(table, ORACLE)
+    oracle_intervals = repeat_intervals(runs, ORACLE)
+    return dict(
+        results=table,
+        risk_aware_increase_s=increase(table, "risk-aware"),
+        scratch_increase_s=increase(table, "never"),
+        oracle_increase_s=increase(table, ORACLE),
         risk_aware_work_increase_s=increase(table, "risk-aware", "trajectory_s"),
         scratch_work_increase_s=increase(table, "never", "trajectory_s"),
         hidden_checkpoint_cost_s=hidden_checkpoint_cost(table, repeats),
         ratio_vs_no_checkpoints=ratio_vs_no_checkpoints(table),
-        values=values, verdicts=verdicts(TARGETS, values),
-    )  # fmt: skip
-    print_table("bench policy: sandbox failures vs checkpoint policy", report_rows(result))
-    write_json(json_path, result)
-    return result
+        failure_p=failure_p(table),
+        values=values,
+        intervals=intervals_json(intervals),
+        verdicts=judge_all(TARGETS, values, intervals, INVARIANTS),
+        oracle_values=oracle,
+        oracle_intervals=intervals_json(oracle_intervals),
+        oracle_verdicts=judge_all(TARGETS, oracle, oracle_intervals, INVARIANTS),
+    )
 
 
 def measure_on_node(model: Path | None, *, repeats: int, tasks: int, n: int) -> dict[str, Any]:
@@ -282,12 +374,15 @@ def measure_on_node(model: Path | None, *, repeats: int, tasks: int, n: int) -> 
 
 
 def report_rows(result: dict[str, Any]) -> list[Row]:
-    """The printed table: every (policy, p), the two cost figures, the targets' values."""
-    table, values = result["results"], result["values"]
+    """The printed table: every (policy, p), the estimated failure probability, the two cost
+    figures, the targets' values with their intervals (and the oracle's beside them)."""
+    table = result["results"]
     rows: list[Row] = []
     for p in PROBABILITIES:
-        for policy in POLICIES:
-            t = table[f"{policy}@{p}"]
+        for policy in VARIANTS:
+            t = table.get(f"{policy}@{p}")
+            if t is None:
+                continue
             label = "never (= restart from scratch)" if policy == "never" else policy
             r, v, w = t["rollout_s"], t["visible_checkpoint_s"], t["trajectory_s"]
             rows.append(
@@ -298,6 +393,14 @@ def report_rows(result: dict[str, Any]) -> list[Row]:
                     f"{t['env_restores']} restores, {t['restarts_from_scratch']} scratch)",
                 )
             )
+    for p, fp in result["failure_p"].items():
+        est = (fp["estimated"] or {}).get("mean")
+        rows.append(
+            Row(
+                f"p = {p}: failure probability per step, risk-aware's estimate / injected",
+                f"{'n/a' if est is None else f'{est:.4f}'} / {fp['oracle']:g}",
+            )
+        )
     hidden = result["hidden_checkpoint_cost_s"]
     rows.append(
         Row(
@@ -312,22 +415,44 @@ def report_rows(result: dict[str, Any]) -> list[Row]:
             "n/a" if strict is None else f"{strict:.3g}",
         )
     )
-    for key, label, unit in (
-        (
-            "risk_aware_visible_fraction",
-            "risk-aware visible checkpoint / trajectory time (max over p)",
-            "%",
-        ),
-        ("increase_ratio_vs_scratch", "risk-aware increase p=0→0.05 / restart-from-scratch's", "x"),
-        (
-            "restarts_with_checkpoint",
-            "risk-aware restarts from scratch with a ready checkpoint",
-            "",
-        ),
-    ):
-        value = values[key]
-        shown = (
-            "n/a" if value is None else (f"{value * 100:.2f} %" if unit == "%" else f"{value:.3g}")
+    increases = (result["risk_aware_increase_s"], result["scratch_increase_s"])
+    rows.append(
+        Row(
+            "rollout-time increase p = 0 → 0.05, risk-aware / restart from scratch",
+            " / ".join("n/a" if x is None else f"{x:+.1f} s" for x in increases),
         )
-        rows.append(Row(label, shown, target_text(TARGETS[key], unit), result["verdicts"][key]))
+    )
+    for key, label, unit in LABELS:
+        rows.append(_target_row(result, key, label, unit))
+        rows.append(
+            _target_row(result, key, f"  {ORACLE} (told p; not judged)", unit, prefix="oracle_")
+        )
     return rows
+
+
+LABELS = (
+    ("risk_aware_visible_fraction", "risk-aware visible checkpoint / trajectory time (max over p)",
+     "%"),
+    ("increase_ratio_vs_scratch", "risk-aware increase p=0→0.05 / restart-from-scratch's", "x"),
+    ("restarts_with_checkpoint", "risk-aware restarts from scratch with a ready checkpoint", ""),
+)  # fmt: skip
+
+
+def _shown(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value * 100:.2f} %" if unit == "%" else f"{value:.3g}"
+
+
+def _target_row(result: dict[str, Any], key: str, label: str, unit: str, prefix: str = "") -> Row:
+    """A target's row: the value as measured, its interval, the verdict (the oracle's rows
+    show theirs as information)."""
+    value = result[f"{prefix}values"][key]
+    interval = result[f"{prefix}intervals"].get(key)
+    shown = _shown(value, unit)
+    if value is not None:
+        shown += ci_text(interval, lambda x: _shown(x, unit))
+    verdict = result[f"{prefix}verdicts"].get(key, "")
+    if prefix:
+        return Row(label, shown + (f" ({verdict})" if verdict else ""))
+    return Row(label, shown, target_text(TARGETS[key], unit), verdict)

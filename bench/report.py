@@ -4,8 +4,11 @@ Each benchmark module exposes ``main(json_path, **options) -> dict``: it measure
 stderr via :func:`progress`), prints one table of :class:`Row` with :func:`print_table`,
 writes the result with :func:`write_json` and returns it. Every result carries ``bench`` (its
 name), ``timestamp`` and ``machine`` (:func:`machine_info`); a benchmark with targets also
-carries ``targets`` (key → ``{"op", "bound"}``, :func:`targets_json`) and ``verdicts``
-(key → ``PASS``/``MISS``, :func:`verdict`).
+carries ``targets`` (key → ``{"op", "bound"}``, :func:`targets_json`), ``verdicts``
+(key → ``PASS``/``MISS``/``UNSURE``) and ``intervals`` (key → the judged value's bootstrap 95 %
+interval, ``bench.stats``). :func:`write_json` stamps every result with ``commit`` (the
+checkout's ``git rev-parse HEAD``, null outside a git checkout) and ``date`` (``YYYY-MM-DD``):
+a copy kept as ``docs/bench/<bench>-<date>.json`` says what it measured.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -26,6 +30,8 @@ Target = tuple[str, float]
 
 PASS = "PASS"
 MISS = "MISS"
+ROOT = Path(__file__).resolve().parents[1]
+"""The checkout (or install) the benchmarks run from."""
 
 
 def progress(bench_name: str, message: str) -> None:
@@ -90,18 +96,45 @@ def print_table(title: str, rows: Iterable[Row]) -> None:
     table.add_column("target", justify="right")
     table.add_column("", justify="center")
     for row in rows:
-        style = {PASS: "green", MISS: "bold red"}.get(row.verdict, "")
+        style = {PASS: "green", MISS: "bold red", "UNSURE": "yellow"}.get(row.verdict, "")
         shown = f"[{style}]{row.verdict}[/]" if style else row.verdict
         table.add_row(row.metric, row.value, row.target, shown)
     Console(file=sys.stdout).print(table)
 
 
 def write_json(path: Path | str, result: Mapping[str, Any]) -> Path:
-    """Write ``result`` as indented JSON (parents created; non-JSON values as ``str``)."""
+    """Write ``result`` as indented JSON (parents created; non-JSON values as ``str``), with
+    ``commit`` and ``date`` (:func:`snapshot_stamp`) added where it has none; a ``dict``
+    result gains them too (what the benchmark returns is what it wrote)."""
+    stamp = {k: v for k, v in snapshot_stamp().items() if k not in result}
+    if isinstance(result, dict):
+        result.update(stamp)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    path.write_text(json.dumps({**result, **stamp}, indent=2, default=str) + "\n")
     return path
+
+
+def git_commit(root: Path = ROOT) -> str | None:
+    """``git rev-parse HEAD`` of the checkout at ``root``; None outside a git checkout (an
+    installed package) or without git."""
+    try:
+        proc = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = proc.stdout.strip()
+    return commit if proc.returncode == 0 and len(commit) == 40 else None
+
+
+def snapshot_stamp() -> dict[str, Any]:
+    """What a kept copy of a result needs to say what it measured: ``commit`` and ``date``."""
+    return {"commit": git_commit(), "date": time.strftime("%Y-%m-%d")}
 
 
 def percentile(values: list[float], q: float) -> float | None:

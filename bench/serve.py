@@ -16,7 +16,9 @@ Measures, with the tiny model (hidden 256, 4 layers, vocab 4096):
    from safetensors (read the file, build the engine);
 4. ``belayer up`` to ready, wall time.
 
-Every measurement is repeated ``REPEATS`` times and the median is reported. Alongside the
+Every measurement is repeated ``REPEATS`` times and the median is reported; each verdict reads
+its value's 95 % bootstrap interval (over the runs; the attach time and ``up`` over the two
+nodes). Alongside the
 numbers the bus runs record where the time went (engine steps, time to first token, CPU seconds
 of each process), so a miss can be explained from the JSON alone. The node is always stopped
 with ``belayer down``, whatever happens.
@@ -51,11 +53,18 @@ from bench.report import (
     target_text,
     targets_json,
     timestamp,
-    verdict,
-    verdicts,
     write_json,
 )
 from bench.report import progress as report_progress
+from bench.stats import (
+    Interval,
+    ci_text,
+    intervals_json,
+    judge_all,
+    median_interval,
+    median_ratio,
+    two_sample,
+)
 
 REPEATS = 3
 """Runs per measurement; the median is reported."""
@@ -342,10 +351,10 @@ async def measure_node(
     try:
         progress("bus path: warming up")
         bus = await measure_bus(nc, probe, new_tokens, vocab, pids)
-        if not attach:
-            return {"bus": bus}
-        progress("attach: reading the worker's worker_ready event and timing attach here")
         reported = await worker_reported_timings(nc)
+        if not attach:
+            return {"bus": bus, "worker_reported": reported}
+        progress("attach: reading the worker's worker_ready event and timing attach here")
         # attaching is what a worker does: with the engine's identity
         _, engine = resolve_bus(url, role=f"engine-{ENGINE_ID}", paths=paths)
         worker_nc = await connect(url, name="bench-serve-attach", bus=engine, reconnect=False)
@@ -373,16 +382,18 @@ def shown(value: float | None, unit: str) -> str:
     return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
 
 
-def row(metric: str, value: float | None, unit: str, key: str | None = None) -> Row:
-    """A table row; ``key`` names its target in ``TARGETS`` (None: informational)."""
-    if key is None:
-        return Row(metric, shown(value, unit))
-    return Row(
-        metric, shown(value, unit), target_text(TARGETS[key], unit), verdict(value, TARGETS[key])
-    )
-
-
 def build_rows(r: dict[str, Any]) -> list[Row]:
+    def row(metric: str, value: float | None, unit: str, key: str | None = None) -> Row:
+        """A table row; ``key`` names its target (None: informational), judged on its
+        interval (shown)."""
+        if key is None:
+            return Row(metric, shown(value, unit))
+        interval = r["intervals"].get(key)
+        text = shown(value, unit)
+        if value is not None:
+            text += ci_text(interval, lambda x: shown(x, unit))
+        return Row(metric, text, target_text(TARGETS[key], unit), r["verdicts"].get(key, ""))
+
     eng, bus = r["engine_tok_s"], r["bus_tok_s"]
     eng_det, bus_det = r["engine_det_tok_s"], r["bus_det_tok_s"]
     return [
@@ -423,9 +434,11 @@ def summarize(
     node: dict[str, Any],
     node_det: dict[str, Any],
     machine_before: dict[str, Any],
+    up_det: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The result: ``node`` is the fast (``--no-deterministic``) node's measurements (bus path,
-    attach), ``node_det`` the deterministic node's bus path."""
+    attach), ``node_det`` the deterministic node's bus path (and its worker's attach time);
+    ``up``/``up_det`` the two nodes' start times."""
     eng = {str(b): v for b, v in engine["tok_s"].items()}
     bus = {str(b): v for b, v in node["bus"]["tok_s"].items()}
     eng_det = {str(b): v for b, v in engine["det_tok_s"].items()}
@@ -467,6 +480,11 @@ def summarize(
         },
         "machine": {**machine_before, "loadavg_after": loadavg()},
     }
+    reports = [n["worker_reported"]["attach_s"] for n in (node, node_det)
+               if n.get("worker_reported", {}).get("attach_s") is not None]  # fmt: skip
+    ups = [u["up_s"] for u in (up, up_det) if u is not None]
+    result["runs"]["attach_reported_s"] = reports
+    result["runs"]["up_s"] = ups
     values = {
         "engine_tok_s_b1": eng["1"],
         "engine_tok_s_b8": eng["8"],
@@ -476,8 +494,27 @@ def summarize(
         "attach_s": attach,
         "up_s": up["up_s"],
     }
-    result["verdicts"] = verdicts(TARGETS, values)
+    intervals = serve_intervals(result["runs"])
+    result["intervals"] = intervals_json(intervals)
+    result["verdicts"] = judge_all(TARGETS, values, intervals)
     return result
+
+
+def serve_intervals(runs: dict[str, Any]) -> dict[str, Interval | None]:
+    """Each target's 95 % bootstrap interval: the engine's over its runs (``bench.engine``),
+    the bus loss and the deterministic node's ratio over two independent samples (different
+    processes, different nodes), the attach and up times over the two nodes."""
+    tok = {b: [r["tok_s"] for r in v] for b, v in runs["bus"].items()}
+    tok_det = {b: [r["tok_s"] for r in v] for b, v in runs["bus_det"].items()}
+    out = engine_bench.engine_intervals(runs["engine_tok_s"], runs["engine_det_tok_s"])
+    out["bus_loss_b8"] = two_sample(
+        tok["8"], runs["engine_tok_s"]["8"],
+        lambda a, b: 1.0 - statistics.median(a) / statistics.median(b),
+    )  # fmt: skip
+    out["bus_det_ratio_b8"] = median_ratio(tok_det["8"], tok["8"])
+    out["attach_s"] = median_interval(runs.get("attach_reported_s", []))
+    out["up_s"] = median_interval(runs.get("up_s", []))
+    return out
 
 
 def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
@@ -496,6 +533,7 @@ def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
         progress("cold load: safetensors + engine build")
         cold = measure_cold_load(model_dir)
         nodes: dict[str, Any] = {}
+        ups: dict[str, Any] = {}
         for flag in ("--no-deterministic", "--deterministic"):
             run_dir = Path(tmp) / f"run{flag}"
             try:
@@ -510,8 +548,7 @@ def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
                 nodes[flag] = asyncio.run(
                     measure_node(url, new_tokens, 4096, pids, attach=fast, run_dir=run_dir)
                 )
-                if fast:
-                    up = started
+                ups[flag] = started
             finally:
                 progress("stopping the node: belayer down")
                 with contextlib.suppress(Exception):
@@ -520,10 +557,11 @@ def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
         new_tokens,
         engine,
         cold,
-        up,
+        ups["--no-deterministic"],
         nodes["--no-deterministic"],
         nodes["--deterministic"],
         machine,
+        up_det=ups["--deterministic"],
     )
     print_table("belayer bench serve", build_rows(result))
     progress(f"wrote {write_json(json_path, result)}")

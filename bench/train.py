@@ -20,10 +20,13 @@ Then on each node ``kills`` (default 5) steps with ``worker-kill`` (SIGKILL of t
 the first token of a response) and as many with ``sandbox-kill`` (the first ``kv_daemon``
 trajectory, after its second action: Belayer can restore the checkpoint its policy took after
 the first; the baseline restarts the trajectory from scratch), the two sides alternating; time
-added = a step's time − the node's median failure-free step. Reported as baseline / Belayer
-ratios of the mean added time, with a bootstrap interval over the kill pairs; where Belayer's
-added time is within the noise of its failure-free steps (their median absolute deviation) the
-ratio uses that noise instead and is a lower bound.
+added = a step's time − the node's median failure-free step. Each side's mean added time has
+its own 95 % bootstrap interval over its kills, shown as measured (a negative time added — a
+failure step faster than the median failure-free one — is noise and stays negative, never
+clamped to 0). Reported as baseline / Belayer ratios of the mean added time, with a bootstrap
+interval over the kill pairs; where Belayer's added time is within the noise of its
+failure-free steps (their median absolute deviation) the ratio uses that noise instead, is
+marked a lower bound (``ratios_are_lower_bounds``), and the measured time is shown beside it.
 """
 
 from __future__ import annotations
@@ -288,6 +291,7 @@ def report(
         for kind in ("worker", "sandbox")
         for side in sides
     }
+    intervals.update({k: bootstrap(v, statistics.mean) for k, v in costs.items()})
     values: dict[str, float | None] = {
         "belayer_step_s": statistics.median(belayer.free) if belayer.free else None,
         "baseline_step_s": statistics.median(baseline.free) if baseline.free else None,
@@ -301,7 +305,8 @@ def report(
         "rollout_seed": ROLLOUT_SEED, "targets": targets_json(TARGETS),
         **{k: _round(v) for k, v in values.items()},
         "intervals": {k: i.as_json() if i else None for k, i in intervals.items()},
-        "kill_costs_s": costs, "pair_ratios": [round(r, 4) for r in pair_ratios],
+        "kill_costs_s": costs, "kills_landed": {k: len(v) for k, v in costs.items()},
+        "pair_ratios": [round(r, 4) for r in pair_ratios],
         "free_spread_s": noise, "noise_floor_s": round(floor, 3),
         "ratios_are_lower_bounds": {
             k: (values[f"{k}_added_belayer_s"] or 0.0) < floor for k in ("worker", "sandbox")
@@ -347,9 +352,18 @@ def _ci(r: dict[str, Any], key: str, scale: float = 1.0, unit: str = "") -> str:
     return f" [95 % CI {lo:+.2f} … {hi:+.2f}{unit}]" if unit else f" [95 % CI {lo:.1f} … {hi:.1f}]"
 
 
+def _added(r: dict[str, Any], kind: str, side: str) -> Row:
+    """Time a failure of ``kind`` added on ``side``: the mean as measured, its interval."""
+    key = f"{kind}_added_{side}_s"
+    n = r.get("kills_landed", {}).get(key, r["kills"])
+    return Row(
+        f"{kind} failure: time added, {side} (mean of {n})",
+        _s(r[key]) + (_ci(r, key, 1.0, " s") if r[key] is not None else ""),
+    )
+
+
 def rows(r: dict[str, Any], noise: dict[str, Any]) -> list[Row]:
     ov = r["overhead"]
-    k = r["kills"]
     return [
         Row("failure-free step, Belayer (median)", _s(r["belayer_step_s"])),
         Row("failure-free step, baseline (median)", _s(r["baseline_step_s"])),
@@ -363,21 +377,14 @@ def rows(r: dict[str, Any], noise: dict[str, Any]) -> list[Row]:
             "spread of failure-free steps (max − min)",
             f"{noise.get('belayer')} s / {noise.get('baseline')} s",
         ),
-        Row(f"worker failure: time added, Belayer (mean of {k})", _s(r["worker_added_belayer_s"])),
-        Row(
-            f"worker failure: time added, baseline (mean of {k})", _s(r["worker_added_baseline_s"])
-        ),
+        _added(r, "worker", "belayer"),
+        _added(r, "worker", "baseline"),
         Row(
             "worker failure: baseline / Belayer",
             _x(r["worker_ratio"], r, "worker") + _ci(r, "worker_ratio"),
         ),
-        Row(
-            f"sandbox failure: time added, Belayer (mean of {k})", _s(r["sandbox_added_belayer_s"])
-        ),
-        Row(
-            f"sandbox failure: time added, baseline (mean of {k})",
-            _s(r["sandbox_added_baseline_s"]),
-        ),
+        _added(r, "sandbox", "belayer"),
+        _added(r, "sandbox", "baseline"),
         Row(
             "sandbox failure: baseline / Belayer",
             _x(r["sandbox_ratio"], r, "sandbox") + _ci(r, "sandbox_ratio"),

@@ -112,8 +112,11 @@ class RolloutRequest(Message, tag="RolloutRequest.v1"):
     policy: Annotated[str, msgspec.Meta(max_length=64)] = "risk-aware"
     """Checkpoint policy: ``never``, ``always``, ``risk-aware``, ``interval:N``, ``young-daly``."""
     failure_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] | None = None
-    """λ (failures per second of exposure) for the policy; None: estimated from observed
-    failures, or the injected probability of a ``sandbox-*@p=P`` injection."""
+    """λ (failures per second of exposure) for the policy; None: estimated from the failures
+    it observes (a prior updated online, per environment image)."""
+    failure_probability: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    """An oracle p_t: the failure probability of every environment step, told to the policy
+    instead of its estimate (a benchmark passes the probability it injects); None: not told."""
     inject: list[FaultSpec] = []
     """Failures to inject (each is an event and is counted)."""
     concurrency: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
@@ -195,6 +198,12 @@ class RolloutSummary(msgspec.Struct, kw_only=True):
     """Controller incarnations that adopted this rollout after the first."""
     trajectory_s: float = 0.0
     """Wall time of every attempt summed (what ``visible_checkpoint_s`` is a part of)."""
+    failure_p_estimate: float | None = None
+    """The checkpoint policy's estimate, at the end, of the failure probability of one
+    environment step of average length, from the failures it observed (over the node's
+    images); None: no environment step."""
+    failure_p_by_image: dict[str, float] = {}
+    """The same estimate per environment image."""
 
 
 class TrajectoryRow(msgspec.Struct, kw_only=True):

@@ -102,8 +102,10 @@ def model_init(
 model_app.command("eval")(model_cmd.model_eval)
 
 bench_app = typer.Typer(
-    help="Benchmarks: each prints a table (PASS/MISS against its targets) and writes JSON to "
-    "bench-results/<name>.json (--out); with --json the JSON goes to stdout, the table to stderr.",
+    help="Benchmarks: each prints a table (PASS/MISS/UNSURE against its targets, each judged on "
+    "its 95 % bootstrap interval over repeats or pairs) and writes JSON, stamped with the commit "
+    "and date, to bench-results/<name>.json (--out; kept runs: docs/bench/<name>-<date>.json); "
+    "with --json the JSON goes to stdout, the table to stderr.",
     no_args_is_help=True,
 )
 app.add_typer(bench_app, name="bench")
@@ -226,9 +228,12 @@ def bench_policy(
     episodes (a thought before each of 8–10 actions, `--warm-start swe-long`): SWE
     rollouts with `sandbox-kill@p=P` for p = 0, 0.01, 0.05, `--repeats` times per policy;
     total rollout time and critical-path checkpoint time (mean and spread). `never` is the
-    restart-from-scratch baseline. Targets: risk-aware's visible checkpoint time ≤ 2 % of
-    rollout time; its rollout-time increase at p = 0.05 ≤ ⅓ of restart-from-scratch's; no
-    restart from scratch while a ready checkpoint existed. Many minutes.
+    restart-from-scratch baseline. risk-aware estimates the failure rate from the failures it
+    sees (not told p); risk-aware-oracle, told p, is reported beside it, with both
+    probabilities. Targets (judged on risk-aware, on 95 % intervals over the repeats):
+    risk-aware's visible checkpoint time ≤ 2 % of rollout time; its rollout-time increase at
+    p = 0.05 ≤ ⅓ of restart-from-scratch's; no restart from scratch while a ready checkpoint
+    existed. Many minutes.
     """
     from bench.policy import main as bench_main
 
@@ -245,7 +250,10 @@ def bench_train(
     out: Path = _bench_out("train"),
     pairs: int = typer.Option(4, min=1, help="Failure-free step pairs (Belayer, baseline)."),
     kills: int = typer.Option(
-        5, min=2, help="Steps with each failure kind per node (pairs of the cost intervals)."
+        5,
+        min=5,
+        help="Steps with each failure kind per node (≥ 5: each failure cost's interval "
+        "resamples them).",
     ),
     tasks: int = typer.Option(4, min=1, max=4, help="SWE tasks per step."),
     n: int = typer.Option(2, min=1, help="Samples per task."),
@@ -261,8 +269,9 @@ def bench_train(
     policy never). Steps (rollout → reward → train → push weights) run interleaved with the
     same content on both (same tasks and seed each step, deterministic, lr 1e-12). Target:
     failure-free overhead ≤ 1 %, judged on its 95 % bootstrap interval over the pairs. Then
-    --kills worker-kill steps and as many sandbox-kill steps per node: the time each adds, as
-    baseline / Belayer ratios with 95 % intervals over the kill pairs. About 20 minutes.
+    --kills worker-kill steps and as many sandbox-kill steps per node: the time each adds on
+    each node (as measured, with its 95 % interval over the kills), and baseline / Belayer
+    ratios with 95 % intervals over the kill pairs. About 20 minutes.
     """
     from bench.train import main as bench_main
 

@@ -63,8 +63,8 @@ class ControllerConfig(ServiceConfig):
     """dockerd's API socket: the injector kills and pauses sandbox containers through it, and
     a request's images are checked there before any sandbox starts."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    """Node-wide defaults of the checkpoint policy (the request picks the policy, λ and the
-    injected probability)."""
+    """Node-wide defaults of the checkpoint policy, its λ prior among them (the request picks
+    the policy, and may fix λ or hand it an oracle probability)."""
 
     def __post_init__(self) -> None:
         if self.max_trajectories < 1 or self.default_concurrency < 1:

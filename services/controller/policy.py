@@ -12,7 +12,16 @@ After each environment step t the controller asks whether a ``full_checkpoint`` 
 checkpoint; ``c_t`` the estimated checkpoint cost (an EWMA of measured checkpoints, starting
 from a configured prior); ``x`` how long the current LLM response has already been running
 (0 when the decision is taken right after the step, before the next request). λ is configured,
-or estimated as observed failures / observed exposure seconds.
+or estimated from the failures observed, per environment image: a Gamma prior (rate
+``prior_failure_rate`` worth ``prior_exposure_s`` seconds of exposure) updated online,
+
+    λ̂_node  = (F + λ0·E0) / (E + E0)                F failures in E seconds of exposure
+    λ̂_other = (F − F_i + λ0·E0) / (E − E_i + E0)    the other images' data
+    λ̂_image = (F_i + λ̂_other·E0) / (E_i + E0)       the image's own, shrunk to the others'
+
+so an image that fails often is not hidden by the others, one seen for a few seconds borrows
+the others' rate, and with a single image λ̂_image = λ̂_node. ``fixed_probability`` (an oracle: a benchmark passes the probability
+it injects) replaces the estimate.
 
 The others, for comparison: ``never``; ``always`` (after every step); ``interval:N`` (every N
 steps); ``young-daly`` (whenever C_t reaches the Young/Daly interval √(2·c·MTBF), MTBF = 1/λ).
@@ -42,9 +51,13 @@ class PolicyConfig:
     failure_rate: float | None = None
     """λ in failures per second of exposure; None: estimate from observed failures."""
     fixed_probability: float | None = None
-    """If set, p_t for every step (failure-injection experiments); overrides λ."""
+    """If set, p_t for every step (an oracle: the probability a benchmark injects); overrides
+    λ and the estimate."""
     prior_failure_rate: float = 1e-3
-    """λ used until a failure has been observed (and as a one-failure prior weight)."""
+    """λ0: the estimate before any exposure (the prior's mean)."""
+    prior_exposure_s: float = 60.0
+    """E0: the prior's weight in seconds of exposure (λ0·E0 pseudo-failures): small, so a
+    few observed failures move the estimate within one rollout."""
     prior_checkpoint_cost_s: float = 0.3
     """c_t before any checkpoint has been measured."""
     cost_ewma_alpha: float = 0.3
@@ -65,6 +78,8 @@ class PolicyConfig:
             raise ValueError(f"unknown checkpoint policy {self.kind!r} (one of {', '.join(KINDS)})")
         if self.interval < 1:
             raise ValueError(f"interval must be >= 1, got {self.interval}")
+        if self.prior_failure_rate < 0 or self.prior_exposure_s <= 0:
+            raise ValueError("prior_failure_rate must be >= 0 and prior_exposure_s > 0")
 
     @property
     def name(self) -> str:
@@ -101,18 +116,39 @@ class Decision:
 
 
 @dataclass
+class Exposure:
+    """What one environment image (or the whole node) was seen to go through."""
+
+    seconds: float = 0.0
+    """Environment seconds at risk."""
+    steps: int = 0
+    """Environment steps those seconds came from."""
+    failures: int = 0
+    """Sandbox failures observed."""
+
+
+@dataclass
 class PolicyStats:
     """Online estimates shared by the trajectories of one controller."""
 
     config: PolicyConfig = field(default_factory=PolicyConfig)
     exposure_s: float = 0.0
     failures: int = 0
+    steps: int = 0
+    images: dict[str, Exposure] = field(default_factory=dict)
+    """Per environment image (``""``: a task without a sandbox image named)."""
     _cost_s: float | None = None
     _responses: deque[float] = field(default_factory=deque)
     _sorted: list[float] = field(default_factory=list)
 
-    def observe_exposure(self, env_s: float) -> None:
-        self.exposure_s += max(0.0, env_s)
+    def observe_exposure(self, env_s: float, image: str = "") -> None:
+        """One environment step of ``env_s`` seconds in a sandbox of ``image``."""
+        env_s = max(0.0, env_s)
+        own = self.images.setdefault(image, Exposure())
+        self.exposure_s += env_s
+        self.steps += 1
+        own.seconds += env_s
+        own.steps += 1
 
     def observe_response(self, seconds: float) -> None:
         """One complete LLM-response time T (feeds q)."""
@@ -128,16 +164,45 @@ class PolicyStats:
         a = self.config.cost_ewma_alpha
         self._cost_s = seconds if self._cost_s is None else a * seconds + (1 - a) * self._cost_s
 
-    def observe_failure(self) -> None:
+    def observe_failure(self, image: str = "") -> None:
+        """A sandbox failure of ``image``."""
         self.failures += 1
+        self.images.setdefault(image, Exposure()).failures += 1
 
     @property
     def failure_rate(self) -> float:
-        """λ: configured, else (failures + 1) / (exposure + 1/λ0), a prior worth one failure."""
+        """λ over the node: configured, else (F + λ0·E0) / (E + E0)."""
         if self.config.failure_rate is not None:
             return self.config.failure_rate
-        prior = self.config.prior_failure_rate
-        return (self.failures + 1) / (self.exposure_s + 1.0 / prior)
+        e0 = self.config.prior_exposure_s
+        return (self.failures + self.config.prior_failure_rate * e0) / (self.exposure_s + e0)
+
+    def failure_rate_of(self, image: str) -> float:
+        """λ of one image: configured, else its own failures and exposure with the other
+        images' estimate as its prior (an image not seen yet: the node's)."""
+        own = self.images.get(image)
+        if self.config.failure_rate is not None or own is None:
+            return self.failure_rate
+        e0, lam0 = self.config.prior_exposure_s, self.config.prior_failure_rate
+        others = (self.failures - own.failures + lam0 * e0) / (
+            max(0.0, self.exposure_s - own.seconds) + e0
+        )
+        return (own.failures + others * e0) / (own.seconds + e0)
+
+    def step_probability(self, image: str | None = None) -> float | None:
+        """The estimated failure probability of one environment step of average length,
+        1 − exp(−λ̂·d̄), for ``image`` (None: over the node, λ̂_node and the node's d̄); None
+        before a step was seen. What the policy believes, comparable with an injected
+        per-step probability."""
+        seen = (
+            Exposure(self.exposure_s, self.steps, self.failures)
+            if image is None
+            else self.images.get(image)
+        )
+        if seen is None or seen.steps == 0:
+            return None
+        rate = self.failure_rate if image is None else self.failure_rate_of(image)
+        return 1.0 - math.exp(-rate * seen.seconds / seen.steps)
 
     @property
     def checkpoint_cost_s(self) -> float:
@@ -173,6 +238,9 @@ class CheckpointPolicy:
     config: PolicyConfig = field(default_factory=PolicyConfig)
     stats: PolicyStats | None = None
     """Shared estimates; None: a private ``PolicyStats`` with this config."""
+    image: str = ""
+    """The sandbox's environment image: its failures and exposure feed, and its λ reads,
+    that image's estimate."""
     regen_cost_s: float = 0.0
     steps_since_checkpoint: int = 0
     cooldown_until: float = 0.0
@@ -192,7 +260,7 @@ class CheckpointPolicy:
         env_s, llm_s = max(0.0, env_s), max(0.0, llm_s)
         self.regen_cost_s += env_s + llm_s
         self.steps_since_checkpoint += 1
-        self._stats.observe_exposure(env_s)
+        self._stats.observe_exposure(env_s, self.image)
 
     def observe_response(self, seconds: float) -> None:
         """One complete LLM-response time T (feeds q)."""
@@ -211,8 +279,8 @@ class CheckpointPolicy:
         self.steps_since_checkpoint = 0
 
     def observe_failure(self) -> None:
-        """A sandbox failure happened (feeds the λ estimate)."""
-        self._stats.observe_failure()
+        """A sandbox failure happened (feeds the λ estimate of this sandbox's image)."""
+        self._stats.observe_failure(self.image)
 
     def observe_timeout(self, now: float) -> None:
         """A checkpoint timed out: disable checkpointing for the cooldown."""
@@ -229,7 +297,8 @@ class CheckpointPolicy:
 
     @property
     def failure_rate(self) -> float:
-        return self._stats.failure_rate
+        """λ for this sandbox: its image's estimate (or the configured λ)."""
+        return self._stats.failure_rate_of(self.image)
 
     @property
     def checkpoint_cost_s(self) -> float:

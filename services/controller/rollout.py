@@ -40,7 +40,6 @@ from services.controller.fault_specs import (
     SANDBOX_KINDS,
     fires_at_step,
     fires_at_turn,
-    injected_probability,
     spec_key,
 )
 from services.controller.policy import PolicyConfig, PolicyStats, parse_policy
@@ -81,15 +80,14 @@ class RolloutRun:
         self.global_limit = limit
         self.local_limit = asyncio.Semaphore(self.request.concurrency or config.default_concurrency)
         kind, interval = parse_policy(self.request.policy)
-        fixed = (
-            injected_probability(self.request.inject) if self.request.failure_rate is None else None
-        )
+        # The policy is not told what is injected: it estimates λ from the failures it sees,
+        # unless the request hands it an oracle probability (benchmarks compare the two).
         self.policy_config: PolicyConfig = dataclasses.replace(
             config.policy,
             kind=kind,
             interval=interval,
             failure_rate=self.request.failure_rate,
-            fixed_probability=fixed,
+            fixed_probability=self.request.failure_probability,
         )
         self.stats = PolicyStats(self.policy_config)
         self.context = AttemptContext(
@@ -183,7 +181,10 @@ class RolloutRun:
         self.done.set()
 
     def summary(self) -> RolloutSummary:
-        return summarize(self.state, self.slots, self.all_rows(), self.all_logs(), now=time.time())
+        return summarize(
+            self.state, self.slots, self.all_rows(), self.all_logs(), now=time.time(),
+            stats=self.stats,
+        )  # fmt: skip
 
     def all_rows(self) -> list[TrajectoryRow]:
         rows = dict(self.rows)

@@ -150,7 +150,9 @@ class TrajectoryRunner:
                 deadline_s=req.deadline_s,
                 vocab_size=ctx.chat.tokenizer.vocab_size,
             ),
-            policy=CheckpointPolicy(ctx.policy_config, ctx.stats),
+            policy=CheckpointPolicy(
+                ctx.policy_config, ctx.stats, image=task.sandbox.image if task.sandbox else ""
+            ),
             sample_seed=derive_seed(req.seed, self.sample),
             has_sandbox=task.sandbox is not None,
             started_at=time.time(),

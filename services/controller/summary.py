@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from schemas.rollout import RecoveryLog, RolloutState, RolloutSummary, Timings, TrajectoryRow
+from services.controller.policy import PolicyStats
 
 
 def summarize(
@@ -14,9 +15,11 @@ def summarize(
     logs: Iterable[tuple[RecoveryLog, Timings]],
     *,
     now: float,
+    stats: PolicyStats | None = None,
 ) -> RolloutSummary:
     """Counts over every attempt so far: ``rows`` (one per attempt, running ones included) and
-    their recovery logs and timings; wall time up to ``now`` or the rollout's end."""
+    their recovery logs and timings; wall time up to ``now`` or the rollout's end; the
+    policy's failure estimates from ``stats``."""
     rows = list(rows)
     finished = [r for r in rows if r.state == "finished"]
     done_slots = {r.slot for r in finished}
@@ -59,6 +62,13 @@ def summarize(
         setattr(out, name, round(getattr(out, name), 4))
     if out.mean_reward is not None:
         out.mean_reward = round(out.mean_reward, 4)
+    if stats is not None:
+        node = stats.step_probability()
+        out.failure_p_estimate = None if node is None else round(node, 6)
+        for image in sorted(stats.images):
+            p = stats.step_probability(image)
+            if p is not None:
+                out.failure_p_by_image[image] = round(p, 6)
     return out
 
 

@@ -102,3 +102,24 @@ def test_percentile_is_nearest_rank_and_ratio_guards_missing_values() -> None:
     assert ratio(None, 2.0) is None
     assert ratio(3.0, None) is None
     assert ratio(3.0, 0.0) is None
+
+
+def test_every_result_is_stamped_with_its_commit_and_date(tmp_path: Path) -> None:
+    import re
+    import subprocess
+    import time
+
+    from bench.report import git_commit
+
+    result: dict[str, object] = {"bench": "test"}
+    loaded = json.loads(write_json(tmp_path / "r.json", result).read_text())
+    assert loaded["date"] == time.strftime("%Y-%m-%d") == result["date"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # a checkout: the commit it measured
+        assert loaded["commit"] == head.stdout.strip() == result["commit"]
+        assert re.fullmatch("[0-9a-f]{40}", str(loaded["commit"]))
+    # Outside a git checkout (an installed package) there is no commit: null, not an error.
+    assert git_commit(tmp_path) is None
+    # A result that already says which commit it measured keeps it.
+    kept = json.loads(write_json(tmp_path / "k.json", {"commit": None}).read_text())
+    assert kept["commit"] is None and "date" in kept

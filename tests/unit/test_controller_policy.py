@@ -67,8 +67,8 @@ def test_q_needs_a_few_responses_first() -> None:
 def test_probability_from_failure_rate_and_estimate() -> None:
     p = CheckpointPolicy(PolicyConfig(failure_rate=0.1))
     assert p.probability(2.0) == pytest.approx(1 - math.exp(-0.2))
-    est = CheckpointPolicy(PolicyConfig(prior_failure_rate=0.01))
-    assert est.failure_rate == pytest.approx(0.01)  # (0 + 1) / (0 + 1/0.01)
+    est = CheckpointPolicy(PolicyConfig(prior_failure_rate=0.01, prior_exposure_s=100.0))
+    assert est.failure_rate == pytest.approx(0.01)  # (0 + 0.01·100) / (0 + 100)
     est.observe_step(env_s=10.0)
     est.observe_failure()
     assert est.failure_rate == pytest.approx(2 / 110)
@@ -199,3 +199,58 @@ def test_config_checks_kind_and_interval() -> None:
     with pytest.raises(ValueError):
         PolicyConfig(kind="interval", interval=0)
     assert PolicyConfig(kind="interval", interval=5).name == "interval:5"
+
+
+def test_the_estimate_learns_an_injected_rate_it_is_not_told() -> None:
+    """Failures injected with p = 0.05 per 0.5 s step: after a few hundred steps the estimate
+    is near the truth although the prior said 0.001/s."""
+    stats = PolicyStats(PolicyConfig())
+    policy = CheckpointPolicy(stats.config, stats, image="swe")
+    for step in range(400):
+        policy.observe_step(env_s=0.5)
+        if step % 20 == 0:  # 1 in 20 steps: p = 0.05
+            policy.observe_failure()
+    p = stats.step_probability("swe")
+    assert p is not None and 0.03 < p < 0.07
+    assert policy.probability(0.5) == pytest.approx(p)
+    # Told the probability, the policy uses it instead (the estimate is still kept).
+    oracle = CheckpointPolicy(PolicyConfig(fixed_probability=0.05), stats, image="swe")
+    assert oracle.probability(0.5) == 0.05
+
+
+def test_the_failure_rate_is_estimated_per_image_and_shrunk_to_the_nodes() -> None:
+    stats = PolicyStats(PolicyConfig(prior_failure_rate=0.001, prior_exposure_s=60.0))
+    flaky = CheckpointPolicy(stats.config, stats, image="flaky")
+    sound = CheckpointPolicy(stats.config, stats, image="sound")
+    for _ in range(100):
+        flaky.observe_step(env_s=1.0)
+        sound.observe_step(env_s=1.0)
+    for _ in range(10):
+        flaky.observe_failure()
+    node = (10 + 0.001 * 60) / (200 + 60)
+    assert stats.failure_rate == pytest.approx(node)
+    # each image's prior is the other images' estimate
+    from_sound, from_flaky = 0.06 / 160, 10.06 / 160
+    assert flaky.failure_rate == pytest.approx((10 + from_sound * 60) / (100 + 60))
+    assert sound.failure_rate == pytest.approx((0 + from_flaky * 60) / (100 + 60))
+    assert flaky.failure_rate > stats.failure_rate > sound.failure_rate
+    # One image alone: its estimate is the node's.
+    alone = PolicyStats(PolicyConfig())
+    alone.observe_exposure(30.0, "only")
+    alone.observe_failure("only")
+    assert alone.failure_rate_of("only") == pytest.approx(alone.failure_rate)
+    # An image not seen yet borrows the node's estimate; a configured λ overrides all.
+    assert CheckpointPolicy(stats.config, stats, image="new").failure_rate == stats.failure_rate
+    fixed = PolicyStats(PolicyConfig(failure_rate=0.5))
+    fixed.observe_failure("flaky")
+    assert fixed.failure_rate_of("flaky") == 0.5
+    # What the summary reports: per image and over the node, per step of average length.
+    assert stats.step_probability("flaky") == pytest.approx(1 - math.exp(-flaky.failure_rate))
+    assert stats.step_probability() == pytest.approx(1 - math.exp(-node))
+    assert stats.step_probability("new") is None
+    assert PolicyStats().step_probability() is None
+
+
+def test_prior_knobs_are_checked() -> None:
+    with pytest.raises(ValueError, match="prior"):
+        PolicyConfig(prior_exposure_s=0.0)

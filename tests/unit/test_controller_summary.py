@@ -68,3 +68,19 @@ def test_failed_rewards_are_counted_and_left_out_of_the_mean() -> None:
     mixed = [failed[0], row(1, 0, "finished", 0.75)]
     s = summarize(state, 2, mixed, [], now=1.0)
     assert (s.reward_failures, s.mean_reward) == (1, 0.75)
+
+
+def test_the_policys_failure_estimates_are_reported() -> None:
+    from services.controller.policy import PolicyConfig, PolicyStats
+
+    state = RolloutState(
+        request=RolloutRequest(workload="swe", rollout_id="r"), task_ids=["t"], accepted_at=0.0
+    )
+    assert summarize(state, 1, [], [], now=1.0).failure_p_estimate is None
+    stats = PolicyStats(PolicyConfig())
+    for _ in range(10):
+        stats.observe_exposure(0.5, "img")
+    stats.observe_failure("img")
+    s = summarize(state, 1, [], [], now=1.0, stats=stats)
+    assert s.failure_p_estimate is not None and 0.0 < s.failure_p_estimate < 1.0
+    assert s.failure_p_by_image == {"img": s.failure_p_estimate}  # one image: the node's
