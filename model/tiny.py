@@ -59,10 +59,17 @@ def _corpus(seed: int) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
-    """Train a byte-level BPE with Qwen-style special tokens (ids 0, 1, 2)."""
+def train_bpe(corpus: list[str], vocab_size: int, *, split_digits: bool = False) -> Tokenizer:
+    """A byte-level BPE with Qwen-style special tokens (ids 0, 1, 2), its merges learnt from
+    ``corpus`` (any other text still encodes, byte by byte at worst); ``split_digits``: one
+    token per digit, as Qwen's tokenizer does."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -70,8 +77,13 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     return tok
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
+    """The tiny model's tokenizer: a byte-level BPE (``train_bpe``) over a synthetic corpus."""
+    return train_bpe(_corpus(seed), vocab_size)
 
 
 def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:

@@ -44,14 +44,14 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from common.training_config import OptimConfig
 from model.chat import IM_END, IM_START, ChatFormat
 from model.config import load_model_config
 from model.loader import load_safetensors
 from model.qwen3 import Qwen3ForCausalLM
-from model.tiny import SPECIAL_TOKENS, init_tiny_model
+from model.tiny import SPECIAL_TOKENS, init_tiny_model, train_bpe
 from model.tokenizer import load_tokenizer
 from model.train_forward import build_trainable_model, dense_hidden
 from model.training import make_optimizer, seed_everything, threads, train_step
@@ -367,25 +367,9 @@ def train_chat_tokenizer(texts: Sequence[str], vocab_size: int, seed: int = 0) -
     """A byte-level BPE for the demonstrations' text: the tiny model's special tokens (same
     ids), digits split one per token (as Qwen's tokenizer does: arithmetic stays learnable),
     merges learnt from ``texts`` (any other text still encodes, byte by byte at worst)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    rng = random.Random(seed)
     corpus = list(texts)
-    rng.shuffle(corpus)
-    tok.train_from_iterator(corpus, trainer=trainer)
-    return tok
+    random.Random(seed).shuffle(corpus)
+    return train_bpe(corpus, vocab_size, split_digits=True)
 
 
 def init_base_model(out_dir: Path, demos: Sequence[Demonstration], tiny: dict[str, Any]) -> Path:
