@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the `env` fixture is imported from env_helpers; pytest injects it by name)
 """Unlucky fault sequences on real dockerd + CRIU: checkpoints that pass validation but fail
 inside CRIU (quarantined, never lose the last good state), paused sandboxes, containers that
 die during a checkpoint."""
@@ -14,12 +13,11 @@ from common.errors import BelayerError, Conflict, SandboxError
 from schemas.env import EnvRestored, SandboxLimits
 from services.environment import criu_ops as ops
 from services.environment.client import EnvClient
-from tests.integration.env_helpers import (  # noqa: F401
+from tests.integration.env_helpers import (
     BUMP,
     COUNTER,
     START_COUNTER,
     EnvHarness,
-    env,
     require_docker,
     running_env,
 )

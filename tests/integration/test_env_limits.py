@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the `env` fixture is imported from env_helpers; pytest injects it by name)
 """Sandbox limits cannot be switched off, on the real environment service and dockerd: a zero,
 negative, NaN, past-the-cap or past-64-bit limit, a hostile sandbox id or deep nesting is a
 typed ``invalid_request`` naming the field; a valid request still works and its container
@@ -16,7 +15,6 @@ from common import subjects
 from common.codec import decode
 from schemas.base import ErrorReply
 from schemas.env import SandboxLimits
-from tests.integration.env_helpers import env  # noqa: F401
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(180)]
 

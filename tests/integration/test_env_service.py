@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the `env` fixture is imported from env_helpers; pytest injects it by name)
 """The environment service on real dockerd + CRIU: prefix-consistent checkpoint/restore,
 hostile checkpoints, bad input, concurrency."""
 
@@ -26,13 +25,12 @@ from common.errors import (
 from schemas.env import ReadyPointer, SandboxLimits
 from schemas.events import CheckpointReady
 from services.environment.client import EnvClient
-from tests.integration.env_helpers import (  # noqa: F401
+from tests.integration.env_helpers import (
     BUMP,
     COUNTER,
     START_COUNTER,
     TREE_HASH,
     EnvHarness,
-    env,
     env_kill,
     make_config,
     running_env,

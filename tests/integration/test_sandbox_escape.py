@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the `env` fixture is imported from env_helpers; pytest injects it by name)
 """Sandbox hardening, proven from inside a sandbox on the real environment service and dockerd:
 no network but loopback (not the NATS port, not the Docker socket, no route anywhere), the
 host's files, the checkpoint store and other sandboxes invisible, no capability to gain, a
@@ -19,7 +18,6 @@ import pytest
 
 from common.errors import Timeout
 from schemas.env import SandboxLimits
-from tests.integration.env_helpers import env  # noqa: F401
 from tests.integration.node_helpers import wait_until
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(240)]

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the `env` fixture is imported from env_helpers; pytest injects it by name)
 """The bundled SWE tasks for real (real dockerd, real environment service, the locally built
 ``belayer-swe:1`` image): each scores 0 unfixed and 1 after its reference fix; the running-process
 task needs its process (and the state the agent put into it), also across a checkpoint/restore."""
@@ -12,7 +11,6 @@ import docker
 import pytest
 
 from common.errors import NotFound
-from tests.integration.env_helpers import env  # noqa: F401
 from workloads import SandboxHandle, SandboxOps, load_workload
 from workloads.runner import run_action, run_episode
 from workloads.scoring import score_tests

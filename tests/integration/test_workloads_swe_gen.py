@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the `env` fixture is imported from env_helpers; pytest injects it by name)
 """Generated SWE tasks for real (real dockerd, real environment service, the locally built
 ``belayer-swe:1`` image): a training instance, a held-out instance and a held-out-family
 instance each score 0 unfixed and 1 after their reference fix, and the general recipe the
@@ -10,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from services.rl.demonstrations import general_actions
-from tests.integration.env_helpers import env  # noqa: F401
 from workloads import SandboxOps, load_workload
 from workloads.runner import run_episode
 
