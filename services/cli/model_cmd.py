@@ -346,11 +346,13 @@ def evaluate_swe(
     the model's own actions in real sandboxes (a private environment service)."""
     from services.environment.client import with_private_env
     from workloads import load_workload
+    from workloads.swe import SweWorkload
 
     t0 = time.perf_counter()
     sampler = Sampler(Path(model_dir))
     swe = load_workload("swe")
-    tasks = swe.held_out(len(swe.evaluation)) if held_out else swe.tasks(len(swe.train))  # type: ignore[attr-defined]
+    assert isinstance(swe, SweWorkload)  # the bundled workload: its train/evaluation split
+    tasks = swe.held_out(len(swe.evaluation)) if held_out else swe.tasks(len(swe.train))
     tasks = sorted(tasks, key=lambda t: t.id)
     report = EvalReport(kind="swe")
 
