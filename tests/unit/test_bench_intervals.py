@@ -77,7 +77,6 @@ def test_handover_intervals_and_invariants() -> None:
 
 
 def test_env_intervals_pair_each_repeat_with_its_raw_run() -> None:
-    pytest.importorskip("docker")
     from bench.env import INVARIANTS, TARGETS, env_intervals, judged
     from bench.stats import judge_all
 
