@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import time
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
@@ -73,10 +72,7 @@ async def test_arena_shared_survives_writer_kill_and_flushes(
         assert tuple(desc.shape) == kv_cache_shape(model, 8, 4)
         assert desc.dtype == "float32" and desc.generation == 0
         assert desc.block_size == 4 and desc.num_blocks == 8
-        t0 = time.perf_counter()
-        arena = map_arena(desc)
-        attach_ms = (time.perf_counter() - t0) * 1000
-        assert attach_ms < 200
+        arena = map_arena(desc)  # how fast: `belayer bench serve` measures a worker's attach
         assert arena.shape == torch.Size(desc.shape) and arena.dtype == torch.float32
         assert not arena.any()  # starts zero-filled
 
