@@ -27,7 +27,7 @@ from schemas.rollout import (
     RecoveryKind,
     RecoveryLog,
 )
-from services.controller.policy import CheckpointPolicy, Decision
+from services.controller.policy import CheckpointPolicy
 from workloads.episode import Again, Episode, Execute, Finish, Generate, Limits, Score, Step
 
 __all__ = [
@@ -119,25 +119,13 @@ class TrajectoryCore(Episode):
     # --- checkpoints ----------------------------------------------------------------------
     def decide_checkpoint(
         self, *, step_s: float, now: float, elapsed_s: float = 0.0
-    ) -> tuple[Decision, Pending | None]:
+    ) -> tuple[PolicyDecision, Pending | None]:
         """Ask the policy after an environment step; a yes comes with the L_k lengths the
         checkpoint will stand for."""
-        decision = self.policy.decide(step_s=step_s, elapsed_s=elapsed_s, now=now)
-        self.recovery.decisions.append(
-            PolicyDecision(
-                prefix=self.prefix,
-                policy=self.policy.config.name,
-                checkpoint=decision.checkpoint,
-                reason=decision.reason,
-                p=decision.p,
-                regen_cost_s=decision.regen_cost_s,
-                benefit=decision.benefit,
-                checkpoint_cost_s=decision.checkpoint_cost_s,
-                q=decision.q,
-                visible_cost=decision.visible_cost,
-                elapsed_s=elapsed_s,
-            )
+        decision = self.policy.decide(
+            step_s=step_s, elapsed_s=elapsed_s, now=now, prefix=self.prefix
         )
+        self.recovery.decisions.append(decision)
         if not decision.checkpoint:
             return decision, None
         return decision, Pending(self.prefix, len(self.response_ids), len(self.actions), self.turn)

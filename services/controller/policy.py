@@ -40,6 +40,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from schemas.rollout import PolicyDecision
+
 PolicyKind = Literal["risk-aware", "always", "never", "interval", "young-daly"]
 KINDS: tuple[str, ...] = ("risk-aware", "always", "never", "interval", "young-daly")
 
@@ -99,20 +101,6 @@ def parse_policy(text: str) -> tuple[PolicyKind, int]:
     if arg or name not in KINDS:
         raise ValueError(f"unknown checkpoint policy {text!r} (one of: {forms})")
     return name, 1  # type: ignore[return-value]  # name is one of KINDS (checked above)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The policy's answer with every term, for logs and tests."""
-
-    checkpoint: bool
-    reason: str
-    p: float
-    regen_cost_s: float
-    benefit: float
-    checkpoint_cost_s: float
-    q: float
-    visible_cost: float
 
 
 @dataclass
@@ -330,17 +318,24 @@ class CheckpointPolicy:
         return math.sqrt(2.0 * self.checkpoint_cost_s / rate)
 
     # --- the decision -------------------------------------------------------------------
-    def decide(self, *, step_s: float, elapsed_s: float = 0.0, now: float = 0.0) -> Decision:
+    def decide(
+        self, *, step_s: float, elapsed_s: float = 0.0, now: float = 0.0, prefix: int = 0
+    ) -> PolicyDecision:
         """Checkpoint now? ``step_s`` is d_t, ``elapsed_s`` is x, ``now`` the clock (only
-        compared with the cooldown)."""
+        compared with the cooldown), ``prefix`` the action boundary k it is about. The answer
+        with every term is the record the trajectory's recovery log keeps."""
         p = self.probability(step_s)
         benefit = p * self.regen_cost_s
         c = self.checkpoint_cost_s
         q = self.q(elapsed_s, c)
         visible = c * (1.0 - q)
 
-        def answer(take: bool, reason: str) -> Decision:
-            return Decision(take, reason, p, self.regen_cost_s, benefit, c, q, visible)
+        def answer(take: bool, reason: str) -> PolicyDecision:
+            return PolicyDecision(
+                prefix=prefix, policy=self.config.name, checkpoint=take, reason=reason, p=p,
+                regen_cost_s=self.regen_cost_s, benefit=benefit, checkpoint_cost_s=c, q=q,
+                visible_cost=visible, elapsed_s=elapsed_s,
+            )  # fmt: skip
 
         kind = self.config.kind
         if kind == "never":
