@@ -87,7 +87,26 @@ def per_workload(knob: str) -> str:
 
 # `belayer run`'s options (declared here, so that `run` reads as what it does). Each default is
 # RunOptions' (services/rl/options.py), the one place it is stated.
-RUN_WORKLOAD = typer.Argument(..., help="math or swe.")
+RUN_WORKLOAD = typer.Argument(
+    None, help="math or swe (or, instead, --workload for your own workload)."
+)
+RUN_WORKLOAD_SPEC = typer.Option(
+    None,
+    "--workload",
+    help="Your own workload: a plugin package.module:factory (importable: installed, or on "
+    "PYTHONPATH) or an installed package's belayer.workloads entry point; the node the run "
+    "starts loads it (docs/workloads.md).",
+)
+RUN_REWARD = typer.Option(
+    [],
+    "--reward",
+    help="A reward function package.module:function (or service:NAME) scoring the rollouts "
+    "instead of the workload's reward, TRL-shaped: fn(prompts, completions, **columns) -> "
+    "list[float | None] (repeatable; the node the run starts enables each).",
+)
+RUN_REWARD_WEIGHTS = typer.Option(
+    [], "--reward-weights", help="One weight per --reward, in order (default: all 1)."
+)
 RUN_STEPS = typer.Option(RunOptions.steps, "--steps", min=1, max=100_000, help="Training steps.")
 RUN_TASKS = typer.Option(
     RunOptions.tasks, "--tasks", min=1, max=4096,
@@ -182,7 +201,7 @@ RUN_KEEP_NODE = typer.Option(
 
 
 def run(
-    workload: str = RUN_WORKLOAD,
+    workload: str | None = RUN_WORKLOAD,
     steps: int = RUN_STEPS,
     tasks: int | None = RUN_TASKS,
     n: int | None = RUN_N,
@@ -202,16 +221,21 @@ def run(
     temperature: float = RUN_TEMPERATURE,
     recovery: str = RUN_RECOVERY,
     keep_node: bool = RUN_KEEP_NODE,
+    workload_spec: str | None = RUN_WORKLOAD_SPEC,
+    reward: list[str] = RUN_REWARD,
+    reward_weights: list[float] = RUN_REWARD_WEIGHTS,
 ) -> None:
     """Train with GRPO on a node through injected failures: each step rolls out tasks × n
     trajectories, reads their rewards, trains one update, pushes the weights to every engine and
     evaluates the held-out tasks greedily. Writes metrics.jsonl, TensorBoard files, samples.jsonl,
     report.json/.md and plots under the run directory."""
+    workload = one_workload(workload, workload_spec)
     opts = RunOptions(
         workload=workload, steps=steps, tasks=tasks, n=n, model=model, policy=policy,
         inject=inject, resume=resume, out=out, node_dir=run_dir, dataset=dataset, seed=seed,
         lr=lr, held_out=held_out, temperature=temperature, recovery=recovery,
         keep_node=keep_node, prompt_column=prompt_column, answer_column=answer_column,
+        rewards=tuple(reward), reward_weights=tuple(reward_weights),
     )  # fmt: skip
     console = Console(file=sys.stderr)
     try:
@@ -226,6 +250,17 @@ def run(
         print_json(report)
     else:
         print_summary(report, records, workload)
+
+
+def one_workload(positional: str | None, spec: str | None) -> str:
+    """The run's workload: ``math``/``swe`` as the argument, or ``--workload SPEC``."""
+    if positional and spec:
+        fail("give the workload once: math or swe, or --workload package.module:factory", 2)
+    if spec:
+        return spec  # checked with the other options (services/rl/options.check_options)
+    if not positional:
+        fail("missing the workload: math, swe, or --workload package.module:factory", 2)
+    return positional
 
 
 def print_summary(report: dict[str, Any], records: list[dict[str, Any]], workload: str) -> None:

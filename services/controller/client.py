@@ -29,6 +29,7 @@ from services.controller.fault_specs import TRIGGERS as TRIGGERS
 from services.controller.fault_specs import Trigger as Trigger
 from services.controller.fault_specs import parse_inject as parse_inject
 from services.controller.policy import parse_policy as parse_policy
+from services.controller.reward_service import ask_reward_service as ask_reward_service
 
 #: How often ``wait`` asks for the rollout's status.
 POLL_S = 0.25

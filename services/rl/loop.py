@@ -175,6 +175,8 @@ async def run_rollout(
         dataset=ctx.dataset,
         prompt_column=ctx.opts.prompt_column,
         answer_column=ctx.opts.answer_column,
+        rewards=list(ctx.opts.rewards),
+        reward_weights=list(ctx.opts.reward_weights),
         n=st.n,
         sampling=SamplingParams(temperature=ctx.opts.temperature, max_tokens=256),
         seed=derive_seed(st.seed, step) if ctx.rollout_seed is None else ctx.rollout_seed,

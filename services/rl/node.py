@@ -102,9 +102,13 @@ def start_node(
     trainer: TrainerConfig,
     recovery: str = "belayer",
     timeout: float = 240.0,
+    workload_plugins: tuple[str, ...] = (),
+    reward_functions: tuple[str, ...] = (),
 ) -> NodeInfo:
     """A fresh node for the run (``belayer up --detach --training``, its JetStream store and
-    all under ``paths``, so no stale trajectory is on its bus) with ``trainer``."""
+    all under ``paths``, so no stale trajectory is on its bus) with ``trainer``; its
+    controller may load ``workload_plugins`` and ``reward_functions`` (``belayer up
+    --workload-plugin``/``--reward-function``)."""
     shutil.rmtree(paths.root, ignore_errors=True)
     d = SupervisorConfig()
     config = dataclasses.replace(
@@ -119,6 +123,9 @@ def start_node(
         ),
         worker=dataclasses.replace(d.worker, hang_threshold_s=HANG_THRESHOLD_S),
         trainer=trainer,
+        controller=dataclasses.replace(
+            d.controller, workload_plugins=workload_plugins, reward_functions=reward_functions
+        ),
     )
     return launch(config, paths, timeout)
 

@@ -32,10 +32,12 @@ from typing import Any
 from common.errors import BelayerError, InvalidRequest
 from schemas.rollout import FaultSpec
 from services.controller.client import KINDS, TRIGGERS, Trigger, parse_inject, parse_policy
+from workloads import plugins
 from workloads.table import dataset_workload
 
 WORKLOADS = ("math", "swe")
-"""What ``belayer run`` trains on (``--dataset`` swaps in the ``dapo`` / ``swe-gym`` loader)."""
+"""The built-in workloads ``belayer run`` trains on (``--dataset`` swaps in the ``dapo`` /
+``swe-gym`` loader); ``--workload SPEC`` names a plugin (``services/rl/run_workload.py``)."""
 RUN_KINDS = ("trainer-kill", "shadow-kill")
 """Injection kinds the run carries out itself (only with ``step=S``)."""
 SANDBOX_KINDS = ("sandbox-kill", "sandbox-pause")
@@ -57,7 +59,8 @@ class RunOptions:
     """What ``belayer run`` was asked (the command line, before any defaulting)."""
 
     workload: str
-    """``math`` or ``swe``."""
+    """``math``, ``swe``, or a plugin: ``package.module:factory`` or an installed package's
+    ``belayer.workloads`` entry-point name (``belayer run --workload``)."""
     steps: int = 2
     """Training steps of this run (after resume: the total)."""
     tasks: int | None = None
@@ -99,6 +102,11 @@ class RunOptions:
     """Leave a node the run started running at the end."""
     hold_before_checkpoint_s: float = 0.0
     """Trainer: pause between an update and its checkpoint (a kill window; benchmarks)."""
+    rewards: tuple[str, ...] = ()
+    """Reward functions (``package.module:function`` or ``service:<name>``) scoring the
+    rollouts instead of the workload's own reward; a node the run starts enables them."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per reward function (empty: all 1)."""
 
 
 @dataclass(frozen=True)
@@ -243,7 +251,7 @@ def workload_spec(
     if not dataset:
         return dataset_workload(workload, dataset, prompt_column, answer_column)
     path = str(Path(dataset).resolve())
-    name = "dapo" if workload == "math" else "swe-gym"
+    name = {"math": "dapo", "swe": "swe-gym"}.get(workload, workload)  # a plugin: its own
     return dataset_workload(name, path, prompt_column, answer_column)
 
 
@@ -317,6 +325,10 @@ class RunState:
     """``--prompt-column`` of the dataset (empty: the loader's own)."""
     answer_column: str = ""
     """``--answer-column`` of the dataset (empty: the loader's own)."""
+    rewards: list[str] = field(default_factory=list)
+    """``--reward`` functions scoring the rollouts (empty: the workload's reward)."""
+    reward_weights: list[float] = field(default_factory=list)
+    """``--reward-weights``."""
     incarnations: int = 1
     """Times the run was started (``--resume`` adds one; names its rollouts)."""
 
@@ -355,8 +367,13 @@ def new_run_id(workload: str) -> str:
 
 def check_options(o: RunOptions) -> None:
     """The checks that need nothing but the options."""
-    if o.workload not in WORKLOADS:
-        raise InvalidRequest(f"unknown workload {o.workload!r} (one of {', '.join(WORKLOADS)})")
+    if o.workload not in WORKLOADS and not (
+        plugins.is_spec(o.workload) or o.workload in plugins.entry_points()
+    ):
+        raise InvalidRequest(
+            f"unknown workload {o.workload!r} (one of {', '.join(WORKLOADS)}, or a plugin: "
+            "--workload package.module:factory)"
+        )
     if o.steps < 1:
         raise InvalidRequest(f"--steps must be at least 1, got {o.steps}")
     if o.recovery not in ("belayer", "baseline"):

@@ -27,8 +27,6 @@ from services.rl.node import (
     wait_trainer,
 )
 from services.rl.options import (
-    DEFAULTS,
-    LR_DEFAULTS,
     RunOptions,
     RunState,
     check_model_dir,
@@ -45,6 +43,12 @@ from services.rl.options import (
 )
 from services.rl.records import totals
 from services.rl.report import read_metrics, rewrite_metrics, write_report
+from services.rl.run_workload import (
+    RunWorkload,
+    node_reward_functions,
+    resolve,
+    scored_by_rewards,
+)
 from services.trainer.client import drop_unreplayable_plans as drop_plans
 
 
@@ -62,32 +66,36 @@ def execute(
     per-phase progress."""
     t_wall = time.monotonic()
     check_options(opts)
+    rw = resolve(opts)  # a plugin and the reward functions loaded here: one line if they fail
     node_paths = run_paths(opts.node_dir)
     running = running_node(node_paths)
-    sandboxed = opts.workload == "swe"
+    sandboxed = rw.sandboxed
     specs = checked_inject(opts, running, sandboxed)
-    out, prior = run_directory(opts, node_paths.root)
-    n, tasks = group_shape(opts, running, node_paths, prior)
+    out, prior = run_directory(opts, node_paths.root, rw.label)
+    n, tasks = group_shape(opts, running, node_paths, prior, rw.defaults)
     seed = prior.seed if prior else opts.seed
-    held_out = opts.held_out or DEFAULTS[opts.workload]["held_out"]
+    held_out = opts.held_out or rw.defaults["held_out"]
     pool, held_ids, _ = choose_tasks(
         opts.workload, opts.dataset, tasks, opts.steps, held_out, seed,
         columns=(opts.prompt_column, opts.answer_column),
-        held_out_is_default=opts.held_out is None and bool(opts.dataset),
+        held_out_is_default=opts.held_out is None and (bool(opts.dataset) or rw.plugin),
     )  # fmt: skip
-    model_dir = model_for(opts, running, prior, out, say)
+    model_dir = model_for(opts, running, prior, out, say, rw)
     fp = fingerprint(model_dir)
     if prior and prior.model_fingerprint != fp:
         raise InvalidRequest(
             f"--resume: {out} was trained from another model ({prior.model_dir}), not {model_dir}"
         )
     if sandboxed and running is None and not docker_usable():
-        raise InvalidRequest("swe runs sandboxes: Docker + CRIU are needed (deploy/setup.sh)")
+        raise InvalidRequest(
+            f"{opts.workload} runs sandboxes: Docker + CRIU are needed (deploy/setup.sh)"
+        )
     state = prior or RunState(
-        run_id=new_run_id(opts.workload), workload=opts.workload, dataset=opts.dataset,
+        run_id=new_run_id(rw.label), workload=opts.workload, dataset=opts.dataset,
         prompt_column=opts.prompt_column, answer_column=opts.answer_column,
         model_dir=str(model_dir), model_fingerprint=fp, tasks=tasks, n=n, seed=seed,
         policy=opts.policy, pool=pool, held_out=held_ids, created_at=time.time(),
+        rewards=list(opts.rewards), reward_weights=list(opts.reward_weights),
     )  # fmt: skip
     if prior:
         state.incarnations += 1
@@ -95,7 +103,7 @@ def execute(
         node = NodeHandle(node_paths, running, ours=False)
         say(f"using the running node in {node_paths.root} (run {running.run_id})")
     else:
-        node = start_run_node(opts, state, out, model_dir, resumed=prior is not None, say=say)
+        node = start_run_node(opts, state, out, model_dir, rw, resumed=prior is not None, say=say)
     try:
         return asyncio.run(train(opts, state, out, node, model_dir, specs, sandboxed, say,
                                  ui or Quiet(), t_wall))  # fmt: skip
@@ -114,11 +122,15 @@ def checked_inject(opts: RunOptions, running: Any, sandboxed: bool) -> list[Any]
     return specs
 
 
-def run_directory(opts: RunOptions, root: Path) -> tuple[Path, RunState | None]:
+def run_directory(
+    opts: RunOptions, root: Path, label: str | None = None
+) -> tuple[Path, RunState | None]:
     """The run directory (resolved) and, with ``--resume``, the run it holds; a fresh run's
-    directory must hold none."""
+    directory must hold none. ``label`` names the default directory (default: the
+    workload)."""
+    label = label or opts.workload
     if opts.resume:
-        out = opts.out or latest_run(root, opts.workload)
+        out = opts.out or latest_run(root, label)
         if out is None:
             raise InvalidRequest(f"--resume: no {opts.workload} run under {root}/runs")
         prior = read_state(out)
@@ -131,8 +143,16 @@ def run_directory(opts: RunOptions, root: Path) -> tuple[Path, RunState | None]:
                 + (f" on {prior.dataset}" if prior.dataset else "")
                 + (f" (columns {was[2]!r}, {was[3]!r})" if any(was[2:]) else "")
             )
+        if (prior.rewards, prior.reward_weights) != (
+            list(opts.rewards),
+            list(opts.reward_weights),
+        ):
+            raise InvalidRequest(
+                f"--resume: {out} was scored by --reward {prior.rewards or 'none'} "
+                f"(weights {prior.reward_weights or 'all 1'}): pass the same"
+            )
     else:
-        out = opts.out or default_out(root, opts.workload)
+        out = opts.out or default_out(root, label)
         prior = None
         if read_state(out) is not None:
             raise InvalidRequest(f"{out} already holds a run: pass --resume, or another --out")
@@ -140,12 +160,17 @@ def run_directory(opts: RunOptions, root: Path) -> tuple[Path, RunState | None]:
 
 
 def group_shape(
-    opts: RunOptions, running: Any, node_paths: Any, prior: RunState | None
+    opts: RunOptions,
+    running: Any,
+    node_paths: Any,
+    prior: RunState | None,
+    defaults: dict[str, int],
 ) -> tuple[int, int]:
     """(samples per task, tasks per step): a resumed run's, else a running trainer's, else the
-    options' or the workload's defaults; a mismatch with the running trainer is an error."""
+    options' or the workload's ``defaults``; a mismatch with the running trainer is an
+    error."""
     shape = asyncio.run(trainer_shape(running, node_paths)) if running else None
-    d = DEFAULTS[opts.workload]
+    d = defaults
     n = prior.n if prior else opts.n or (shape[0] if shape else d["n"])
     tasks = prior.tasks if prior else opts.tasks or (shape[1] if shape else d["tasks"])
     if shape and (n, tasks) != shape:
@@ -159,10 +184,19 @@ def group_shape(
 
 
 def start_run_node(
-    opts: RunOptions, state: RunState, out: Path, model_dir: Path, *, resumed: bool, say: Any
+    opts: RunOptions,
+    state: RunState,
+    out: Path,
+    model_dir: Path,
+    rw: RunWorkload,
+    *,
+    resumed: bool,
+    say: Any,
 ) -> NodeHandle:
     """A node of the run's own under ``<run dir>/node``, its trainer checkpointing into
-    ``<run dir>/trainer`` (resuming from it when the run is resumed)."""
+    ``<run dir>/trainer`` (resuming from it when the run is resumed); its controller enables
+    the run's plugin and reward functions (as ``belayer up --workload-plugin
+    --reward-function`` would)."""
     paths = run_paths(out / "node")
     if resumed:
         drop_unreplayable_plans(out / "trainer", say)
@@ -170,12 +204,13 @@ def start_run_node(
     t0 = time.monotonic()
     trainer = run_trainer_config(
         group_size=state.n, groups_per_step=state.tasks, checkpoint_dir=out / "trainer",
-        resume=resumed, seed=state.seed, lr=opts.lr or LR_DEFAULTS[opts.workload],
+        resume=resumed, seed=state.seed, lr=opts.lr or rw.lr,
         hold_before_checkpoint_s=opts.hold_before_checkpoint_s,
     )  # fmt: skip
     info = start_node(
-        paths, model_dir=model_dir, environment=opts.workload == "swe", trainer=trainer,
-        recovery=opts.recovery,
+        paths, model_dir=model_dir, environment=rw.sandboxed, trainer=trainer,
+        recovery=opts.recovery, workload_plugins=rw.node_plugins,
+        reward_functions=node_reward_functions(opts),
     )  # fmt: skip
     node = NodeHandle(paths, info, ours=True)
     say(f"node ready in {time.monotonic() - t0:.1f} s (run {info.run_id}, {info.recovery})")
@@ -201,8 +236,17 @@ async def trainer_shape(node: Any, paths: Any) -> tuple[int, int]:
     return st.group_size, st.batch_size // st.group_size
 
 
-def model_for(opts: RunOptions, running: Any, prior: RunState | None, out: Path, say: Any) -> Path:
-    """The model the run starts from (checked: a Qwen3 checkpoint)."""
+def model_for(
+    opts: RunOptions,
+    running: Any,
+    prior: RunState | None,
+    out: Path,
+    say: Any,
+    rw: RunWorkload | None = None,
+) -> Path:
+    """The model the run starts from (checked: a Qwen3 checkpoint). A plugin's run without
+    ``--model DIR`` starts from the tiny math model when its tasks are single-turn answer
+    tasks; a plugin with sandbox or multi-turn tasks needs ``--model DIR``."""
     explicit = opts.model not in (None, "tiny")
     if running is not None:
         have = Path(running.model_dir).resolve()
@@ -217,7 +261,15 @@ def model_for(opts: RunOptions, running: Any, prior: RunState | None, out: Path,
         return path
     if prior is not None and Path(prior.model_dir).is_dir():
         return Path(prior.model_dir)
-    path = warm_model(opts.workload, out, say).resolve()
+    warm = opts.workload
+    if rw is not None and rw.plugin:
+        if not rw.single_turn:
+            raise InvalidRequest(
+                f"--workload {opts.workload}: its tasks are multi-turn or run sandboxes; "
+                "pass --model DIR (no tiny model is warm-started for them)"
+            )
+        warm = "math"  # one-turn answer tasks: the tiny math model answers in that format
+    path = warm_model(warm, out, say).resolve()
     check_model_dir(path)
     return path
 
@@ -240,8 +292,8 @@ async def train(
     name, options = workload_spec(
         opts.workload, opts.dataset, opts.prompt_column, opts.answer_column
     )
-    wl = load_workload(name, **options)
     nc = await open_bus(node)
+    wl = scored_by_rewards(load_workload(name, **options), opts, nc)
     records: list[dict[str, Any]] = []
     earlier = [r for r in read_metrics(out / "metrics.jsonl")] if opts.resume else []
     ctx: RunContext | None = None
