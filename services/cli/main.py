@@ -282,6 +282,52 @@ def bench_train(
     )
 
 
+@bench_app.command("scale")
+def bench_scale(
+    as_json: bool = _BENCH_JSON,
+    out: Path = _bench_out("scale"),
+    seeds: int = typer.Option(
+        3, min=2, max=100, help="Seeds (paired repeats; ≥ 2 for an interval)."
+    ),
+    first_seed: int = typer.Option(0, "--first-seed", min=0, help="The first seed."),
+    jobs: int = typer.Option(2, min=1, max=64, help="Simulations run at once (processes)."),
+    checkpoint_factor: float = typer.Option(
+        4.0, min=0.0, help="Scales this machine's measured checkpoint cost (331 ms)."
+    ),
+    restore_factor: float = typer.Option(
+        4.0, min=0.0, help="Scales this machine's measured restore cost (428 ms)."
+    ),
+    handover_factor: float = typer.Option(
+        10.0, min=0.0, help="Scales this machine's measured handover (68 ms)."
+    ),
+) -> None:
+    """A SIMULATION at the paper's scale: Fig. 7- and Fig. 12-style numbers.
+
+    One GRPO step of 64 prompts × 8 samples on 32 engines and 512 sandboxes, SWE-length
+    trajectories (up to 20 turns, 4k-token responses), on a simulated clock: the production
+    router, trajectory (episode), checkpoint-policy and trainer-batch cores make every
+    decision; engines, sandboxes and failures (Poisson per engine and per sandbox) are
+    simulated; costs are this machine's measured ones scaled by the factors. Reports the
+    failure-free step-time overhead, the rollout-time increase vs restart-from-scratch at
+    sandbox failure probabilities 0.01, 0.02, 0.05, the step time with engine and sandbox
+    failures, and the counts, each with a 95 % bootstrap interval over the seeds. About a
+    minute.
+    """
+    from bench.scale import main as bench_main
+    from bench.scale_sim import ScaleConfig
+
+    cfg = ScaleConfig(
+        checkpoint_factor=checkpoint_factor,
+        restore_factor=restore_factor,
+        handover_factor=handover_factor,
+    )
+    _run_bench(
+        lambda path: bench_main(path, seeds=seeds, first_seed=first_seed, jobs=jobs, config=cfg),
+        out,
+        as_json,
+    )
+
+
 @bench_app.command("transparency")
 def bench_transparency(
     as_json: bool = _BENCH_JSON,
