@@ -6,6 +6,7 @@ workload"). Use it without installing anything::
 
     PYTHONPATH=examples/plugin belayer up --workload-plugin belayer_example_tasks:make
     PYTHONPATH=examples/plugin belayer rollout --workload belayer_example_tasks:make ...
+    PYTHONPATH=examples/plugin belayer run --workload belayer_example_tasks:make --steps 2
 
 or install this directory (``pip install examples/plugin``): its ``pyproject.toml`` declares
 the entry point ``capitals`` in the group ``belayer.workloads``, so every service finds it by
@@ -33,6 +34,9 @@ class Capitals:
     """``capitals``: one-turn tasks scored by exact match of the ``Answer:`` line."""
 
     name = "capitals"
+    run_defaults = {"tasks": 4, "n": 4, "held_out": 8, "lr": 2e-4}
+    """Optional: ``belayer run --workload``'s defaults for this workload (tasks per step,
+    samples per task, held-out tasks, peak learning rate); a flag given wins."""
 
     def __init__(self, *, held_out_words: int = len(HELD_OUT)) -> None:
         if not 1 <= held_out_words <= len(HELD_OUT):

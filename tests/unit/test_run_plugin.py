@@ -29,6 +29,12 @@ raise_on_import = None
 def raising():
     raise RuntimeError("boom in the factory")
 
+class Plain(Capitals):
+    run_defaults = None
+
+def plain():
+    return Plain()
+
 def not_a_workload():
     return 42
 
@@ -109,8 +115,13 @@ def test_a_workload_declares_its_run_defaults(plugin_path: Path) -> None:
 
 
 def test_a_plugin_without_run_defaults_gets_the_generic_ones(plugin_path: Path) -> None:
-    rw = resolve(RunOptions(workload=SPEC))
+    rw = resolve(RunOptions(workload="my_plugins:plain"))
     assert rw.defaults == PLUGIN_DEFAULTS and rw.lr == PLUGIN_LR
+
+
+def test_the_example_declares_its_defaults(plugin_path: Path) -> None:
+    rw = resolve(RunOptions(workload=SPEC))
+    assert rw.defaults == {"tasks": 4, "n": 4, "held_out": 8} and rw.lr == 2e-4
 
 
 def test_the_built_in_workloads_keep_their_defaults() -> None:
