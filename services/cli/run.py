@@ -23,6 +23,7 @@ from services.rl.node import (
 from services.rl.options import DEFAULTS, LR_DEFAULTS, RunOptions
 from services.rl.report import step_table
 from services.rl.run import execute
+from services.rl.run_workload import PLUGIN_DEFAULTS, PLUGIN_LR
 
 PHASES = ("rollout", "reward", "train", "push", "eval")
 
@@ -81,8 +82,10 @@ class Ui:
 
 
 def per_workload(knob: str) -> str:
-    """``math 8, swe 4``: a knob's per-workload default, as ``services/rl/options.py`` has it."""
-    return ", ".join(f"{w} {d[knob]}" for w, d in DEFAULTS.items())
+    """``math 8, swe 4, a plugin its run_defaults or 4``: a knob's per-workload default, as
+    ``services/rl/options.py`` and ``services/rl/run_workload.py`` have it."""
+    builtin = ", ".join(f"{w} {d[knob]}" for w, d in DEFAULTS.items())
+    return f"{builtin}, a plugin its run_defaults or {PLUGIN_DEFAULTS[knob]}"
 
 
 # `belayer run`'s options (declared here, so that `run` reads as what it does). Each default is
@@ -177,6 +180,7 @@ RUN_LR = typer.Option(
     callback=finite,
     help="Peak learning rate (AdamW; default: "
     + ", ".join(f"{w} {lr:.0e}".replace("e-0", "e-") for w, lr in LR_DEFAULTS.items())
+    + f", a plugin its run_defaults or {PLUGIN_LR:.0e}".replace("e-0", "e-")
     + ").",
 )
 RUN_HELD_OUT = typer.Option(
