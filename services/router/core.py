@@ -46,9 +46,8 @@ from services.router.state import (
 )
 
 RECOVERABLE_REASONS = frozenset({"submit failed"})
-"""Failures only the router suspected (a late acknowledgement): withdrawn if the worker still
-answers pings. Reports from the shadow (hung), the supervisor (exited) and the remote heartbeat
-(the baseline's detector, which triggers a cold restart) are final."""
+"""Failures only the router suspected (a late acknowledgement; see ``_suspected``), withdrawn if
+the worker still answers pings. The shadow's, the supervisor's reports are final."""
 
 
 class RouterCore:
@@ -295,9 +294,8 @@ class RouterCore:
         if epoch is not None and epoch != eng.epoch:
             return []  # about a worker that was already replaced
         if eng.status is EngineStatus.DOWN:
-            # Already down: a report from the shadow or the supervisor (it exited, it hung)
-            # confirms the failure, so it can no longer be taken back as a false alarm.
-            if reason not in RECOVERABLE_REASONS:
+            # Already down: a shadow's or supervisor's report (hung, exited) makes it final.
+            if not self._suspected(reason):
                 eng.down_reason = reason
             return []
         if eng.status is not EngineStatus.UP:
@@ -326,11 +324,12 @@ class RouterCore:
         eng = self.engines.get(engine_id)
         if eng is None or eng.status is not EngineStatus.DOWN:
             return []
-        if eng.down_reason not in RECOVERABLE_REASONS:
-            return []  # a confirmed failure (exited, hung, missed heartbeats): a new worker comes
+        if not self._suspected(eng.down_reason):
+            return []  # a confirmed failure (exited, hung; baseline: missed heartbeats)
         if epoch != eng.epoch or pid != eng.worker_pid:
             return []  # a new worker will register under its own epoch
         eng.status = EngineStatus.UP
+        del eng.failures[-1:]  # a withdrawn suspicion is no failure (the unhealthy window)
         held = [self.active[r] for r in sorted(eng.assigned) if r in self.active]
         eng.assigned.clear()
         recovered = ev.EngineRecovered(
@@ -341,6 +340,13 @@ class RouterCore:
             request_ids=[r.request_id for r in held],
         )
         return [EmitEvent(recovered), *self._place(held + self._take_pending())]
+
+    def _suspected(self, reason: str) -> bool:
+        """Only the router's suspicion? In belayer mode a missed ping is too (the baseline's
+        heartbeat triggers a cold restart): the shadow and the supervisor confirm failures and
+        bring new workers there, so nothing would bring the engine back after a late answer."""
+        belayer_ping = self.config.recovery == "belayer" and reason == "heartbeat"
+        return reason in RECOVERABLE_REASONS or belayer_ping
 
     def mark_unhealthy(self, engine_id: str, *, reason: str) -> list[Action]:
         eng = self.engines[engine_id]

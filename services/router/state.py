@@ -73,8 +73,8 @@ class EngineState:
     assigned: set[str] = field(default_factory=set)
     failures: list[float] = field(default_factory=list)
     down_reason: str = ""
-    """Why the engine is down; only the router's own suspicion (``submit failed``) may be
-    withdrawn when the worker answers after all."""
+    """Why the engine is down; only the router's own suspicion (``submit failed``; in belayer
+    mode a missed ``heartbeat`` too) may be withdrawn when the worker answers after all."""
     max_queued: int = 64
     """Requests the worker holds beyond its running batch (``ServingLimits.max_queued``)."""
     reported: int = 0

@@ -153,7 +153,12 @@ async def stream_generate(
 ) -> StreamRecord:
     """Like ``services.router.client.generate`` but strict about what the router sends: a gap
     fails, and a re-sent token (overlap) must equal the one already delivered — it is counted
-    in ``overlaps`` so a test can bound (or forbid) it."""
+    in ``overlaps`` so a test can bound (or forbid) it.
+
+    ``timeout`` bounds the wait for *progress*, not the whole request: it fails once
+    ``timeout`` seconds pass with no new token and no result, so a long request on a slow
+    machine finishes as long as tokens keep arriving, and a stuck one still fails (naming how
+    many tokens it held). The test's own timeout bounds the total."""
     rec = record or StreamRecord(req.request_id)
     inbox = nc.new_inbox()
     queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -168,7 +173,10 @@ async def stream_generate(
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"{req.request_id}: no result within {timeout} s")
+                raise AssertionError(
+                    f"{req.request_id}: no new token or result for {timeout} s "
+                    f"(holding {len(rec.tokens)} of {req.sampling.max_tokens})"
+                )
             try:
                 msg = await asyncio.wait_for(queue.get(), remaining)
             except TimeoutError:
@@ -195,6 +203,7 @@ async def stream_generate(
                     rec.tokens += fresh
                     rec.delta_times.append(time.time())
                     rec._wake()
+                    deadline = time.monotonic() + timeout  # progress: the wait starts over
             else:
                 assert isinstance(reply, GenerateResult)
                 rec.result = reply

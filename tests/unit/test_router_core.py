@@ -314,6 +314,32 @@ def test_false_alarm_engine_comes_back_with_its_requests() -> None:
     assert c.engines["e0"].info().healthy
 
 
+def test_a_missed_ping_is_only_a_suspicion_in_belayer_mode() -> None:
+    """Belayer mode: a ping answered too late on a loaded machine takes the engine down, but
+    no shadow or supervisor acts on a live worker, so the same worker answering again brings
+    it back with its requests, and the false alarm does not count toward unhealthy."""
+    c = core()
+    c.register("e0", 1, 100)
+    c.submit("r", [1], SamplingParams(max_tokens=8), inbox="in")
+    c.on_step(batch("e0", 1, "r", [4, 5], start=0))
+    c.engine_failed("e0", now=0.0, reason="heartbeat", epoch=1)
+    assert not c.engines["e0"].info().healthy
+    acts = c.engine_recovered("e0", 1, 100)
+    (sub,) = of(acts, SubmitToEngine)
+    assert sub.requests[0].token_ids == [1, 4, 5] and sub.requests[0].generated_offset == 2
+    assert c.engines["e0"].info().healthy and c.engines["e0"].failures == []
+    # a second false alarm inside the window is again only a suspicion, not "repeated failure"
+    assert not of(emitted(c.engine_failed("e0", now=1.0, reason="heartbeat")), EngineUnhealthy)
+    # confirmed by the shadow meanwhile (hung): final, the shadow's registration resumes it
+    c.engine_failed("e0", now=1.5, reason="hung", epoch=1)
+    assert c.engine_recovered("e0", 1, 100) == []
+    # baseline mode: the heartbeat is the detector and a cold restart follows: final
+    b = core(recovery="baseline")
+    b.register("e0", 1, 100)
+    b.engine_failed("e0", now=0.0, reason="heartbeat", epoch=1)
+    assert b.engine_recovered("e0", 1, 100) == []
+
+
 def test_a_confirmed_failure_is_never_taken_back() -> None:
     """SIGSTOP + SIGCONT: the shadow reported a hang; the woken old worker answering pings must
     not bring the engine back (its requests wait for the shadow's registration)."""
