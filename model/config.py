@@ -1,9 +1,12 @@
 """The model hyper-parameters Belayer needs, read from a Hugging Face ``config.json``.
 
-Only dense Qwen3 causal LMs are supported (``model_type == "qwen3"``). Anything the
-compact implementation in :mod:`model.qwen3` cannot reproduce exactly (RoPE
-scaling, sliding windows, attention biases, another activation) is refused here with a
-``ValueError`` instead of silently producing different logits.
+Two families of dense causal LMs are supported, each a ``model_type`` of :data:`FAMILIES`:
+``qwen3`` (per-head q/k RMSNorm) and ``llama`` (none; SmolLM2, TinyLlama, Llama 2 and other
+``LlamaForCausalLM`` checkpoints without RoPE scaling). Both run on the one decoder of :mod:`model.qwen3`; the
+config decides what differs (q/k norm, RoPE base, tied embeddings, grouped-query heads).
+Anything that decoder cannot reproduce exactly (RoPE scaling, sliding windows, attention or
+MLP biases, another activation) is refused here with a ``ValueError`` instead of silently
+producing different logits.
 """
 
 from __future__ import annotations
@@ -17,7 +20,24 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch loads only when a dtype is asked for (a config alone needs none)
     import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen3",)
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What one architecture family changes in the shared decoder."""
+
+    qk_norm: bool
+    """Per-head RMSNorm of q and k before RoPE (Qwen3) or none (Llama)."""
+    default_rope_theta: float
+    """RoPE base when ``config.json`` names none (the HF config class's default)."""
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    "qwen3": ModelFamily(qk_norm=True, default_rope_theta=1_000_000.0),
+    "llama": ModelFamily(qk_norm=False, default_rope_theta=10_000.0),
+}
+"""``model_type`` → family: the architectures Belayer serves and trains."""
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 """``torch_dtype`` values Belayer reads (each the name of a ``torch`` dtype)."""
@@ -25,7 +45,7 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Qwen3 causal LM (names follow the HF ``config.json``)."""
+    """Hyper-parameters of a Qwen3 or Llama causal LM (names follow the HF ``config.json``)."""
 
     vocab_size: int
     """Rows of the embedding and of the output layer."""
@@ -40,7 +60,7 @@ class ModelConfig:
     num_key_value_heads: int
     """Key/value heads per layer (grouped-query attention when fewer than query heads)."""
     head_dim: int
-    """Width of one attention head (Qwen3 sets it explicitly, not hidden/heads)."""
+    """Width of one attention head (Qwen3 sets it explicitly; else hidden/heads)."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm."""
     rope_theta: float = 1_000_000.0
@@ -56,7 +76,7 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     """End-of-sequence tokens (HF allows an int or a list; always a tuple here)."""
     model_type: str = "qwen3"
-    """HF model type; only ``qwen3`` is supported."""
+    """HF model type: a key of :data:`FAMILIES` (``qwen3`` or ``llama``)."""
     output_vocab_size: int = 0
     """Ids the model may emit: one past the tokenizer's largest id when the output layer has
     more rows than the tokenizer has tokens (padding rows, as in the tiny models and Qwen3).
@@ -70,6 +90,11 @@ class ModelConfig:
 
         dtype: torch.dtype = getattr(torch, self.torch_dtype)
         return dtype
+
+    @property
+    def family(self) -> ModelFamily:
+        """The architecture family of ``model_type``."""
+        return FAMILIES[self.model_type]
 
     @property
     def num_kv_groups(self) -> int:
@@ -95,6 +120,7 @@ class ModelConfig:
                 f"unsupported torch_dtype {dtype!r}; expected one of {list(DTYPE_NAMES)}"
             )
         rope = raw.get("rope_parameters") or {}
+        default_theta = FAMILIES[str(model_type)].default_rope_theta
         cfg = cls(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
@@ -104,7 +130,7 @@ class ModelConfig:
             num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))),
+            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", default_theta))),
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             torch_dtype=dtype,
@@ -144,7 +170,7 @@ def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
 
 
 def _refuse_unsupported_features(raw: dict[str, Any]) -> None:
-    """Raise on HF options that would change the maths of a plain Qwen3 forward."""
+    """Raise on HF options that would change the maths of the plain Qwen3/Llama forward."""
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
@@ -153,5 +179,9 @@ def _refuse_unsupported_features(raw: dict[str, Any]) -> None:
         raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; expected 'silu'")
     if raw.get("attention_bias", False):
         raise ValueError("attention_bias=true is not supported")
+    if raw.get("mlp_bias", False):
+        raise ValueError("mlp_bias=true is not supported")
+    if int(raw.get("pretraining_tp") or 1) != 1:
+        raise ValueError(f"pretraining_tp={raw['pretraining_tp']} is not supported (only 1)")
     if raw.get("use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported")

@@ -1,8 +1,12 @@
-"""A Qwen3 causal LM in plain torch whose attention reads and writes a paged KV cache.
+"""A Qwen3 or Llama causal LM in plain torch whose attention reads and writes a paged KV cache.
 
-The maths follows Hugging Face's ``modeling_qwen3`` (RMSNorm, per-head q/k RMSNorm, rotate-half
-RoPE, grouped-query attention, SiLU-gated MLP) so that greedy decoding matches transformers
-token for token. What differs is where K/V live: one tensor of shape
+The maths follows Hugging Face's ``modeling_qwen3`` and ``modeling_llama`` (RMSNorm, rotate-half
+RoPE, grouped-query attention, SiLU-gated MLP, optionally tied embeddings) so that greedy
+decoding matches transformers token for token. The two families share this one decoder, its
+paged attention, its batch-invariant path and its training forward; the config's family
+(:data:`model.config.FAMILIES`) decides what differs: Qwen3 normalises each head's q and k
+(``q_norm``/``k_norm``) before RoPE, Llama does not (and has no such weights); the RoPE base,
+the head counts and the tying of the output layer come from ``config.json``. What differs is where K/V live: one tensor of shape
 :func:`kv_cache_shape` owned by another process (the KV arena). Each step the model writes
 the new tokens' K/V into the flat slots ``attn.slot_mapping`` and reads a sequence's past
 K/V through its block table.
@@ -149,8 +153,8 @@ class RMSNorm(nn.Module):
 
 
 class Qwen3Attention(nn.Module):
-    """Grouped-query self-attention with per-head q/k norms over a paged KV cache (or, for
-    training, over a dense padded batch)."""
+    """Grouped-query self-attention over a paged KV cache (or, for training, over a dense
+    padded batch); with per-head q/k norms when the family has them (Qwen3, not Llama)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -161,13 +165,16 @@ class Qwen3Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.family.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def project_qkv(
         self, x: Tensor, cos: Tensor, sin_rot: Tensor, det: bool = False
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """q and k (normed, rotated) and v, ``[..., heads, head_dim]``, for ``x`` ``[..., hidden]``.
+        """q and k (normed when the family says so, rotated) and v, ``[..., heads, head_dim]``, for ``x`` ``[..., hidden]``.
 
         ``cos``/``sin_rot`` broadcast against the result (``[..., 1, head_dim]``). Shared by the
         paged and the dense forward, so both compute the same projections; ``det`` uses the
@@ -178,8 +185,10 @@ class Qwen3Attention(nn.Module):
         q = lin(x, self.q_proj.weight).view(*lead, self.num_heads, self.head_dim)
         k = lin(x, self.k_proj.weight).view(*lead, self.num_kv_heads, self.head_dim)
         v = lin(x, self.v_proj.weight).view(*lead, self.num_kv_heads, self.head_dim)
-        q = _apply_rope(self.q_norm(q), cos, sin_rot)
-        k = _apply_rope(self.k_norm(k), cos, sin_rot)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = _apply_rope(q, cos, sin_rot)
+        k = _apply_rope(k, cos, sin_rot)
         return q, k, v
 
     def forward_dense(
@@ -374,7 +383,7 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 causal LM over a paged KV cache (:meth:`forward`), with a dense training path
+    """Qwen3 or Llama causal LM (``config.model_type``) over a paged KV cache (:meth:`forward`), with a dense training path
     (:meth:`forward_dense`) on the same parameters. Build it with :func:`build_model`."""
 
     def __init__(self, cfg: ModelConfig) -> None:

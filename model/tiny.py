@@ -1,4 +1,5 @@
-"""Write a tiny, randomly initialised Qwen3 model directory for tests, demos and benchmarks.
+"""Write a tiny, randomly initialised Qwen3 (or Llama) model directory for tests, demos and
+benchmarks.
 
 The directory looks like a Hugging Face checkpoint (``config.json``, ``model.safetensors``,
 ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``) so both
@@ -103,15 +104,17 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         out[p + "self_attn.k_proj.weight"] = normal(kv_heads * hd, hidden)
         out[p + "self_attn.v_proj.weight"] = normal(kv_heads * hd, hidden)
         out[p + "self_attn.o_proj.weight"] = normal(hidden, heads * hd)
-        out[p + "self_attn.q_norm.weight"] = torch.ones(hd)
-        out[p + "self_attn.k_norm.weight"] = torch.ones(hd)
+        if cfg["model_type"] == "qwen3":  # Llama has no per-head q/k norms
+            out[p + "self_attn.q_norm.weight"] = torch.ones(hd)
+            out[p + "self_attn.k_norm.weight"] = torch.ones(hd)
         out[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
         out[p + "mlp.up_proj.weight"] = normal(inter, hidden)
         out[p + "mlp.down_proj.weight"] = normal(hidden, inter)
         out[p + "input_layernorm.weight"] = torch.ones(hidden)
         out[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
     out["model.norm.weight"] = torch.ones(hidden)
-    out["lm_head.weight"] = normal(vocab, hidden)
+    if not cfg["tie_word_embeddings"]:
+        out["lm_head.weight"] = normal(vocab, hidden)
     return out
 
 
@@ -126,13 +129,19 @@ def init_tiny_model(
     intermediate_size: int = 768,
     vocab_size: int = 4096,
     seed: int = 0,
+    model_type: str = "qwen3",
 ) -> Path:
     """Write a complete tiny Qwen3 model directory to ``out_dir`` and return its path.
 
-    Deterministic for a given ``seed``. The tokenizer's vocabulary is at most ``vocab_size``
+    ``model_type="llama"`` writes a tiny Llama instead (as SmolLM2 is built: no q/k norms,
+    the output layer tied to the embedding, RoPE base 10000, grouped-query heads), with the
+    same tokenizer. Deterministic for a given ``seed``. The tokenizer's vocabulary is at most ``vocab_size``
     (the BPE trainer may stop earlier on the small corpus); the model's embedding always has
     ``vocab_size`` rows.
     """
+    if model_type not in ("qwen3", "llama"):
+        raise ValueError(f"model_type must be qwen3 or llama, not {model_type!r}")
+    llama = model_type == "llama"
     if vocab_size < 512:
         raise ValueError(f"vocab_size={vocab_size} is too small for a byte-level tokenizer")
     root = Path(out_dir)
@@ -142,8 +151,8 @@ def init_tiny_model(
     eot, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
 
     config: dict[str, Any] = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+        "architectures": ["LlamaForCausalLM" if llama else "Qwen3ForCausalLM"],
+        "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
@@ -154,14 +163,14 @@ def init_tiny_model(
         "hidden_act": "silu",
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 1_000_000.0,
+        "rope_theta": 10_000.0 if llama else 1_000_000.0,
         "rope_scaling": None,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": num_layers,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": llama,
         "torch_dtype": "float32",
         "use_cache": True,
         "initializer_range": 0.02,

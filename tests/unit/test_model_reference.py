@@ -169,6 +169,6 @@ def test_load_safetensors_from_shards(tmp_path: Path) -> None:
 
 
 def test_unsupported_model_type_is_named(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
         load_model_config(tmp_path)
