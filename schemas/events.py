@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import ClassVar, get_args
 
-from schemas.env import CheckpointInfo
+from schemas.env import CheckpointId, CheckpointInfo, SandboxId
 from schemas.event_base import (
     EngineEvent,
     EventBase,
@@ -267,6 +267,19 @@ class RequestsResumed(RouterEvent, tag="RequestsResumed.v1"):
     """The requests resumed."""
 
 
+class ResumedFirstToken(RouterEvent, tag="ResumedFirstToken.v1"):
+    """Resumed requests received their first new token from the engine's new worker."""
+
+    kind: ClassVar[str] = "resumed_first_token"
+    epoch: int
+    """Epoch of the new worker."""
+    request_ids: list[RequestId]
+    """The resumed requests whose first new token came in this step."""
+    seconds: list[float]
+    """For each of them: from the router taking the old worker down (``engine_failed``) to
+    that token reaching the router (which forwards it to the caller at once)."""
+
+
 class EngineFailedEvent(RouterEvent, tag="EngineFailedEvent.v1"):
     """The router took the engine down: its worker was reported failed (by the shadow, the
     supervisor or the router's own heartbeat). Its requests wait for the next worker."""
@@ -434,6 +447,24 @@ class CheckpointReady(EventBase, tag="CheckpointReady.v1"):
     """The checkpoint (as the ``checkpoint`` request returned it)."""
 
 
+class SandboxRestored(EventBase, tag="SandboxRestored.v1"):
+    """A sandbox was rolled back to a ready checkpoint in a fresh container (``restore``)."""
+
+    kind: ClassVar[str] = "sandbox_restored"
+    sandbox_id: SandboxId
+    """The sandbox."""
+    checkpoint_id: CheckpointId
+    """The checkpoint now running."""
+    prefix: int
+    """Actions the checkpoint holds."""
+    seconds: float
+    """Duration of the restore (every candidate tried)."""
+    bytes: int
+    """Size of the checkpoint restored (files and processes)."""
+    method: str
+    """``runtime``, ``docker`` or ``layer`` (as ``EnvRestored.method``)."""
+
+
 AnyEvent = (
     NodeReady
     | ServiceExited
@@ -451,6 +482,7 @@ AnyEvent = (
     | HandoverComplete
     | EngineRegistered
     | RequestsResumed
+    | ResumedFirstToken
     | EngineFailedEvent
     | EngineRecovered
     | EngineUnhealthy
@@ -464,6 +496,7 @@ AnyEvent = (
     | WeightsUpdated
     | KvFlushed
     | CheckpointReady
+    | SandboxRestored
     | RolloutStarted
     | RolloutDone
     | TrajectoryFinished

@@ -1,7 +1,7 @@
 """``belayer top``: a live view of a node in the terminal (rich ``Live``, refreshed every
 ``--interval``): engines (epoch, worker and shadow pids, state, requests, weight version),
-the router's counters, the trainer's step, the sandboxes and the latest events as they
-arrive. ``q`` quits (Ctrl-C and SIGTERM too). Every panel is read over the bus on its own, so
+the router's counters, the controller's rollouts, the trainer's step, the sandboxes and the
+latest events as they arrive. ``q`` quits (Ctrl-C and SIGTERM too). Every panel is read over the bus on its own, so
 a router restart shows as "not answering" in its panel and the view goes on."""
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import typer
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from common import events as node_events
 from common import subjects
 from common.bus import connect
 from common.codec import decode
@@ -33,10 +35,13 @@ from common.errors import BelayerError
 from common.node import read_node, resolve_bus
 from schemas.env import EnvListing
 from schemas.events import AnyEvent, EventBase
+from schemas.events_training import ControllerEvent, RolloutStarted
 from schemas.node import SupervisorStatus
+from schemas.rollout import RolloutResult
 from schemas.serving import RouterStatus
 from schemas.trainer import TrainerStatus
 from services.cli.shared import fail
+from services.controller.client import status as rollout_status
 from services.environment.client import EnvClient
 from services.rl.run import run_paths
 from services.router.client import router_status
@@ -54,6 +59,8 @@ TOP_CREDS = typer.Option(
 )
 EVENTS_SHOWN = 12
 """How many of the latest events the view keeps."""
+ROLLOUTS_SHOWN = 4
+"""How many of the latest rollouts the view follows."""
 
 
 @dataclass
@@ -64,8 +71,20 @@ class View:
     supervisor: SupervisorStatus | None = None
     trainer: TrainerStatus | None = None
     sandboxes: EnvListing | None = None
+    rollouts: dict[str, RolloutResult | None] = field(default_factory=dict)
+    """The latest rollouts (by id, oldest first) and what the controller last said of each
+    (None: not answered yet)."""
     events: deque[EventBase] = field(default_factory=lambda: deque(maxlen=EVENTS_SHOWN))
     title: str = ""
+
+    def saw(self, ev: EventBase) -> None:
+        """An event as it arrives: kept for the events panel; a controller event names a
+        rollout to follow."""
+        self.events.append(ev)
+        if isinstance(ev, ControllerEvent) and ev.rollout_id not in self.rollouts:
+            self.rollouts[ev.rollout_id] = None
+            for rid in list(self.rollouts)[:-ROLLOUTS_SHOWN]:
+                del self.rollouts[rid]
 
 
 def top(
@@ -75,15 +94,18 @@ def top(
     nats_url: str = TOP_NATS_URL,
     creds: str = TOP_CREDS,
 ) -> None:
-    """A live view of a node: engines, router, trainer, sandboxes and the latest recovery
-    events, refreshed every --interval seconds; q quits."""
+    """A live view of a node: engines, router, rollouts, trainer, sandboxes and the latest
+    recovery events, refreshed every --interval seconds; q quits. Reads with the run
+    directory's operator identity (client when there is none), or --creds FILE with
+    --nats-url for another deployment."""
     paths = run_paths(run_dir)
     node = read_node(paths)
     if not (nats_url or node):
         fail("no Belayer node is running here: start one with `belayer up` or pass --nats-url")
     role = "operator" if (paths.root / "auth" / "operator.nk").exists() else "client"
     url, bus = resolve_bus(nats_url or None, creds=creds or None, role=role, paths=paths)
-    title = f"belayer top — {node.run_id if node else url}  ({role})"
+    who = Path(creds).stem if creds else role  # the identity read with
+    title = f"belayer top — {node.run_id if node else url}  ({who})"
     try:
         asyncio.run(_main(url, bus, title, interval, once))
     except BelayerError as exc:
@@ -98,9 +120,10 @@ async def _main(url: str, bus: Any, title: str, interval: float, once: bool) -> 
 
     async def on_event(msg: Any) -> None:
         with contextlib.suppress(BelayerError):  # a kind this version does not know
-            view.events.append(decode(msg.data, AnyEvent))
+            view.saw(decode(msg.data, AnyEvent))
 
     await nc.subscribe(subjects.EVENTS_ALL, cb=on_event)
+    await _latest_rollout(nc, view)
     try:
         if once:
             await _refresh(nc, view)
@@ -121,6 +144,17 @@ async def _main(url: str, bus: Any, title: str, interval: float, once: bool) -> 
         await nc.drain()
 
 
+async def _latest_rollout(nc: Any, view: View) -> None:
+    """The rollout started last, from stream EVENTS (rollouts started later come as events)."""
+    try:
+        msg = await nc.jetstream().get_last_msg(
+            subjects.STREAM_EVENTS, node_events.subject(RolloutStarted)
+        )
+        view.rollouts.setdefault(decode(msg.data or b"", RolloutStarted).rollout_id, None)
+    except (TimeoutError, nats.errors.Error, BelayerError):
+        return  # none yet, or not readable by this identity: the panel fills from events
+
+
 async def _refresh(nc: Any, view: View) -> None:
     """Read every panel's source, each on its own (one that does not answer shows as such)."""
 
@@ -135,6 +169,11 @@ async def _refresh(nc: Any, view: View) -> None:
         ask(router_status(nc, timeout=1.0)), ask(supervisor_status(nc, timeout=1.0)),
         ask(trainer_status(nc, timeout=1.0)), ask(env.list()),
     )  # fmt: skip
+    follow = [r for r, res in view.rollouts.items() if res is None or res.state != "done"]
+    answers = await asyncio.gather(*(ask(rollout_status(nc, r, timeout=1.0)) for r in follow))
+    for rid, res in zip(follow, answers, strict=True):
+        if res is not None and rid in view.rollouts:
+            view.rollouts[rid] = res
 
 
 def render(view: View) -> Group:
@@ -157,6 +196,7 @@ def render(view: View) -> Group:
             f"{m.get('requests', 0)}, resumes {m.get('resumes', 0)}, adopted {m.get('adopted', 0)}, "
             f"regenerated tokens {m.get('regenerated_tokens', 0)}"
         ))  # fmt: skip
+    parts.append(_rollouts(view))
     t = view.trainer
     parts.append(Text(
         "trainer: none" if t is None else
@@ -189,6 +229,27 @@ def _engines(view: View) -> Table:
         table.add_row(e.id, str(e.epoch), str(e.worker_pid), shadow_pid, state,
                       str(e.running), str(e.holding), f"v{e.weight_version}")  # fmt: skip
     return table
+
+
+def _rollouts(view: View) -> Text:
+    """One line per rollout followed, the latest first (lines, not a table: an id stays whole
+    on a narrow terminal)."""
+    if not view.rollouts:
+        return Text("rollouts: none seen yet")
+    lines = ["rollouts:"]
+    for rid, res in reversed(view.rollouts.items()):
+        if res is None:
+            lines.append(f"  {rid}: no answer from the controller")
+            continue
+        m = res.summary
+        lines.append(
+            f"  {rid} ({res.workload or '?'}) {res.state}: "
+            f"{m.trajectories_completed}/{m.trajectories} trajectories done, {m.running} running, "
+            f"{m.trajectories_failed} failed attempts, {m.env_restores} restores, "
+            f"{m.restarts_from_scratch} from scratch, {m.checkpoints} checkpoints, "
+            f"{m.engine_handovers} handovers"
+        )
+    return Text("\n".join(lines))
 
 
 def _sandboxes(view: View) -> Table | Text:

@@ -38,7 +38,7 @@ from schemas.env import (
     EnvRestored,
     ReadyPointer,
 )
-from schemas.events import CheckpointReady
+from schemas.events import CheckpointReady, SandboxRestored
 from services.environment import core
 from services.environment.config import EnvConfig
 from services.environment.manager import SandboxManager
@@ -110,11 +110,15 @@ class KvReadyStore:
 
 
 class EnvironmentService:
-    """Request handlers (one per op)."""
+    """Request handlers (one per op). With ``js``, each restore also publishes
+    ``sandbox_restored``."""
 
-    def __init__(self, config: EnvConfig, manager: SandboxManager) -> None:
+    def __init__(
+        self, config: EnvConfig, manager: SandboxManager, js: JetStreamContext | None = None
+    ) -> None:
         self.config = config
         self.manager = manager
+        self.js = js
 
     async def on_create(self, req: EnvCreate, _msg: Msg) -> EnvCreated:
         start = time.monotonic()
@@ -158,6 +162,15 @@ class EnvironmentService:
 
     async def on_restore(self, req: EnvRestore, _msg: Msg) -> EnvRestored:
         r = await self.manager.restore(req.sandbox_id, req.checkpoint_id)
+        if self.js is not None:
+            m = r.manifest
+            event = SandboxRestored(
+                source=f"environment:{self.config.node}", sandbox_id=r.record.id,
+                checkpoint_id=m.checkpoint_id, prefix=m.prefix, seconds=r.seconds,
+                bytes=m.fs_bytes + m.criu_bytes, method=r.method,
+            )  # fmt: skip
+            msg_id = f"sandbox_restored-{r.record.id}-{r.record.container_id}"
+            await events.publish(self.js, event, msg_id=msg_id)
         return EnvRestored(
             sandbox_id=r.record.id,
             container_id=r.record.container_id,
@@ -221,7 +234,7 @@ class EnvService(Service[EnvConfig]):
             # dockerd answers, then the sandboxes of a previous run are adopted.
             log.warning("dockerd_unreachable", error=str(exc))
             self.adopting = asyncio.create_task(adopt_when_reachable(manager, self.stop_requested))
-        svc = EnvironmentService(config, manager)
+        svc = EnvironmentService(config, manager, self.js)
         routes: list[tuple[str, Any, Handler]] = [
             ("create", EnvCreate, svc.on_create),
             ("exec", EnvExec, svc.on_exec),

@@ -38,7 +38,7 @@ from common.service import Service, run_service
 from common.tasks import keep
 from model.tokenizer import load_tokenizer
 from schemas.base import Ok
-from schemas.events import RegistrationRejected, StaleFailureReport
+from schemas.events import RegistrationRejected, RequestsResumed, StaleFailureReport
 from schemas.serving import (
     AcceptedRequest,
     CancelRequest,
@@ -59,6 +59,7 @@ from services.router.core import RouterCore
 from services.router.liveness import ping_engine
 from services.router.persist import Persistable, persist
 from services.router.recovery import LiveEngine, held_requests, live_engines, restore_from_log
+from services.router.resume_clock import ResumeClock
 from services.router.state import (
     AbortOnEngine,
     Action,
@@ -97,6 +98,8 @@ class RouterService(Service[RouterConfig]):
         """Step batches received while adopting a live worker's requests (None otherwise)."""
         self.silent: set[str] = set()
         """Engines with a claimed epoch whose worker has not answered a discovery ping yet."""
+        self.resume_clock = ResumeClock()
+        """Times each resumed request's first new token (``resumed_first_token``)."""
 
     async def setup(self) -> None:
         self.stash = []  # before the first step batch can arrive
@@ -145,7 +148,16 @@ class RouterService(Service[RouterConfig]):
                 msg = EngineAbort(engine_id=a.engine_id, epoch=a.epoch, request_ids=a.request_ids)
                 await self.nc.publish(subjects.engine_abort(a.engine_id), encode(msg))
             else:
+                if isinstance(a, EmitEvent):
+                    self._time_resume(a)
                 self.persist_q.put_nowait(a)
+
+    def _time_resume(self, a: EmitEvent) -> None:
+        held: dict[str, int] = {}
+        if isinstance(a.event, RequestsResumed):
+            active = self.core.active
+            held = {r: len(active[r].tokens) for r in a.event.request_ids if r in active}
+        self.resume_clock.on_event(a.event, time.monotonic(), held)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         async def guarded() -> None:
@@ -357,7 +369,9 @@ class RouterService(Service[RouterConfig]):
             self.stash.append(batch)  # adopting after a restart: replayed once adoption is done
             return
         with isolated(self.log, "on_tokens", engine=batch.engine_id, step=batch.step):
-            await self.execute(self.core.on_step(batch))
+            actions = self.core.on_step(batch)
+            first = self.resume_clock.on_step(batch, time.monotonic())
+            await self.execute(actions + ([EmitEvent(first)] if first else []))
 
     async def on_cancel(self, req: CancelRequest, _msg: Msg) -> Ok:
         await self.execute(self.core.cancel(req.request_id))

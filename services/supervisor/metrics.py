@@ -8,9 +8,10 @@ Two sources, each stated as what it is:
   engines' state, epoch, queue and weight version as gauges labelled by engine). A router
   restart starts its counters again, which Prometheus's ``rate()`` reads as a counter reset;
 - **events as they are published** (``belayer.events.>``): every handover's detection and
-  detected-to-registered time, requests resumed and the tokens they held, sandbox checkpoints
-  (duration, bytes), failures injected and recovered (time to recover), and each training step
-  (duration, loss, reward, log-probability difference).
+  detected-to-registered time, requests resumed, the tokens they held and the time to each one's
+  first new token, sandbox checkpoints and restores (duration, bytes), failures injected and
+  recovered (time to recover), and each training step (duration, loss, reward,
+  log-probability difference). Which event feeds which metric is ``event_samples`` (pure).
 
 Names and units follow Prometheus conventions (``_seconds``, ``_bytes``, ``_total``).
 """
@@ -20,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -31,7 +33,6 @@ from prometheus_client.registry import Collector
 from common import subjects
 from common.codec import decode
 from common.errors import BelayerError
-from schemas.env import CheckpointInfo
 from schemas.events import (
     AnyEvent,
     CheckpointReady,
@@ -39,6 +40,8 @@ from schemas.events import (
     HandoverComplete,
     HandoverDetected,
     RequestsResumed,
+    ResumedFirstToken,
+    SandboxRestored,
 )
 from schemas.events_training import FailureInjected, FailureRecovered, TrainStep
 from schemas.serving import RouterStatus
@@ -55,98 +58,146 @@ BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 34, 2))
 """Histogram buckets of checkpoint sizes: 1 KiB … 8 GiB."""
 
 
+Kind = Literal["counter", "histogram", "gauge"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric fed by events (a counter's exposed name gains ``_total``)."""
+
+    kind: Kind
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+
+
+SPECS: tuple[MetricSpec, ...] = (
+    MetricSpec("histogram", "belayer_handover_seconds",
+               "Shadow handover: the main worker's failure detected to the shadow registered.",
+               ("engine",)),
+    MetricSpec("histogram", "belayer_handover_detection_heartbeat_age_seconds",
+               "Age of the failed worker's heartbeat when its shadow detected the failure.",
+               ("engine", "verdict")),
+    MetricSpec("counter", "belayer_requests_resumed",
+               "Requests resumed at token level on another worker.", ("engine",)),
+    MetricSpec("counter", "belayer_resumed_held_tokens",
+               "Tokens the resumed requests already held (not generated again).", ("engine",)),
+    MetricSpec("histogram", "belayer_resumed_first_token_seconds",
+               "The router taking a worker down to a resumed request's first new token from "
+               "the engine's next worker.", ("engine",)),
+    MetricSpec("histogram", "belayer_sandbox_checkpoint_seconds",
+               "Sandbox checkpoint time (freeze to ready)."),
+    MetricSpec("histogram", "belayer_sandbox_checkpoint_bytes",
+               "Sandbox checkpoint size (files and processes).", buckets=BYTES_BUCKETS),
+    MetricSpec("counter", "belayer_sandbox_restores",
+               "Sandboxes restored to a ready checkpoint, by restore method.", ("method",)),
+    MetricSpec("histogram", "belayer_sandbox_restore_seconds",
+               "Sandbox restore time (every candidate checkpoint tried)."),
+    MetricSpec("histogram", "belayer_sandbox_restore_bytes",
+               "Size of the checkpoints restored (files and processes).", buckets=BYTES_BUCKETS),
+    MetricSpec("counter", "belayer_failures_injected", "Failures injected, by kind.", ("fault",)),
+    MetricSpec("counter", "belayer_failures_recovered", "Injected failures recovered, by kind.",
+               ("fault",)),
+    MetricSpec("histogram", "belayer_failure_recovery_seconds",
+               "Injected failure to recovered, by kind.", ("fault",)),
+    MetricSpec("counter", "belayer_trainer_steps", "Training steps done."),
+    MetricSpec("histogram", "belayer_trainer_step_seconds",
+               "A training step's update time (recompute and train).", buckets=STEP_BUCKETS),
+    MetricSpec("gauge", "belayer_trainer_loss", "The last step's loss."),
+    MetricSpec("gauge", "belayer_trainer_reward_mean", "The last step's mean reward."),
+    MetricSpec("gauge", "belayer_trainer_logprob_diff_max",
+               "The last step's largest |training - engine| log-probability difference."),
+)  # fmt: skip
+"""Every event-fed metric; ``event_samples`` says which event feeds which."""
+
+
+class Sample(NamedTuple):
+    """One update of one metric: a counter's increment, a histogram's observation or a
+    gauge's new value."""
+
+    name: str
+    labels: tuple[str, ...]
+    value: float
+
+
+def event_samples(ev: EventBase) -> list[Sample]:
+    """What one event adds to the metrics (pure; events that feed none give ``[]``)."""
+    if isinstance(ev, HandoverComplete):
+        return [Sample("belayer_handover_seconds", (ev.engine_id,), ev.detect_to_registered_s)]
+    if isinstance(ev, HandoverDetected):
+        age = "belayer_handover_detection_heartbeat_age_seconds"
+        return [Sample(age, (ev.engine_id, ev.verdict), ev.heartbeat_age_s)]
+    if isinstance(ev, RequestsResumed):
+        return [
+            Sample("belayer_requests_resumed", (ev.engine_id,), ev.count),
+            Sample("belayer_resumed_held_tokens", (ev.engine_id,), ev.held_tokens),
+        ]
+    if isinstance(ev, ResumedFirstToken):
+        name = "belayer_resumed_first_token_seconds"
+        return [Sample(name, (ev.engine_id,), s) for s in ev.seconds]
+    if isinstance(ev, CheckpointReady):
+        info = ev.checkpoint
+        return [
+            Sample("belayer_sandbox_checkpoint_seconds", (), info.total_s),
+            Sample("belayer_sandbox_checkpoint_bytes", (), info.fs_bytes + info.criu_bytes),
+        ]
+    if isinstance(ev, SandboxRestored):
+        return [
+            Sample("belayer_sandbox_restores", (ev.method,), 1),
+            Sample("belayer_sandbox_restore_seconds", (), ev.seconds),
+            Sample("belayer_sandbox_restore_bytes", (), ev.bytes),
+        ]
+    if isinstance(ev, FailureInjected):
+        return [Sample("belayer_failures_injected", (ev.fault,), 1)]
+    if isinstance(ev, FailureRecovered):
+        fault = ev.injection.split("@", 1)[0]
+        return [
+            Sample("belayer_failures_recovered", (fault,), 1),
+            Sample("belayer_failure_recovery_seconds", (fault,), ev.seconds),
+        ]
+    if isinstance(ev, TrainStep):
+        return [
+            Sample("belayer_trainer_steps", (), 1),
+            Sample("belayer_trainer_step_seconds", (), ev.recompute_s + ev.train_s),
+            Sample("belayer_trainer_loss", (), ev.loss),
+            Sample("belayer_trainer_reward_mean", (), ev.reward_mean),
+            Sample("belayer_trainer_logprob_diff_max", (), ev.logprob_diff_max),
+        ]
+    return []
+
+
 class NodeMetrics:
-    """Every metric of the node, in one registry; ``observe`` takes an event, ``status`` the
-    router's latest answer."""
+    """Every metric of the node, in one registry; ``observe`` takes an event, ``router`` holds
+    the router's latest status."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.router: RouterStatus | None = None
-        self.handover_seconds = Histogram(
-            "belayer_handover_seconds",
-            "Shadow handover: the main worker's failure detected to the shadow registered.",
-            ["engine"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.detection_heartbeat_age_seconds = Histogram(
-            "belayer_handover_detection_heartbeat_age_seconds",
-            "Age of the failed worker's heartbeat when its shadow detected the failure.",
-            ["engine", "verdict"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.resumes = Counter(
-            "belayer_requests_resumed", "Requests resumed at token level on another worker.",
-            ["engine"], registry=r,
-        )  # fmt: skip
-        self.resumed_tokens = Counter(
-            "belayer_resumed_held_tokens",
-            "Tokens the resumed requests already held (not generated again).",
-            ["engine"], registry=r,
-        )  # fmt: skip
-        self.checkpoint_seconds = Histogram(
-            "belayer_sandbox_checkpoint_seconds", "Sandbox checkpoint time (freeze to ready).",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.checkpoint_bytes = Histogram(
-            "belayer_sandbox_checkpoint_bytes", "Sandbox checkpoint size (files and processes).",
-            buckets=BYTES_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.failures_injected = Counter(
-            "belayer_failures_injected", "Failures injected, by kind.", ["fault"], registry=r
-        )
-        self.failures_recovered = Counter(
-            "belayer_failures_recovered", "Injected failures recovered, by kind.", ["fault"],
-            registry=r,
-        )  # fmt: skip
-        self.recovery_seconds = Histogram(
-            "belayer_failure_recovery_seconds", "Injected failure to recovered, by kind.",
-            ["fault"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self._train(r)
+        self.by_name: dict[str, Any] = {}
+        for spec in SPECS:
+            if spec.kind == "histogram":
+                m: Any = Histogram(
+                    spec.name, spec.doc, spec.labels, buckets=spec.buckets, registry=r
+                )
+            elif spec.kind == "counter":
+                m = Counter(spec.name, spec.doc, spec.labels, registry=r)
+            else:
+                m = Gauge(spec.name, spec.doc, spec.labels, registry=r)
+            self.by_name[spec.name] = m
         r.register(_RouterCollector(self))
 
-    def _train(self, r: CollectorRegistry) -> None:
-        self.train_steps = Counter("belayer_trainer_steps", "Training steps done.", registry=r)
-        self.train_seconds = Histogram(
-            "belayer_trainer_step_seconds", "A training step's update time (recompute and train).",
-            buckets=STEP_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.train_loss = Gauge("belayer_trainer_loss", "The last step's loss.", registry=r)
-        self.train_reward = Gauge(
-            "belayer_trainer_reward_mean", "The last step's mean reward.", registry=r
-        )
-        self.train_logprob_diff = Gauge(
-            "belayer_trainer_logprob_diff_max",
-            "The last step's largest |training - engine| log-probability difference.",
-            registry=r,
-        )
-
     def observe(self, ev: EventBase) -> None:
-        """Count or time one event (others are ignored)."""
-        if isinstance(ev, HandoverComplete):
-            self.handover_seconds.labels(ev.engine_id).observe(ev.detect_to_registered_s)
-        elif isinstance(ev, HandoverDetected):
-            hist = self.detection_heartbeat_age_seconds.labels(ev.engine_id, ev.verdict)
-            hist.observe(ev.heartbeat_age_s)
-        elif isinstance(ev, RequestsResumed):
-            self.resumes.labels(ev.engine_id).inc(ev.count)
-            self.resumed_tokens.labels(ev.engine_id).inc(ev.held_tokens)
-        elif isinstance(ev, CheckpointReady):
-            self._checkpoint(ev.checkpoint)
-        elif isinstance(ev, FailureInjected):
-            self.failures_injected.labels(ev.fault).inc()
-        elif isinstance(ev, FailureRecovered):
-            fault = ev.injection.split("@", 1)[0]
-            self.failures_recovered.labels(fault).inc()
-            self.recovery_seconds.labels(fault).observe(ev.seconds)
-        elif isinstance(ev, TrainStep):
-            self.train_steps.inc()
-            self.train_seconds.observe(ev.recompute_s + ev.train_s)
-            self.train_loss.set(ev.loss)
-            self.train_reward.set(ev.reward_mean)
-            self.train_logprob_diff.set(ev.logprob_diff_max)
-
-    def _checkpoint(self, info: CheckpointInfo) -> None:
-        self.checkpoint_seconds.observe(info.total_s)
-        self.checkpoint_bytes.observe(info.fs_bytes + info.criu_bytes)
+        """Count, time or set what one event says (``event_samples``)."""
+        for name, labels, value in event_samples(ev):
+            metric = self.by_name[name]
+            child = metric.labels(*labels) if labels else metric
+            if isinstance(metric, Counter):
+                child.inc(value)
+            elif isinstance(metric, Histogram):
+                child.observe(value)
+            else:
+                child.set(value)
 
 
 class _RouterCollector(Collector):

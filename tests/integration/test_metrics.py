@@ -1,10 +1,12 @@
 """The node's Prometheus metrics, scraped by a real Prometheus (Debian's ``prometheus``, which
 the setup installs): ``belayer up --metrics-port 0`` serves ``/metrics`` (the port it took is in
 ``node.json``); the engines' gauges come from the router's status; a worker SIGKILL later the
-handover histogram, read back through Prometheus's HTTP query API, holds that handover."""
+handover histogram, read back through Prometheus's HTTP query API, holds that handover, and the
+first-resumed-token histogram holds the request the handover resumed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -19,7 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.node_helpers import Node, start_node, stop_node
+from tests.integration.node_helpers import (
+    Node,
+    StreamRecord,
+    greedy,
+    start_node,
+    stop_node,
+    stream_generate,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,6 +125,23 @@ def test_metrics_endpoint_serves_the_engines_and_router(metrics_node: Node) -> N
     assert "# TYPE belayer_router_requests_total counter" in text
 
 
+async def _kill_worker_mid_request(node: Node, worker: int) -> None:
+    """A long greedy request streaming on e0 when its worker is SIGKILLed: it finishes on the
+    shadow that takes over (resumed from the tokens it held)."""
+    nc = await node.connect("metrics-test")
+    try:
+        rec = StreamRecord("metrics-resumed")
+        req = greedy(rec.request_id, n=600, engine_id="e0")
+        task = asyncio.create_task(stream_generate(nc, req, timeout=60, record=rec))
+        await rec.wait_tokens(8, timeout=60)
+        assert rec.result is None, "the request finished before the kill: make it longer"
+        os.kill(worker, signal.SIGKILL)
+        await task
+        assert rec.result is not None and len(rec.tokens) == 600
+    finally:
+        await nc.drain()
+
+
 def test_prometheus_scrapes_a_handover(metrics_node: Node, prometheus: str) -> None:
     _until(
         "a scrape of the node",
@@ -123,7 +149,7 @@ def test_prometheus_scrapes_a_handover(metrics_node: Node, prometheus: str) -> N
         lambda: _query(prometheus, 'belayer_engine_up{engine="e0"} == 1'),
     )
     epoch = float(_query(prometheus, 'belayer_engine_epoch{engine="e0"}')[0]["value"][1])
-    os.kill(metrics_node.pids()["worker-e0"], signal.SIGKILL)
+    asyncio.run(_kill_worker_mid_request(metrics_node, metrics_node.pids()["worker-e0"]))
     count = _until(
         "the handover in Prometheus", 90,
         lambda: _query(prometheus, 'belayer_handover_seconds_count{engine="e0"} >= 1'),
@@ -131,5 +157,10 @@ def test_prometheus_scrapes_a_handover(metrics_node: Node, prometheus: str) -> N
     assert float(count[0]["value"][1]) == 1.0
     took = float(_query(prometheus, 'belayer_handover_seconds_sum{engine="e0"}')[0]["value"][1])
     assert 0.0 < took < 30.0  # detected to registered, measured by the shadow
+    first = _until(
+        "the resumed request's first token in Prometheus", 30,
+        lambda: _query(prometheus, 'belayer_resumed_first_token_seconds_count{engine="e0"} >= 1'),
+    )  # fmt: skip
+    assert float(first[0]["value"][1]) == 1.0
     _until("the new epoch scraped", 30,
            lambda: _query(prometheus, f'belayer_engine_epoch{{engine="e0"}} > {epoch}'))  # fmt: skip

@@ -5,6 +5,7 @@ restarted router); ``q`` quits it. ``--once`` prints one frame without a termina
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -86,3 +87,17 @@ def test_top_shows_a_handover_and_quits_on_q(node: Node, tmux) -> None:  # type:
 def test_top_once_prints_a_frame(node: Node) -> None:
     out = cli("top", "--once", run_dir=node.run_dir, timeout=60)
     assert "engines" in out.stdout and "e0" in out.stdout and "trainer" in out.stdout
+
+
+def test_top_over_nats_url_with_creds_shows_the_last_rollout(node: Node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """From another directory, with only the bus URL and the client identity's seed: the
+    rollouts panel shows the last rollout as the controller reports it."""
+    args = ("rollout", "math", "--tasks", "1", "--n", "2", "--max-tokens", "8", "--json")
+    rollout = json.loads(cli(*args, run_dir=node.run_dir, timeout=180).stdout)
+    creds = node.run_dir / "auth" / "client.nk"
+    out = cli("top", "--once", "--run-dir", str(tmp_path), "--nats-url", node.nats_url,
+              "--creds", str(creds), run_dir=tmp_path, timeout=60).stdout  # fmt: skip
+    assert "e0" in out and "(client)" in out
+    done = rollout["trajectories_completed"]
+    assert f"{rollout['rollout_id']} (math) done: {done}/2 trajectories done" in out, out
+    assert "sandboxes: the environment service does not answer" in out  # client may not list
