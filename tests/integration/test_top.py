@@ -56,7 +56,12 @@ def _screen_until(
 
 
 def test_top_shows_a_handover_and_quits_on_q(node: Node, tmux) -> None:  # type: ignore[no-untyped-def]
-    cmd = f"{sys.executable} -m services.cli.main top --interval 0.5 --run-dir {node.run_dir}"
+    # The pane's own size (160x60), not COLUMNS/LINES the test process may carry (80x24 under
+    # pytest), which rich would prefer.
+    cmd = (
+        f"env -u COLUMNS -u LINES {sys.executable} -m services.cli.main top --interval 0.5 "
+        f"--run-dir {node.run_dir}"
+    )
     tmux("new-session", "-d", "-s", "top", "-x", "160", "-y", "60", "-c", os.getcwd(), cmd)
     first = _screen_until(tmux, lambda s: "engines" in s and " e0 " in s, "engine row", 60)
     epoch_line = next(line for line in first.splitlines() if " e0 " in line)
