@@ -59,6 +59,8 @@ TOP_CREDS = typer.Option(
 )
 EVENTS_SHOWN = 12
 """How many of the latest events the view keeps."""
+EVENTS_FRAME_LINES = 5
+"""Lines of the events table besides its rows (title, header, rules)."""
 ROLLOUTS_SHOWN = 4
 """How many of the latest rollouts the view follows."""
 
@@ -137,7 +139,7 @@ async def _main(url: str, bus: Any, title: str, interval: float, once: bool) -> 
         with keys, Live(render(view), refresh_per_second=4, screen=False) as live:
             while not stop.is_set():
                 await _refresh(nc, view)
-                live.update(render(view))
+                live.update(render(view, live.console))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), interval)
     finally:
@@ -176,8 +178,9 @@ async def _refresh(nc: Any, view: View) -> None:
             view.rollouts[rid] = res
 
 
-def render(view: View) -> Group:
-    """The whole frame."""
+def render(view: View, console: Console | None = None) -> Group:
+    """The whole frame; on ``console`` (a terminal) only as many of the latest events as fit
+    below the other panels, so the newest stay on screen in a short terminal."""
     now = time.strftime("%H:%M:%S")
     parts: list[Any] = [Text(f"{view.title}   {now}   (q quits)", style="bold")]
     parts.append(_engines(view))
@@ -204,7 +207,11 @@ def render(view: View) -> Group:
         f"batch {t.batch_size} ({t.group_size} per group), replaying {t.replaying}"
     ))  # fmt: skip
     parts.append(_sandboxes(view))
-    parts.append(_events(view))
+    shown = EVENTS_SHOWN
+    if console is not None:
+        used = len(console.render_lines(Group(*parts), console.options, pad=False))
+        shown = max(1, console.height - used - EVENTS_FRAME_LINES)
+    parts.append(_events(view, shown))
     return Group(*parts)
 
 
@@ -266,11 +273,11 @@ def _sandboxes(view: View) -> Table | Text:
     return table
 
 
-def _events(view: View) -> Table:
+def _events(view: View, shown: int = EVENTS_SHOWN) -> Table:
     table = Table(title="latest events", title_justify="left")
     for col in ("time", "event", "engine", "source"):
         table.add_column(col)
-    for ev in reversed(view.events):
+    for ev in list(reversed(view.events))[:shown]:
         stamp = time.strftime("%H:%M:%S", time.localtime(ev.ts))
         table.add_row(stamp, ev.kind, getattr(ev, "engine_id", "") or "-", ev.source or "-")
     return table

@@ -59,3 +59,16 @@ def test_the_rollouts_panel_shows_the_controller_answers() -> None:
     old = next(ln for ln in lines if "r-old" in ln)
     assert old.strip() == "r-old: no answer from the controller"
     assert lines.index(row) < lines.index(old)  # the latest first
+
+
+def test_a_short_terminal_keeps_the_newest_events_on_screen() -> None:
+    view = View(title="belayer top — n0")
+    for i in range(12):
+        view.saw(EngineRegistered(engine_id=f"e{i}", epoch=i + 1, pid=100 + i))
+    console = Console(width=80, height=24, record=True, file=io.StringIO())
+    console.print(render(view, console))
+    lines = console.export_text().splitlines()
+    assert len(lines) <= 24
+    assert any(" e11 " in ln for ln in lines)  # the newest event
+    assert any("└" in ln for ln in lines[-2:])  # the events table ends on screen
+    assert sum(" e11 " in ln or " e0 " in ln for ln in text(view).splitlines()) == 2  # --once: all
