@@ -72,14 +72,21 @@ def warm_model(workload: str, out: Path) -> Path:
 
 
 def belayer_run(
-    root: Path, label: str, workload: str, model: Path, steps: int, inject: str, options: list[str]
+    root: Path,
+    label: str,
+    workload: str,
+    model: Path,
+    steps: int,
+    inject: str,
+    options: list[str],
+    seed: int = SEED,
 ) -> dict[str, Any]:
     """One ``belayer run`` on a fresh node under ``root/label``; its ``--json`` report."""
     out = root / label
     home = root / f"{label}-home"
     home.mkdir(parents=True)
     cmd = [sys.executable, "-m", "services.cli.main", "run", workload, "--steps", str(steps),
-           "--model", str(model), "--seed", str(SEED), "--out", str(out), "--json", *options]  # fmt: skip
+           "--model", str(model), "--seed", str(seed), "--out", str(out), "--json", *options]  # fmt: skip
     if inject:
         cmd += ["--inject", inject]
     progress(NAME, f"{label} run: belayer run {workload} --steps {steps} --inject {inject!r}")
@@ -172,8 +179,12 @@ def main(
     tasks: int | None = None,
     n: int | None = None,
     held_out: int | None = None,
+    seed: int | None = None,
 ) -> dict[str, Any]:
-    """Both runs, the per-step comparison, the table and the JSON."""
+    """Both runs, the per-step comparison, the table and the JSON. ``seed`` is both runs'
+    ``belayer run --seed`` (which tasks each step rolls out, and every sample's seed; default
+    :data:`SEED`)."""
+    seed = SEED if seed is None else seed
     if workload not in FAULTS:
         raise ValueError(f"workload must be math or swe, got {workload!r}")
     machine = machine_info()
@@ -184,8 +195,8 @@ def main(
     tmp = Path(tempfile.mkdtemp(prefix="belayer-bench-transparency-"))
     try:
         model_dir = model or warm_model(workload, tmp / "model")
-        clean = belayer_run(tmp, "clean", workload, model_dir, steps, "", options)
-        faulted = belayer_run(tmp, "faulted", workload, model_dir, steps, inject, options)
+        clean = belayer_run(tmp, "clean", workload, model_dir, steps, "", options, seed)
+        faulted = belayer_run(tmp, "faulted", workload, model_dir, steps, inject, options, seed)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -198,7 +209,7 @@ def main(
     first = next((r["step"] for r in per_step if not r["equal"]), None)
     result: dict[str, Any] = {
         "bench": NAME, "timestamp": timestamp(), "machine": machine, "workload": workload,
-        "steps": steps, "seed": SEED, "inject": inject, "options": options,
+        "steps": steps, "seed": seed, "inject": inject, "options": options,
         "per_step": per_step, "first_divergence": first,
         "weights_sha256": {"clean": clean.get("weights_sha256"),
                            "faulted": faulted.get("weights_sha256")},
