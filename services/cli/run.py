@@ -123,7 +123,7 @@ RUN_MODEL = typer.Option(
     RunOptions.model,
     "--model",
     help="tiny (the warm-started tiny model of the workload, made once and cached) or a "
-    "Qwen3 model directory. Default: a running node's model, else tiny.",
+    "Qwen3 or Llama model directory (HF layout). Default: a running node's model, else tiny.",
 )
 RUN_POLICY = typer.Option(
     RunOptions.policy,
