@@ -143,7 +143,7 @@ def make_config(tmp_path: Path, **kw: object) -> EnvConfig:
 @contextlib.asynccontextmanager
 async def running_env(
     nc, nats_url: str, tmp_path: Path, **config: object
-) -> AsyncIterator[EnvHarness]:  # type: ignore[no-untyped-def]
+) -> AsyncIterator[EnvHarness]:
     """A running environment service (``make_config`` with ``config``); on exit every sandbox
     is destroyed and no container and no checkpoint directory may be left behind."""
     docker_client = require_docker()
@@ -167,14 +167,14 @@ async def running_env(
 
 
 @pytest_asyncio.fixture
-async def env(nc, js, nats_server, tmp_path: Path) -> AsyncIterator[EnvHarness]:  # type: ignore[no-untyped-def]
+async def env(nc, js, nats_server, tmp_path: Path) -> AsyncIterator[EnvHarness]:
     """A running environment service; teardown destroys every sandbox and checks that no
     container and no checkpoint directory is left behind."""
     async with running_env(nc, nats_server.url, tmp_path) as harness:
         yield harness
 
 
-async def env_kill(env, sandbox_id: str) -> None:  # type: ignore[no-untyped-def]
+async def env_kill(env, sandbox_id: str) -> None:
     """SIGKILL the container of ``sandbox_id`` behind the environment service's back."""
     import docker
 

@@ -169,7 +169,7 @@ async def test_one_server_dies_mid_run_and_nothing_is_lost(cluster: Cluster) -> 
         accepted = await submit(nc, rollout)
         records = {r.request_id: StreamRecord(r.request_id) for r in reqs}
 
-        def collect(rid: str):  # type: ignore[no-untyped-def]
+        def collect(rid: str):
             return lambda d: records[rid].tokens.extend(d.token_ids)
 
         tasks = [

@@ -59,7 +59,7 @@ async def _wait_ready(c: EnvClient, proc: subprocess.Popen[bytes]) -> None:
 @pytest.mark.timeout(240)
 async def test_service_killed_mid_checkpoint_keeps_previous_pointer(
     nc, js, nats_server, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     docker_client = require_docker()
     node = "crash-" + secrets.token_hex(4)
     run_dir = tmp_path / "run"
@@ -117,7 +117,7 @@ async def test_service_killed_mid_checkpoint_keeps_previous_pointer(
 @pytest.mark.timeout(240)
 async def test_a_restart_reaps_what_earlier_runs_of_the_run_dir_left(
     nc, nats_server, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """Run 1 (node label A) is SIGKILLed in the middle of a restore: the restore's fresh
     container has no record. Run 2 of the same run directory has another node label (a node
     gets a new one on every `belayer up`), yet reaps that container and the checkpoint

@@ -25,7 +25,7 @@ from tests.integration.env_helpers import (
 pytestmark = [pytest.mark.docker]
 
 
-async def _info(c: EnvClient, sid: str):  # type: ignore[no-untyped-def]
+async def _info(c: EnvClient, sid: str):
     (sb,) = [s for s in (await c.list()).sandboxes if s.id == sid]
     return sb
 
@@ -44,7 +44,7 @@ def _outcomes(r: EnvRestored) -> list[tuple[str, str]]:
 @pytest.mark.timeout(300)
 async def test_failed_restores_are_quarantined_and_never_lose_the_last_good_state(
     nc, nats_server, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     async with running_env(nc, nats_server.url, tmp_path, keep_checkpoints=2) as env:
         c, dk = env.client, require_docker()
         sid = (await c.create(files={"/root/counter.py": COUNTER})).sandbox_id
@@ -93,7 +93,7 @@ async def test_failed_restores_are_quarantined_and_never_lose_the_last_good_stat
 
 
 @pytest.mark.timeout(180)
-async def test_checkpoint_of_a_paused_sandbox_keeps_it_paused_and_usable(env) -> None:  # type: ignore[no-untyped-def]
+async def test_checkpoint_of_a_paused_sandbox_keeps_it_paused_and_usable(env) -> None:
     c, dk = env.client, require_docker()
     sid = (await c.create(files={"/root/counter.py": COUNTER})).sandbox_id
     assert (await c.exec(sid, START_COUNTER)).exit_code == 0
@@ -119,7 +119,7 @@ async def test_checkpoint_of_a_paused_sandbox_keeps_it_paused_and_usable(env) ->
 
 
 @pytest.mark.timeout(240)
-async def test_container_dying_during_a_checkpoint_is_failed_not_running(env) -> None:  # type: ignore[no-untyped-def]
+async def test_container_dying_during_a_checkpoint_is_failed_not_running(env) -> None:
     c, dk = env.client, require_docker()
     sid = (await c.create(limits=SandboxLimits(memory_mb=768))).sandbox_id
     await c.exec(

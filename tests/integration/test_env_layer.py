@@ -56,7 +56,7 @@ MQUEUE = (
 
 
 @pytest.fixture
-async def layer_env(nc, js, nats_server, tmp_path: Path) -> AsyncIterator[EnvHarness]:  # type: ignore[no-untyped-def]
+async def layer_env(nc, js, nats_server, tmp_path: Path) -> AsyncIterator[EnvHarness]:
     """The environment service with the product default: quiescent sandboxes checkpoint as
     their layer alone."""
     async with running_env(

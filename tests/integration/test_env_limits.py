@@ -25,7 +25,7 @@ async def _ask(nc: object, op: str, raw: object) -> ErrorReply:
     return decode(msg.data, ErrorReply)
 
 
-async def test_limits_out_of_range_are_refused_and_valid_ones_apply(env, nc) -> None:  # type: ignore[no-untyped-def]
+async def test_limits_out_of_range_are_refused_and_valid_ones_apply(env, nc) -> None:
     cfg = env.config
     bad = [
         ("memory_mb", 0),
@@ -56,7 +56,7 @@ async def test_limits_out_of_range_are_refused_and_valid_ones_apply(env, nc) -> 
     assert (await env.client.exec(sb.sandbox_id, "echo ok")).stdout.strip() == "ok"
 
 
-async def test_hostile_ids_nan_and_nesting_are_typed_errors(env, nc) -> None:  # type: ignore[no-untyped-def]
+async def test_hostile_ids_nan_and_nesting_are_typed_errors(env, nc) -> None:
     for bad in ["a.b", "*", ">", "../..", "sb/1", "x\n"]:
         for op, raw in [
             ("create", {"type": "EnvCreate.v1", "sandbox_id": bad}),

@@ -40,14 +40,14 @@ from tests.integration.env_helpers import (
 pytestmark = [pytest.mark.docker]
 
 
-async def _pointer(js, sandbox_id: str) -> ReadyPointer:  # type: ignore[no-untyped-def]
+async def _pointer(js, sandbox_id: str) -> ReadyPointer:
     kv = await js.key_value(subjects.BUCKET_SANDBOX_PREFIX)
     entry = await kv.get(sandbox_id)
     return msgspec.msgpack.decode(entry.value, type=ReadyPointer)
 
 
 @pytest.mark.timeout(180)
-async def test_checkpoint_kill_restore_is_prefix_consistent(env, js) -> None:  # type: ignore[no-untyped-def]
+async def test_checkpoint_kill_restore_is_prefix_consistent(env, js) -> None:
     c = env.client
     sub = await js.subscribe(subjects.event(CheckpointReady.kind))
     sb = await c.create(files={"/root/counter.py": COUNTER}, trajectory_id="traj-1")
@@ -96,7 +96,7 @@ async def test_checkpoint_kill_restore_is_prefix_consistent(env, js) -> None:  #
 
 
 @pytest.mark.timeout(180)
-async def test_hostile_and_corrupt_checkpoints_fall_back(env, js, tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_hostile_and_corrupt_checkpoints_fall_back(env, js, tmp_path) -> None:
     import tarfile
 
     c = env.client
@@ -148,14 +148,14 @@ async def test_hostile_and_corrupt_checkpoints_fall_back(env, js, tmp_path) -> N
 @pytest.mark.timeout(180)
 async def test_tampered_checkpoints_are_refused_and_fall_back(
     nc, js, nats_server, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """A modified (manifest rewritten to match), truncated, bit-flipped or substituted
     checkpoint is refused on restore; the newest untouched ready checkpoint is used."""
     async with running_env(nc, nats_server.url, tmp_path, keep_checkpoints=5) as env:
         await _tampered(env, js)
 
 
-async def _tampered(env: EnvHarness, js) -> None:  # type: ignore[no-untyped-def]
+async def _tampered(env: EnvHarness, js) -> None:
     c = env.client
     sid = (await c.create()).sandbox_id
     cks = await versioned_checkpoints(c, sid, 4)
@@ -207,7 +207,7 @@ async def _tampered(env: EnvHarness, js) -> None:  # type: ignore[no-untyped-def
 
 
 @pytest.mark.timeout(150)
-async def test_bad_input_gives_clear_errors(env) -> None:  # type: ignore[no-untyped-def]
+async def test_bad_input_gives_clear_errors(env) -> None:
     c = env.client
     with pytest.raises(NotFound):
         await c.exec("sb-nope", "true")
@@ -233,7 +233,7 @@ async def test_bad_input_gives_clear_errors(env) -> None:  # type: ignore[no-unt
 
 
 @pytest.mark.timeout(240)
-async def test_eight_sandboxes_checkpoint_at_once(env) -> None:  # type: ignore[no-untyped-def]
+async def test_eight_sandboxes_checkpoint_at_once(env) -> None:
     c = env.client
     ids = [(await c.create(limits=SandboxLimits(memory_mb=128))).sandbox_id for _ in range(8)]
     await asyncio.gather(*(c.exec(s, f"echo {s} > /root/me") for s in ids))
@@ -247,7 +247,7 @@ async def test_eight_sandboxes_checkpoint_at_once(env) -> None:  # type: ignore[
 
 async def test_requests_while_dockerd_is_unreachable_get_a_clear_error(
     nc, nats_server, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """dockerd down (here: the service pointed at a socket nobody serves): every request gets a
     typed error naming dockerd, and the service keeps answering."""
     config = make_config(
@@ -265,7 +265,7 @@ async def test_requests_while_dockerd_is_unreachable_get_a_clear_error(
 
 
 @pytest.mark.timeout(180)
-async def test_a_restored_sandbox_is_an_ordinary_docker_container(env) -> None:  # type: ignore[no-untyped-def]
+async def test_a_restored_sandbox_is_an_ordinary_docker_container(env) -> None:
     """The fast restore path (runc restore under containerd's shim, through the ``belayer``
     runtime) leaves a container Docker manages like any other: inspect, exec, limits, kill,
     listing, and it can be checkpointed and restored again."""

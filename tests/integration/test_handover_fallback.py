@@ -54,7 +54,7 @@ async def bus(node: Node) -> AsyncIterator[tuple[object, EventTail]]:
         yield nc, events
     finally:
         await events.stop()
-        await nc.drain()  # type: ignore[attr-defined]
+        await nc.drain()
 
 
 def signal_quietly(pid: int, sig: signal.Signals) -> None:

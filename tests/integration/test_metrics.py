@@ -47,7 +47,7 @@ def _get(url: str) -> str:
         return str(r.read().decode())
 
 
-def _until(what: str, timeout: float, probe):  # type: ignore[no-untyped-def]
+def _until(what: str, timeout: float, probe):
     """``probe()`` until it returns something truthy (bounded), polling once a second."""
     deadline = time.monotonic() + timeout
     while True:

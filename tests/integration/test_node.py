@@ -259,7 +259,7 @@ async def test_pushed_weights_reach_every_worker(node: Node) -> None:
         swapped: list[WorkerWeightsSwapped] = []
         all_swapped = asyncio.Event()
 
-        async def on_swap(msg) -> None:  # type: ignore[no-untyped-def]
+        async def on_swap(msg) -> None:
             swapped.append(decode(msg.data, WorkerWeightsSwapped))
             if len(swapped) >= 4:  # two engines: main + shadow each
                 all_swapped.set()

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(400)
 
 
 @pytest.fixture(scope="module")
-def api_node(tmp_path_factory: pytest.TempPathFactory, warm_model) -> Iterator[belayer.Node]:  # type: ignore[no-untyped-def]
+def api_node(tmp_path_factory: pytest.TempPathFactory, warm_model) -> Iterator[belayer.Node]:
     """One node for the module, started through the API: a trainer of 2 tasks × 2 samples on
     the warm-started math model."""
     run_dir = tmp_path_factory.mktemp("api") / "node"

@@ -69,7 +69,7 @@ def _rollout(node: Node) -> dict:
 
 def test_a_node_js_reward_service_scores_a_rollout_and_its_absence_is_counted(
     node: Node, service
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     proc, count = service
     result = _rollout(node)
     assert result["trajectories_completed"] == 4 and result["reward_failures"] == 0

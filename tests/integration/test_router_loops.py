@@ -31,7 +31,7 @@ def _router(nc: object, js: object, model_dir: Path) -> RouterService:
     return router
 
 
-async def test_heartbeat_loop_outlives_an_engine_it_cannot_ping(nc, js, model_dir) -> None:  # type: ignore[no-untyped-def]
+async def test_heartbeat_loop_outlives_an_engine_it_cannot_ping(nc, js, model_dir) -> None:
     router = _router(nc, js, model_dir)
     router.core.register("a.b", 1, 4242)  # first in the registry, and no subject can name it
     router.core.register("e0", 1, 4243)  # no such worker: it misses its pings
@@ -48,7 +48,7 @@ async def test_heartbeat_loop_outlives_an_engine_it_cannot_ping(nc, js, model_di
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_persist_loop_drops_a_bad_chunk_and_persists_the_next(nc, js, model_dir) -> None:  # type: ignore[no-untyped-def]
+async def test_persist_loop_drops_a_bad_chunk_and_persists_the_next(nc, js, model_dir) -> None:
     router = _router(nc, js, model_dir)
     task = asyncio.create_task(router.persist_loop())
     try:
@@ -71,7 +71,7 @@ async def test_persist_loop_drops_a_bad_chunk_and_persists_the_next(nc, js, mode
 
 async def test_a_worker_silent_at_discovery_is_found_by_the_heartbeat_loop(
     nc, js, model_dir
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """A restarted router pings the engines of the epoch bucket once; a worker that misses that
     ping (a loaded machine) registers nowhere else, so the heartbeat loop keeps asking until it
     answers — then the engine is up and the restored request waiting for it is placed. The

@@ -23,11 +23,11 @@ from tests.integration.node_helpers import wait_until
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(240)]
 
 
-async def sh(env, sandbox_id: str, command: str, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+async def sh(env, sandbox_id: str, command: str, timeout: float = 30.0):
     return await env.client.exec(sandbox_id, command, timeout)
 
 
-async def test_no_network_but_loopback(env, nats_server) -> None:  # type: ignore[no-untyped-def]
+async def test_no_network_but_loopback(env, nats_server) -> None:
     sb = (await env.client.create()).sandbox_id
     nics = await sh(env, sb, "ls /sys/class/net")
     assert nics.stdout.split() == ["lo"]
@@ -49,7 +49,7 @@ async def test_no_network_but_loopback(env, nats_server) -> None:  # type: ignor
     assert sock.stdout.count("No such file") == 3, sock.stdout
 
 
-async def test_host_store_and_other_sandboxes_are_invisible(env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+async def test_host_store_and_other_sandboxes_are_invisible(env, tmp_path: Path) -> None:
     marker = f"host-marker-{secrets.token_hex(6)}"
     (tmp_path / marker).write_text("host secret")
     secret = f"secret-{secrets.token_hex(6)}"
@@ -77,7 +77,7 @@ async def test_host_store_and_other_sandboxes_are_invisible(env, tmp_path: Path)
     assert int(mine.stdout) < 10  # its own init and this exec, not the host's processes
 
 
-async def test_no_capability_can_be_gained(env) -> None:  # type: ignore[no-untyped-def]
+async def test_no_capability_can_be_gained(env) -> None:
     sb = (await env.client.create()).sandbox_id
     status = (await sh(env, sb, "cat /proc/self/status")).stdout
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
@@ -105,7 +105,7 @@ async def test_no_capability_can_be_gained(env) -> None:  # type: ignore[no-unty
     assert "CapEff:\t0000000000000000" in r.stdout
 
 
-async def test_fork_bomb_and_memory_hog_stop_at_their_limits(env) -> None:  # type: ignore[no-untyped-def]
+async def test_fork_bomb_and_memory_hog_stop_at_their_limits(env) -> None:
     bomb = (await env.client.create(limits=SandboxLimits(memory_mb=96, pids=32))).sandbox_id
     bystander = (await env.client.create()).sandbox_id
     fork_bomb = (
@@ -146,7 +146,7 @@ async def test_fork_bomb_and_memory_hog_stop_at_their_limits(env) -> None:  # ty
     assert (await sh(env, bomb, "echo survived")).stdout.strip() == "survived"
 
 
-async def test_an_exec_time_out_kills_its_whole_process_tree(env) -> None:  # type: ignore[no-untyped-def]
+async def test_an_exec_time_out_kills_its_whole_process_tree(env) -> None:
     sb = (await env.client.create()).sandbox_id
     tree = (
         "sleep 301 & sleep 302 & (sleep 303 &) ; "

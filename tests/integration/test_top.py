@@ -55,7 +55,7 @@ def _screen_until(
     raise AssertionError(f"no {what} on the screen within {timeout:.0f} s; it shows:\n{screen}")
 
 
-def test_top_shows_a_handover_and_quits_on_q(node: Node, tmux) -> None:  # type: ignore[no-untyped-def]
+def test_top_shows_a_handover_and_quits_on_q(node: Node, tmux) -> None:
     # The pane's own size (160x60), not COLUMNS/LINES the test process may carry (80x24 under
     # pytest), which rich would prefer.
     cmd = (
@@ -94,7 +94,7 @@ def test_top_once_prints_a_frame(node: Node) -> None:
     assert "engines" in out.stdout and "e0" in out.stdout and "trainer" in out.stdout
 
 
-def test_top_over_nats_url_with_creds_shows_the_last_rollout(node: Node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_top_over_nats_url_with_creds_shows_the_last_rollout(node: Node, tmp_path) -> None:
     """From another directory, with only the bus URL and the client identity's seed: the
     rollouts panel shows the last rollout as the controller reports it."""
     args = ("rollout", "math", "--tasks", "1", "--n", "2", "--max-tokens", "8", "--json")

@@ -174,7 +174,7 @@ async def test_a_batch_trains_pushes_and_the_workers_switch(
     bad = subjects.trajectory("junk", "junk-1")
     await controller_js.publish(
         bad, b"\x81\xa4type\xabTrajectory.v1", headers={"Nats-Msg-Id": "junk-1"}
-    )  # type: ignore[attr-defined]
+    )
     await publish(controller_js, trajs)
 
     step = await log.wait_for(TrainStep, step=st.step + 1, timeout=120)
@@ -218,7 +218,7 @@ async def test_a_trainer_killed_mid_step_resumes_and_trains_each_trajectory_once
     await publish(controller_js, trajs)
 
     started = await log.wait_for(TrainStepStarted, step=s0 + 1, replay=False, timeout=120)
-    pid = (await supervisor_pids(nc))["trainer"]  # type: ignore[arg-type]
+    pid = (await supervisor_pids(nc))["trainer"]
     os.kill(pid, signal.SIGKILL)
     killed_at = time.time()
     assert not journal.checkpoint_path(ckpt_dir, s0 + 1).exists()  # the kill landed mid-step

@@ -87,7 +87,7 @@ async def _line(proc: asyncio.subprocess.Process) -> dict[str, float | str]:
     assert proc.stdout is not None
     raw = await asyncio.wait_for(proc.stdout.readline(), WAIT)
     assert raw, "child exited early"
-    return json.loads(raw)  # type: ignore[no-any-return]
+    return json.loads(raw)
 
 
 async def test_other_process_maps_same_memory(nats_server, nc, model_dir, run_id) -> None:

@@ -29,7 +29,7 @@ KILL_SERVER = (
 
 
 @pytest.mark.timeout(300)
-async def test_every_bundled_task_scores_0_unfixed_and_1_after_its_reference_fix(env) -> None:  # type: ignore[no-untyped-def]
+async def test_every_bundled_task_scores_0_unfixed_and_1_after_its_reference_fix(env) -> None:
     ops: SandboxOps = env.client  # EnvClient satisfies the workloads protocol structurally
     swe = load_workload("swe-bundled")
     tasks = swe.tasks(len(swe.train)) + swe.held_out(len(swe.evaluation))  # type: ignore[attr-defined]
@@ -50,7 +50,7 @@ async def test_every_bundled_task_scores_0_unfixed_and_1_after_its_reference_fix
 
 
 @pytest.mark.timeout(120)
-async def test_tests_the_agent_ran_before_a_fix_do_not_hide_it(env) -> None:  # type: ignore[no-untyped-def]
+async def test_tests_the_agent_ran_before_a_fix_do_not_hide_it(env) -> None:
     """The agent runs the visible tests with bytecode writing switched back on (sandbox
     commands write none by default: ``workloads.actions.NO_BYTECODE``; an agent can undo that),
     so Python caches calc.py's bytecode; then it fixes calc.py with an edit of the same size and
@@ -71,7 +71,7 @@ async def test_tests_the_agent_ran_before_a_fix_do_not_hide_it(env) -> None:  # 
     assert ep.score is not None and ep.score.reward == 1.0, ep.score
 
 
-async def test_an_edit_right_after_a_test_run_is_what_the_next_run_sees(env) -> None:  # type: ignore[no-untyped-def]
+async def test_an_edit_right_after_a_test_run_is_what_the_next_run_sees(env) -> None:
     """Sandbox commands write no bytecode, so a same-size, same-mtime fix made right after a
     test run is what the agent's next test run imports (no stale ``__pycache__`` to hide it)."""
     ops: SandboxOps = env.client
@@ -90,7 +90,7 @@ async def test_an_edit_right_after_a_test_run_is_what_the_next_run_sees(env) -> 
 
 
 @pytest.mark.timeout(240)
-async def test_running_process_task_needs_the_process_and_its_state(env) -> None:  # type: ignore[no-untyped-def]
+async def test_running_process_task_needs_the_process_and_its_state(env) -> None:
     ops: SandboxOps = env.client
     swe = load_workload("swe")
     task = swe.task("kv_daemon")
@@ -126,7 +126,7 @@ async def test_running_process_task_needs_the_process_and_its_state(env) -> None
 
 
 @pytest.mark.timeout(240)
-async def test_running_process_state_survives_checkpoint_and_restore(env) -> None:  # type: ignore[no-untyped-def]
+async def test_running_process_state_survives_checkpoint_and_restore(env) -> None:
     """The controller restores this task's sandbox to a ready prefix: the server and the value
     the agent stored in its memory come back with it."""
     ops: SandboxOps = env.client

@@ -23,7 +23,7 @@ TASK_IDS = [
 
 
 @pytest.mark.timeout(150)
-async def test_generated_tasks_score_0_unfixed_and_1_after_the_reference_fix(env) -> None:  # type: ignore[no-untyped-def]
+async def test_generated_tasks_score_0_unfixed_and_1_after_the_reference_fix(env) -> None:
     ops: SandboxOps = env.client
     swe = load_workload("swe")
     tasks = [swe.task(t) for t in TASK_IDS]

@@ -115,7 +115,7 @@ def test_judge_reads_the_interval_or_counts_an_invariant() -> None:
     assert "no interval" in ci_text(None, str)
 
 
-def test_bench_train_states_each_failure_cost_with_its_interval(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_bench_train_states_each_failure_cost_with_its_interval(tmp_path) -> None:
     from pathlib import Path
 
     from bench.train import Side, report

@@ -100,7 +100,7 @@ async def test_the_controller_runs_the_same_episode(chat: ChatFormat) -> None:
     """The same responses through the controller's core: bit for bit the same context."""
     plain = episode(chat)
     await play(plain, Scripted(chat, RESPONSES), lambda: 1.0)
-    policy = CheckpointPolicy(PolicyConfig(kind="never"))  # type: ignore[arg-type]
+    policy = CheckpointPolicy(PolicyConfig(kind="never"))
     core = episode(chat, TrajectoryCore, policy=policy)
     assert isinstance(core, TrajectoryCore)
     io = Scripted(chat, RESPONSES)

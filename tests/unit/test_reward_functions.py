@@ -21,12 +21,12 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plugin"
 
 
 @pytest.fixture
-def capitals(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def capitals(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.syspath_prepend(str(EXAMPLE))
     return load_workload("belayer_example_tasks:make")
 
 
-def _scored(workload, specs, weights, task, text):  # type: ignore[no-untyped-def]
+def _scored(workload, specs, weights, task, text):
     rewarded = RewardFunctions(
         workload, load_reward_functions(specs), check_weights(specs, weights)
     )
@@ -42,7 +42,7 @@ def test_trl_combination() -> None:
         check_weights(["a:b"], [1.0, 2.0])
 
 
-def test_functions_get_the_conversation_and_the_columns(capitals) -> None:  # type: ignore[no-untyped-def]
+def test_functions_get_the_conversation_and_the_columns(capitals) -> None:
     task = capitals.tasks(1, seed=0)[0]
     word = task.metadata["word"]
     right = f"Answer: {word.upper()}"
@@ -53,7 +53,7 @@ def test_functions_get_the_conversation_and_the_columns(capitals) -> None:  # ty
     assert both == pytest.approx(1.0 + 0.5 * (1 - len(right) / 100))
 
 
-def test_a_failing_function_is_a_typed_reward_failure(capitals) -> None:  # type: ignore[no-untyped-def]
+def test_a_failing_function_is_a_typed_reward_failure(capitals) -> None:
     task = capitals.tasks(1, seed=0)[0]
     with pytest.raises(RewardFailed, match="the reward function raised") as info:
         _scored(capitals, ["belayer_example_rewards:broken"], [], task, "Answer: X")

@@ -17,7 +17,7 @@ from services.router import client
 def _status(request: str, router_id: str = "r1") -> RouterStatus:
     return RouterStatus(
         engines=[], inflight=0, finished=0, token_log_chunk=16, router_id=router_id, request=request
-    )  # type: ignore[arg-type]
+    )
 
 
 def _probe(monkeypatch: pytest.MonkeyPatch, answers: list[RouterStatus | Exception]) -> list[bool]:

@@ -30,7 +30,7 @@ from services.router.state import (
 def core(**kw: object) -> RouterCore:
     return RouterCore(
         RouterConfig(token_log_chunk=4, **kw), decode=lambda ids: " ".join(map(str, ids))
-    )  # type: ignore[arg-type]
+    )
 
 
 def batch(

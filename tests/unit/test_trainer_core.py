@@ -181,7 +181,7 @@ OPTIM = OptimConfig(lr=1e-2, seed=7)
 GRPO = GrpoConfig(micro_batch_size=2, minibatches=2)
 
 
-def fresh(cfg: ModelConfig, model_dir: Path):  # type: ignore[no-untyped-def]
+def fresh(cfg: ModelConfig, model_dir: Path):
     return new_state(cfg, load_safetensors(model_dir), 1, OPTIM)
 
 

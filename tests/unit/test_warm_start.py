@@ -131,7 +131,7 @@ def test_demonstration_is_byte_identical_to_the_controllers_context(chat: ChatFo
         trajectory_id="r1-s0-a0",
         prompt_ids=chat.prompt([("system", SYSTEM), ("user", TASK)]),
         limits=limits,
-        policy=CheckpointPolicy(PolicyConfig(kind="never")),  # type: ignore[arg-type]
+        policy=CheckpointPolicy(PolicyConfig(kind="never")),
         sample_seed=1,
         has_sandbox=True,
         started_at=0.0,

@@ -20,7 +20,7 @@ DATA = Path(__file__).resolve().parents[2] / "workloads" / "data"
 CALC = BUNDLED_DIR / "calc_clamp" / "repo"
 
 
-def _swe():  # type: ignore[no-untyped-def]
+def _swe():
     return load_workload("swe-bundled", check_image=False)
 
 
@@ -34,10 +34,10 @@ def test_bundled_tasks_are_complete_and_hide_their_tests() -> None:
     for t in train + held:
         assert w.task(t.id) is t
         assert t.sandbox is not None and t.sandbox.image == "belayer-swe:1"
-        assert t.reference_actions and t.reward.fail_to_pass and t.prompt[-1].role == "user"  # type: ignore[union-attr]
-        hidden = set(t.reward.files) - set(t.sandbox.files)  # type: ignore[union-attr]
+        assert t.reference_actions and t.reward.fail_to_pass and t.prompt[-1].role == "user"
+        hidden = set(t.reward.files) - set(t.sandbox.files)
         assert hidden, t.id  # the fail-to-pass tests are not in the agent's repository
-        assert all(f.split("::")[0] in hidden for f in t.reward.fail_to_pass if "test_live" in f)  # type: ignore[union-attr]
+        assert all(f.split("::")[0] in hidden for f in t.reward.fail_to_pass if "test_live" in f)
         assert set(t.sandbox.absolute_files()) == {f"/root/repo/{p}" for p in t.sandbox.files}
     assert w.tasks(4, seed=1) == w.tasks(4, seed=1)
     with pytest.raises(NotFound, match="unknown task id"):
