@@ -57,6 +57,11 @@ def package_gguf(package: str) -> Path:
 def check_gguf(path: Path) -> str:
     """The architecture of GGUF file ``path``; :class:`InvalidRequest` unless it is a GGUF file
     of an architecture Belayer serves, with a tokenizer."""
+    return _inspect(path)[0]
+
+
+def _inspect(path: Path) -> tuple[str, int | None]:
+    """:func:`check_gguf`'s architecture, and the head width the header states (if it does)."""
     if path.is_dir():
         if (path / "config.json").is_file():
             raise InvalidRequest(f"{path} is a Hugging Face model directory already: use it as is")
@@ -77,13 +82,14 @@ def check_gguf(path: Path) -> str:
         )
     if "tokenizer.ggml.tokens" not in fields:
         raise InvalidRequest(f"{path} has no tokenizer (no tokenizer.ggml.tokens)")
-    return arch
+    key_length = fields.get(f"{arch}.attention.key_length")
+    return arch, None if key_length is None else int(key_length.contents())
 
 
 def import_gguf(gguf_file: Path, out_dir: Path) -> Path:
     """Write the HF model directory of ``gguf_file`` to ``out_dir`` (which must not exist or
     be empty) and return it; :class:`InvalidRequest` on bad input (see the module doc)."""
-    check_gguf(gguf_file)
+    _, head_dim = _inspect(gguf_file)
     if importlib.util.find_spec("transformers") is None:
         raise InvalidRequest("converting GGUF needs transformers (pip install transformers)")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -93,7 +99,7 @@ def import_gguf(gguf_file: Path, out_dir: Path) -> Path:
     work.mkdir(parents=True)
     try:
         try:
-            _convert(gguf_file, work)
+            _convert(gguf_file, work, head_dim)
         except (ValueError, KeyError, TypeError, RuntimeError, NotImplementedError) as exc:
             raise InvalidRequest(f"{gguf_file}: cannot convert: {exc}") from None
         _verify(work)
@@ -105,8 +111,10 @@ def import_gguf(gguf_file: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def _convert(gguf_file: Path, out: Path) -> None:
-    """Config, weights and tokenizer of ``gguf_file`` into ``out`` (HF layout)."""
+def _convert(gguf_file: Path, out: Path, head_dim: int | None) -> None:
+    """Config, weights and tokenizer of ``gguf_file`` into ``out`` (HF layout); ``head_dim``:
+    the header's ``attention.key_length``, which transformers' reader skips for Qwen3 (taking
+    the Qwen3 default of 128, wrong for a model with other heads)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -115,6 +123,8 @@ def _convert(gguf_file: Path, out: Path) -> None:
     from model.config import ModelConfig
 
     parsed = load_gguf_checkpoint(str(gguf_file))
+    if head_dim is not None:
+        parsed["config"]["head_dim"] = head_dim
     hf_config = AutoConfig.for_model(**parsed["config"])
     raw: dict[str, Any] = hf_config.to_dict()
     raw["dtype"] = "float32"  # quantised blocks are dequantised to float32
