@@ -23,7 +23,7 @@ class RewardRequest(Message, tag="RewardRequest.v1"):
 
     trajectory_id: IdOrEmpty
     """The trajectory (``<rollout>-s<slot>-a<attempt>``): the same id is asked again after a
-    retry, so a service may cache by it."""
+    retry, so a service may cache by it (empty: not a rollout's, e.g. a held-out evaluation)."""
     workload: str
     task_id: Id
     prompt: list[ChatTurn]
@@ -34,6 +34,13 @@ class RewardRequest(Message, tag="RewardRequest.v1"):
     """The task's reference answer (empty: none)."""
     metadata: dict[str, str] = {}
     """The task's columns (generator, source row, …)."""
+    response_token_ids: list[int] = []
+    """The token ids the model generated in this trajectory, every turn (tool observations
+    left out): for a one-turn answer task, the tokens of ``response`` (ending in the
+    end-of-turn token when the model stopped there). Empty: not known to the sender."""
+    sandbox_id: IdOrEmpty = ""
+    """The sandbox the agent finished in (sandbox tasks; still running while the service
+    scores); empty for an answer task."""
 
 
 class RewardReply(Message, tag="RewardReply.v1"):

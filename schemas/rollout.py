@@ -125,9 +125,11 @@ class RolloutRequest(Message, tag="RolloutRequest.v1"):
     """Attempts per slot before the slot counts as failed."""
     rewards: Annotated[list[PluginSpec], msgspec.Meta(max_length=16)] = []
     """Reward functions (``module:function``, TRL's shape: ``fn(prompts, completions,
-    **columns) -> list[float | None]``) scoring the trajectories instead of the workload's
-    reward, each one the node enables (``belayer up --reward-function``); empty: the
-    workload's own reward. Answer tasks only (docs/workloads.md, "Reward functions")."""
+    **columns) -> list[float | None]``) or reward services (``service:<name>``) scoring the
+    trajectories instead of the workload's reward, each function one the node enables
+    (``belayer up --reward-function``); empty: the reward services the workload declares
+    (``rewards``), else its own reward. Functions score answer tasks only, services sandbox
+    tasks too (docs/workloads.md, "Reward functions")."""
     reward_weights: Annotated[list[float], msgspec.Meta(max_length=16)] = []
     """One weight per reward function (TRL's ``reward_weights``); empty: all 1."""
 

@@ -10,6 +10,7 @@ no callables; the reward *check* is data too (``AnswerCheck`` or ``HiddenTests``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal, Protocol, runtime_checkable
 
@@ -183,11 +184,33 @@ class SandboxHandle:
     """How to reach it."""
     sandbox_id: str
     """Which sandbox."""
+    trajectory_id: str = ""
+    """The trajectory scored (empty: not a rollout's)."""
+    response: str = ""
+    """The model's final response text."""
+    token_ids: tuple[int, ...] = ()
+    """The token ids the model generated, every turn (observations left out)."""
+
+
+class ResponseText(str):
+    """An answer task's outcome as the controller hands it to ``Workload.reward``: the final
+    response text — a ``str``, and read as one by every workload — that also carries the
+    trajectory's id and the token ids the model generated (what a reward service is sent)."""
+
+    trajectory_id: str
+    token_ids: tuple[int, ...]
+
+    def __new__(
+        cls, text: str, *, token_ids: Sequence[int] = (), trajectory_id: str = ""
+    ) -> ResponseText:
+        self = super().__new__(cls, text)
+        self.token_ids, self.trajectory_id = tuple(token_ids), trajectory_id
+        return self
 
 
 Outcome = str | SandboxHandle
-"""What a finished trajectory is scored on: the final response text (answer tasks) or the
-sandbox it finished in (test tasks)."""
+"""What a finished trajectory is scored on: the final response text (answer tasks; the
+controller passes a ``ResponseText``) or the sandbox it finished in (test tasks)."""
 
 
 @runtime_checkable

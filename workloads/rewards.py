@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.errors import InvalidRequest, RewardFailed
-from workloads.base import Outcome, Task, Workload
+from workloads.base import Outcome, SandboxHandle, Task, Workload
 from workloads.plugins import import_callable
 
 RewardFn = Callable[..., Any]
@@ -36,8 +36,8 @@ SERVICE_PREFIX = "service:"
 """A reward spec ``service:<name>`` asks the reward service ``belayer.reward.<name>`` on the
 bus instead of calling a Python function."""
 
-AskService = Callable[[str, Task, str], Awaitable[float | None]]
-"""``ask(name, task, completion)``: the score a reward service gives (``None``: not
+AskService = Callable[[str, Task, Outcome], Awaitable[float | None]]
+"""``ask(name, task, outcome)``: the score a reward service gives (``None``: not
 applicable); raises ``RewardFailed`` when it cannot get one."""
 
 
@@ -65,6 +65,25 @@ def load_reward_functions(specs: Sequence[str]) -> list[Loaded]:
         else Loaded(spec, import_callable(spec, "reward function"))
         for spec in specs
     ]
+
+
+def declared_rewards(wl: object) -> list[str]:
+    """The reward services a workload declares in an optional attribute ``rewards`` (a list of
+    ``service:<name>`` specs): they score its trajectories when a request names no reward.
+    ``InvalidRequest`` for anything else (a Python reward is the workload's ``reward``)."""
+    specs = getattr(wl, "rewards", None)
+    if specs is None:
+        return []
+    name = getattr(wl, "name", "?")
+    if not isinstance(specs, list | tuple) or not all(
+        isinstance(s, str) and service_name(s) for s in specs
+    ):
+        raise InvalidRequest(
+            f"workload {name!r}: rewards must be a list of 'service:<name>' specs "
+            "(a Python reward is the workload's reward method)",
+            rewards=repr(specs)[:120],
+        )
+    return list(specs)
 
 
 def check_weights(specs: Sequence[str], weights: Sequence[float]) -> list[float]:
@@ -97,14 +116,15 @@ def columns_of(task: Task) -> dict[str, list[Any]]:
 
 
 async def call_one(
-    f: Loaded, task: Task, completion: str, ask: AskService | None = None
+    f: Loaded, task: Task, outcome: Outcome, ask: AskService | None = None
 ) -> float | None:
     """One function's value for one trajectory (``RewardFailed`` if it fails)."""
     if f.service:
         if ask is None:
             raise RewardFailed("no bus to reach the reward service on", service=f.service)
-        return await ask(f.service, task, completion)
-    assert f.fn is not None
+        return await ask(f.service, task, outcome)
+    assert f.fn is not None and isinstance(outcome, str)
+    completion = str(outcome)
     prompts = [[{"role": m.role, "content": m.content} for m in task.prompt]]
     completions = [[{"role": "assistant", "content": completion}]]
     try:
@@ -154,8 +174,11 @@ class RewardFunctions:
         return self.base.task(task_id)
 
     async def reward(self, task: Task, outcome: Outcome) -> float:
-        if not isinstance(outcome, str):
-            raise InvalidRequest("reward functions score answer tasks (no sandbox)", task=task.id)
+        if isinstance(outcome, SandboxHandle) and any(not f.service for f in self.functions):
+            raise InvalidRequest(
+                "reward functions score answer tasks; a sandbox task takes reward services only",
+                task=task.id,
+            )
         values = [await call_one(f, task, outcome, self.ask) for f in self.functions]
         total = combine(values, self.weights)
         if total is None:

@@ -12,23 +12,38 @@ from common import subjects
 from common.bus import request
 from common.errors import BelayerError, BusUnavailable, RewardFailed, Timeout
 from schemas.reward import ChatTurn, RewardReply, RewardRequest
-from workloads.base import Task
+from workloads.base import Outcome, SandboxHandle, Task
 
 RETRY_DELAY_S = 0.25
 """First wait before another try (doubling)."""
 
 
+def reward_request(task: Task, outcome: Outcome) -> RewardRequest:
+    """What a reward service is asked about ``outcome`` of ``task``: the response text, the
+    token ids and the trajectory id a ``ResponseText`` carries (a plain ``str``: the text
+    only), or a ``SandboxHandle``'s sandbox, response and token ids."""
+    if isinstance(outcome, SandboxHandle):
+        text, sandbox_id = outcome.response, outcome.sandbox_id
+        token_ids, trajectory_id = outcome.token_ids, outcome.trajectory_id
+    else:
+        text, sandbox_id = str(outcome), ""
+        token_ids = getattr(outcome, "token_ids", ())
+        trajectory_id = getattr(outcome, "trajectory_id", "")
+    return RewardRequest(
+        trajectory_id=trajectory_id, workload=task.workload, task_id=task.id,
+        prompt=[ChatTurn(role=m.role, content=m.content) for m in task.prompt],
+        response=text, answer=task.reference_answer, metadata=dict(task.metadata),
+        response_token_ids=list(token_ids), sandbox_id=sandbox_id,
+    )  # fmt: skip
+
+
 async def ask_reward_service(
-    nc: Any, name: str, task: Task, completion: str, *, timeout_s: float, attempts: int
+    nc: Any, name: str, task: Task, outcome: Outcome, *, timeout_s: float, attempts: int
 ) -> float | None:
-    """The score ``name`` gives ``completion`` of ``task`` (``None``: not applicable).
+    """The score ``name`` gives ``outcome`` of ``task`` (``None``: not applicable).
     No responders and no answer in ``timeout_s`` are tried again, ``attempts`` times in all;
     an error the service answers is not (it would answer it again)."""
-    req = RewardRequest(
-        trajectory_id="", workload=task.workload, task_id=task.id,
-        prompt=[ChatTurn(role=m.role, content=m.content) for m in task.prompt],
-        response=completion, answer=task.reference_answer, metadata=dict(task.metadata),
-    )  # fmt: skip
+    req = reward_request(task, outcome)
     delay, last = RETRY_DELAY_S, ""
     for attempt in range(1, attempts + 1):
         try:

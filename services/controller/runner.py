@@ -67,7 +67,7 @@ from services.controller.store import StateStore
 from services.environment.client import EnvClient
 from services.router.client import generate as router_generate
 from workloads.actions import sandbox_command
-from workloads.base import SandboxHandle, Task, Workload
+from workloads.base import ResponseText, SandboxHandle, Task, Workload
 
 log = get_logger(component="trajectory")
 
@@ -312,10 +312,15 @@ class TrajectoryRunner:
         await self.settle_checkpoint()
         t0 = time.monotonic()
         try:
+            ids = tuple(t for t, m in zip(core.response_ids, core.loss_mask, strict=True) if m)
             if self.task.sandbox is None:
-                reward = await self.ctx.workload.reward(self.task, action.text)
+                text = ResponseText(action.text, token_ids=ids, trajectory_id=self.trajectory_id)
+                reward = await self.ctx.workload.reward(self.task, text)
             else:
-                handle = SandboxHandle(ops=self.env, sandbox_id=self.sandbox_id)
+                handle = SandboxHandle(
+                    ops=self.env, sandbox_id=self.sandbox_id, trajectory_id=self.trajectory_id,
+                    response=action.text, token_ids=ids,
+                )  # fmt: skip
                 reward = await self.ctx.workload.reward(self.task, handle)
         except RewardFailed as exc:
             # The user's reward function, not the infrastructure: a typed record on the

@@ -53,11 +53,12 @@ from services.controller.store import StateStore
 from services.controller.summary import summarize
 from services.environment.client import EnvClient
 from workloads import plugins
-from workloads.base import Task, Workload
+from workloads.base import Outcome, Task, Workload
 from workloads.registry import load_workload
 from workloads.rewards import (
     RewardFunctions,
     check_weights,
+    declared_rewards,
     load_reward_functions,
     service_name,
 )
@@ -171,15 +172,18 @@ class Controller(Service[ControllerConfig]):
                 raise InvalidRequest(
                     f"cannot load workload {req.workload!r}: {exc}", field="$.dataset"
                 ) from None
+        base = self.workloads[key]
         if req.rewards:
-            return self.rewarded(req, self.workloads[key])
-        return self.workloads[key]
+            return self.rewarded(req.rewards, req.reward_weights, base)
+        declared = declared_rewards(base)  # its own `rewards = ["service:<name>"]`
+        return self.rewarded(declared, [], base) if declared else base
 
-    def rewarded(self, req: RolloutRequest, base: Workload) -> Workload:
-        """``base`` scored by the request's reward functions, each one the node enables."""
+    def rewarded(self, specs: list[str], weights_given: list[float], base: Workload) -> Workload:
+        """``base`` scored by reward functions and services, each function one the node
+        enables."""
         off = [
             spec
-            for spec in req.rewards
+            for spec in specs
             if spec not in self.config.reward_functions and not service_name(spec)
         ]
         if off:
@@ -190,16 +194,16 @@ class Controller(Service[ControllerConfig]):
                 field="$.rewards",
                 enabled=list(self.config.reward_functions),
             )
-        weights = check_weights(req.rewards, req.reward_weights)
+        weights = check_weights(specs, weights_given)
         cfg, nc = self.config, self.nc
 
-        async def ask(name: str, task: Task, completion: str) -> float | None:
+        async def ask(name: str, task: Task, outcome: Outcome) -> float | None:
             return await ask_reward_service(
-                nc, name, task, completion,
+                nc, name, task, outcome,
                 timeout_s=cfg.reward_timeout_s, attempts=cfg.reward_attempts,
             )  # fmt: skip
 
-        return RewardFunctions(base, load_reward_functions(req.rewards), weights, ask)
+        return RewardFunctions(base, load_reward_functions(specs), weights, ask)
 
     async def tasks_of(self, req: RolloutRequest, workload: Workload) -> list[Task]:
         if req.task_ids:
@@ -219,9 +223,10 @@ class Controller(Service[ControllerConfig]):
         except ValueError as exc:
             raise InvalidRequest(str(exc), field="$.inject") from None
         sandboxed = [t for t in tasks if t.sandbox is not None]
-        if sandboxed and req.rewards:
+        if sandboxed and any(not service_name(s) for s in req.rewards):
             raise InvalidRequest(
-                "reward functions score answer tasks; this workload's run in a sandbox",
+                "reward functions score answer tasks; this workload's run in a sandbox "
+                "(reward services may score them)",
                 field="$.rewards",
             )
         if not sandboxed and any(s.kind in SANDBOX_KINDS for s in req.inject):

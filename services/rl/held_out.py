@@ -20,7 +20,7 @@ from model.chat import ChatFormat
 from schemas.serving import GenerateRequest, SamplingParams
 from services.environment.client import EnvClient
 from services.router.client import generate
-from workloads import SandboxHandle, Task, Workload, exact_match
+from workloads import ResponseText, SandboxHandle, Task, Workload, exact_match
 from workloads.episode import (
     Episode,
     Execute,
@@ -115,6 +115,8 @@ class _BusIO:
     sandbox_id: str = ""
     versions: set[int] = field(default_factory=set)
     exact: bool | None = None
+    episode: Episode | None = None
+    """The episode played (its generated token ids go to a reward service)."""
 
     async def generate(self, step: Generate) -> Response:
         req = GenerateRequest(
@@ -136,11 +138,18 @@ class _BusIO:
         )
 
     async def score(self, step: Score) -> float:
+        ep = self.episode
+        ids = (
+            tuple(t for t, m in zip(ep.response_ids, ep.loss_mask, strict=True) if m) if ep else ()
+        )
         if self.task.sandbox is None:
             self.exact = exact_match(self.task, step.text)
-            return float(await self.workload.reward(self.task, step.text))
+            text = ResponseText(step.text, token_ids=ids)
+            return float(await self.workload.reward(self.task, text))
         assert self.env is not None
-        handle = SandboxHandle(ops=self.env, sandbox_id=self.sandbox_id)
+        handle = SandboxHandle(
+            ops=self.env, sandbox_id=self.sandbox_id, response=step.text, token_ids=ids
+        )
         return float(await self.workload.reward(self.task, handle))
 
 
@@ -164,7 +173,7 @@ async def _episode(
         started_at=time.monotonic(),
         observation_ids=chat.observation,
     )
-    io = _BusIO(nc, env if task.sandbox is not None else None, workload, task)
+    io = _BusIO(nc, env if task.sandbox is not None else None, workload, task, episode=episode)
     if task.sandbox is not None:
         if env is None:
             raise InvalidRequest("a sandbox task needs the environment service", task_id=task.id)

@@ -20,8 +20,14 @@ from typing import Any
 
 from common.errors import BelayerError, InvalidRequest
 from services.rl.options import DEFAULTS, LR_DEFAULTS, WORKLOADS, RunOptions, workload_spec
-from workloads import Task, Workload, plugins
-from workloads.rewards import RewardFunctions, check_weights, load_reward_functions, service_name
+from workloads import Outcome, Task, Workload, plugins
+from workloads.rewards import (
+    RewardFunctions,
+    check_weights,
+    declared_rewards,
+    load_reward_functions,
+    service_name,
+)
 
 PLUGIN_DEFAULTS: dict[str, int] = {"tasks": 4, "n": 4, "held_out": 8}
 """A plugin's run where its workload declares no ``run_defaults``: tasks per step, samples per
@@ -90,10 +96,16 @@ def resolve(opts: RunOptions) -> RunWorkload:
     if not first:
         raise InvalidRequest(f"{where}: the workload gave no tasks")
     declared = run_defaults(where, getattr(wl, "run_defaults", None))
+    try:
+        declared_rewards(wl)
+    except BelayerError as exc:
+        raise InvalidRequest(f"{where}: {exc}") from None
     lr = declared.pop("lr", PLUGIN_LR)
     sandboxed = any(t.sandbox is not None for t in first)
-    if sandboxed and opts.rewards:
-        raise InvalidRequest("--reward: reward functions score answer tasks (no sandbox)")
+    if sandboxed and any(not service_name(s) for s in opts.rewards):
+        raise InvalidRequest(
+            "--reward: reward functions score answer tasks (no sandbox); reward services may"
+        )
     return RunWorkload(
         spec=opts.workload, label=label_of(str(wl.name)),
         defaults={**PLUGIN_DEFAULTS, **{k: int(v) for k, v in declared.items()}}, lr=float(lr),
@@ -155,19 +167,21 @@ def label_of(name: str) -> str:
 
 
 def scored_by_rewards(wl: Workload, opts: RunOptions, nc: Any) -> Workload:
-    """``wl`` scored by the run's ``--reward`` functions (as the controller scores the
-    rollouts), so the held-out evaluation reads the same reward; ``wl`` itself without."""
-    if not opts.rewards:
+    """``wl`` scored by the run's ``--reward`` functions, else by the reward services the
+    workload declares (as the controller scores the rollouts), so the held-out evaluation
+    reads the same reward; ``wl`` itself without either."""
+    specs = list(opts.rewards) or declared_rewards(wl)
+    if not specs:
         return wl
     from services.controller.client import ControllerConfig, ask_reward_service
 
     cfg = ControllerConfig()
 
-    async def ask(name: str, task: Task, completion: str) -> float | None:
+    async def ask(name: str, task: Task, outcome: Outcome) -> float | None:
         return await ask_reward_service(
-            nc, name, task, completion, timeout_s=cfg.reward_timeout_s,
+            nc, name, task, outcome, timeout_s=cfg.reward_timeout_s,
             attempts=cfg.reward_attempts,
         )  # fmt: skip
 
-    weights = check_weights(opts.rewards, opts.reward_weights)
-    return RewardFunctions(wl, load_reward_functions(opts.rewards), weights, ask)
+    weights = check_weights(specs, opts.reward_weights if opts.rewards else [])
+    return RewardFunctions(wl, load_reward_functions(specs), weights, ask)

@@ -1,8 +1,9 @@
 """A reward service written in Node.js (``reward_service.mjs``: nats.js + @msgpack/msgpack,
 installed from npm by this test's setup, written from docs/protocol.md §5.1 alone) scores a
-math rollout through the real bus with the node's ``reward`` identity; once it is stopped, the
-same rollout completes with every trajectory's reward failed — recorded and counted, never
-read as 0."""
+math rollout through the real bus with the node's ``reward`` identity (it answers an error to a
+request without the response's token ids or the trajectory id, so no reward failure means every
+request carried them); once it is stopped, the same rollout completes with every trajectory's
+reward failed — recorded and counted, never read as 0."""
 
 from __future__ import annotations
 

@@ -13,9 +13,17 @@ import pytest
 import torch
 
 from common.errors import InvalidRequest, RewardFailed
+from schemas.reward import RewardRequest
+from services.controller.reward_service import reward_request
 from services.trainer.core import group_advantages
-from workloads import load_workload
-from workloads.rewards import RewardFunctions, check_weights, combine, load_reward_functions
+from workloads import ResponseText, SandboxHandle, load_workload
+from workloads.rewards import (
+    RewardFunctions,
+    check_weights,
+    combine,
+    declared_rewards,
+    load_reward_functions,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plugin"
 
@@ -75,3 +83,44 @@ def test_group_advantages_leave_failed_rewards_out() -> None:
     assert torch.equal(masked[4:], plain[4:])  # the other group is untouched
     alone = group_advantages(r, 4, valid=[False, False, False, False, True, True, True, True])
     assert torch.equal(alone[:4], torch.zeros(4))
+
+
+def test_a_reward_service_is_asked_with_the_token_ids_and_the_sandbox(capitals) -> None:
+    task = capitals.tasks(1, seed=0)[0]
+    asked: list[RewardRequest] = []
+
+    async def ask(name: str, t, outcome) -> float:  # type: ignore[no-untyped-def]
+        asked.append(reward_request(t, outcome))
+        return 0.5
+
+    scored = RewardFunctions(capitals, load_reward_functions(["service:judge"]), [1.0], ask)
+    text = ResponseText("Answer: X", token_ids=[7, 8, 2], trajectory_id="r1-s0-a0")
+    assert isinstance(text, str) and text == "Answer: X"  # a plain str to every workload
+    assert asyncio.run(scored.reward(task, text)) == 0.5
+    req = asked[-1]
+    assert (req.response, req.response_token_ids) == ("Answer: X", [7, 8, 2])
+    assert (req.trajectory_id, req.sandbox_id, req.task_id) == ("r1-s0-a0", "", task.id)
+    assert reward_request(task, "Answer: X").response_token_ids == []  # a plain str: text only
+
+    handle = SandboxHandle(ops=None, sandbox_id="sb-1", trajectory_id="r1-s1-a0",  # type: ignore[arg-type]
+                           response="done", token_ids=(5,))  # fmt: skip
+    assert asyncio.run(scored.reward(task, handle)) == 0.5  # services score sandbox tasks
+    assert (asked[-1].sandbox_id, asked[-1].response_token_ids) == ("sb-1", [5])
+    functions = RewardFunctions(
+        capitals, load_reward_functions(["belayer_example_rewards:exact"]), [1.0], ask
+    )
+    with pytest.raises(InvalidRequest, match="reward services only"):
+        asyncio.run(functions.reward(task, handle))
+
+
+def test_a_workload_declares_its_reward_services() -> None:
+    class Declared:
+        name = "declared"
+        rewards = ["service:judge"]
+
+    assert declared_rewards(Declared()) == ["service:judge"]
+    assert declared_rewards(object()) == []
+    for bad in (["belayer_example_rewards:exact"], "service:judge", [1]):
+        Declared.rewards = bad  # type: ignore[assignment]
+        with pytest.raises(InvalidRequest, match="service:<name>"):
+            declared_rewards(Declared())

@@ -27,6 +27,7 @@ from schemas.events import (
     RequestsResumed,
     WeightsUpdated,
 )
+from schemas.reward import ChatTurn, RewardRequest
 from schemas.serving import (
     EngineFailed,
     EngineRequest,
@@ -158,6 +159,15 @@ EXAMPLES: dict[str, msgspec.Struct] = {
         ],
         checksum="ab" * 32,
         model_dir="/m",
+    ),
+    "reward_request": RewardRequest(  # as v1 first shipped: no token ids, no sandbox id
+        trajectory_id="r1-s0-a0",
+        workload="math",
+        task_id="t1",
+        prompt=[ChatTurn(role="user", content="1+1?")],
+        response="Answer: 2",
+        answer="2",
+        metadata={"source": "gen"},
     ),
     "arena_desc": ArenaDesc(
         engine_id="e0",
