@@ -9,6 +9,7 @@ import os
 import random
 
 from msgspec.structs import replace
+from nats.aio.client import Client as NATS
 
 from schemas.serving import GenerateRequest
 from tests.integration.node_helpers import StreamRecord, stream_generate
@@ -17,7 +18,7 @@ SEED = int(os.environ.get("BELAYER_CHAOS_SEED", random.randrange(1 << 30)))
 """Kill points are random; rerun a failure with ``BELAYER_CHAOS_SEED=<seed>``."""
 
 
-async def references(nc: object, reqs: list[GenerateRequest]) -> dict[str, list[int]]:
+async def references(nc: NATS, reqs: list[GenerateRequest]) -> dict[str, list[int]]:
     """Uninterrupted runs of the same prompts and sampling (``ref-`` ids), 8 at a time."""
     out: dict[str, list[int]] = {}
     for i in range(0, len(reqs), 8):
@@ -74,9 +75,7 @@ def mark(recs: list[StreamRecord]) -> None:
         rec.mark = len(rec.tokens)
 
 
-def launch(
-    nc: object, reqs: list[GenerateRequest]
-) -> tuple[list[StreamRecord], list[asyncio.Task]]:
+def launch(nc: NATS, reqs: list[GenerateRequest]) -> tuple[list[StreamRecord], list[asyncio.Task]]:
     recs = [StreamRecord(r.request_id) for r in reqs]
     tasks = [
         asyncio.create_task(stream_generate(nc, r, record=rec, timeout=120))

@@ -4,6 +4,7 @@ sets ``NODE_ARGS``) and ``bus``, a client of it once every engine has a warm sha
 from collections.abc import AsyncIterator
 
 import pytest_asyncio
+from nats.aio.client import Client as NATS
 
 from common.events import EventTail
 from schemas.events import ShadowReady
@@ -14,7 +15,7 @@ __all__ = ["bus", "node"]
 
 
 @pytest_asyncio.fixture
-async def bus(node: Node) -> AsyncIterator[tuple[object, EventTail]]:
+async def bus(node: Node) -> AsyncIterator[tuple[NATS, EventTail]]:
     """A client of the module's node and its event log, once e0's and e1's shadows are ready."""
     from common.bus import connect
 

@@ -11,6 +11,7 @@ import os
 import signal
 
 import pytest
+from nats.aio.client import Client as NATS
 
 from common.errors import EngineUnavailable
 from common.events import EventTail
@@ -45,7 +46,7 @@ NODE_ARGS = ("--engines", "2", "--token-log-chunk", str(K), "--deterministic")
 
 
 async def test_repeated_failure_marks_engine_unhealthy_and_retires_it(
-    node: Node, bus: tuple[object, EventTail]
+    node: Node, bus: tuple[NATS, EventTail]
 ) -> None:
     """Kill e0's main worker, then its successor inside the failure window: e0 is marked
     unhealthy with an alert, its requests move to e1 and complete unchanged (the sampled one

@@ -16,6 +16,7 @@ import signal
 import time
 
 import pytest
+from nats.aio.client import Client as NATS
 
 from common.events import EventTail
 from schemas.events import (
@@ -52,7 +53,7 @@ NODE_ARGS = ("--engines", "2", "--token-log-chunk", str(K), "--deterministic")
     ],
 )
 async def test_router_killed_mid_stream_resumes_from_the_token_log(
-    bus: tuple[object, EventTail], n: int, kinds: str
+    bus: tuple[NATS, EventTail], n: int, kinds: str
 ) -> None:
     """SIGKILL the router while 4 requests stream; the supervisor restarts it, it rebuilds them
     from REQUESTS + TOKENS and the callers' streams carry on: same tokens as the reference, at

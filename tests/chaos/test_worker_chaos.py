@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+from nats.aio.client import Client as NATS
 
 from common import subjects
 from common.bus import connect
@@ -57,7 +58,7 @@ deterministic mode (sampled requests are then compared exactly too)."""
 
 
 @pytest_asyncio.fixture
-async def bus(node: Node) -> AsyncIterator[tuple[object, EventTail]]:
+async def bus(node: Node) -> AsyncIterator[tuple[NATS, EventTail]]:
     """A client and the node's event log; waits until every engine has a warm shadow."""
     nc = await connect(node.nats_url, name="chaos", bus=node.bus())
     events = await EventTail(nc).start()
@@ -76,7 +77,7 @@ async def settle(events: EventTail, *, after: float = 0.0, timeout: float = 60.0
 
 
 async def test_sigkill_at_random_points_resumes_every_request_exactly(
-    bus: tuple[object, EventTail],
+    bus: tuple[NATS, EventTail],
 ) -> None:
     """≥ 20 requests over 6 kill rounds, alternating engines: round 0 kills right after submit
     (before any token: prefill), the others after a random number of tokens, with 4 requests in
@@ -124,7 +125,7 @@ async def test_sigkill_at_random_points_resumes_every_request_exactly(
 
 
 async def test_sigstop_hang_is_taken_over_and_the_residual_is_fenced_and_killed(
-    bus: tuple[object, EventTail],
+    bus: tuple[NATS, EventTail],
 ) -> None:
     """SIGSTOP the main worker: the shadow sees the stale heartbeat and takes over; the old pid
     gets SIGCONT right after detection, so it runs again while the engine has moved on — none
@@ -160,7 +161,7 @@ async def test_sigstop_hang_is_taken_over_and_the_residual_is_fenced_and_killed(
     await events.wait_for(ShadowReady, "e0", after=done.ts, timeout=60)
 
 
-async def test_both_engines_killed_at_once_both_hand_over(bus: tuple[object, EventTail]) -> None:
+async def test_both_engines_killed_at_once_both_hand_over(bus: tuple[NATS, EventTail]) -> None:
     nc, events = bus
     reqs = [
         greedy("both-e0-g", prompt(50), N, engine_id="e0"),
@@ -188,7 +189,7 @@ async def test_both_engines_killed_at_once_both_hand_over(bus: tuple[object, Eve
 
 
 async def test_stale_epoch_output_never_reaches_the_caller(
-    node: Node, bus: tuple[object, EventTail]
+    node: Node, bus: tuple[NATS, EventTail]
 ) -> None:
     """A forged StepBatch from an old epoch of the request's engine (bogus tokens, even a
     'finished') is rejected with an event; the caller sees only the real tokens. The old epoch

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,7 @@ NO_SUBSCRIBE: list[tuple[str, str]] = [
 ]
 
 
-def denials(logs: list[dict[str, Any]], operation: str) -> set[str]:
+def denials(logs: Sequence[Mapping[str, Any]], operation: str) -> set[str]:
     """Subjects of the ``bus_permission_denied`` lines (lowercase: nats-py lowercases the
     server's message)."""
     return {

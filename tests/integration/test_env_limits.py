@@ -10,6 +10,7 @@ import math
 import docker
 import msgpack
 import pytest
+from nats.aio.client import Client as NATS
 
 from common import subjects
 from common.codec import decode
@@ -19,9 +20,9 @@ from schemas.env import SandboxLimits
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(180)]
 
 
-async def _ask(nc: object, op: str, raw: object) -> ErrorReply:
+async def _ask(nc: NATS, op: str, raw: object) -> ErrorReply:
     data = raw if isinstance(raw, bytes) else msgpack.packb(raw)
-    msg = await nc.request(subjects.env(op), data, timeout=30)  # type: ignore[attr-defined]
+    msg = await nc.request(subjects.env(op), data, timeout=30)
     return decode(msg.data, ErrorReply)
 
 
@@ -58,14 +59,15 @@ async def test_limits_out_of_range_are_refused_and_valid_ones_apply(env, nc) -> 
 
 async def test_hostile_ids_nan_and_nesting_are_typed_errors(env, nc) -> None:
     for bad in ["a.b", "*", ">", "../..", "sb/1", "x\n"]:
-        for op, raw in [
+        cases: list[tuple[str, dict[str, object]]] = [
             ("create", {"type": "EnvCreate.v1", "sandbox_id": bad}),
             ("exec", {"type": "EnvExec.v1", "sandbox_id": bad, "command": "true"}),
             ("checkpoint", {"type": "EnvCheckpoint.v1", "sandbox_id": bad, "prefix": 1}),
             ("restore", {"type": "EnvRestore.v1", "sandbox_id": "sb-1", "checkpoint_id": bad}),
             ("destroy", {"type": "EnvDestroy.v1", "sandbox_id": bad}),
             ("gc", {"type": "EnvGc.v1", "trajectory_id": bad}),
-        ]:
+        ]
+        for op, raw in cases:
             err = await _ask(nc, op, raw)
             field = next(k for k in raw if k.endswith("_id") and raw[k] == bad)
             assert (err.code, err.data["field"]) == ("invalid_request", f"$.{field}"), (op, bad)
@@ -76,12 +78,12 @@ async def test_hostile_ids_nan_and_nesting_are_typed_errors(env, nc) -> None:
         ({"type": "EnvCheckpoint.v1", "sandbox_id": sid, "prefix": 2**64 - 1}, "$.prefix"),
         ({"type": "EnvGc.v1", "trajectory_id": ""}, "$.trajectory_id"),
     ]:  # fmt: skip
-        op = {"EnvExec.v1": "exec", "EnvCheckpoint.v1": "checkpoint", "EnvGc.v1": "gc"}
-        err = await _ask(nc, op[str(raw["type"])], raw)
+        op_of = {"EnvExec.v1": "exec", "EnvCheckpoint.v1": "checkpoint", "EnvGc.v1": "gc"}
+        err = await _ask(nc, op_of[str(raw["type"])], raw)
         assert (err.code, err.data["field"]) == ("invalid_request", field), (raw, err)
     head = msgpack.packb({"type": "EnvCreate.v1"})  # one entry: make it two, nested 10 000 deep
     for key, field in (("junk", "$"), ("limits", "$.limits")):
-        raw = b"\x82" + head[1:] + msgpack.packb(key) + b"\x91" * 10_000 + b"\x90"
-        err = await _ask(nc, "create", raw)
+        blob = b"\x82" + head[1:] + msgpack.packb(key) + b"\x91" * 10_000 + b"\x90"
+        err = await _ask(nc, "create", blob)
         assert (err.code, err.data["field"]) == ("invalid_request", field), err
     assert (await env.client.exec(sid, "echo fine")).stdout.strip() == "fine"

@@ -53,6 +53,7 @@ async def test_generate_streams_logs_and_replays(node: Node) -> None:
         # the token log holds the tokens durably under a deterministic message id
         js = nc.jetstream()
         msg = await js.get_last_msg(subjects.STREAM_TOKENS, subjects.token_log("g1"))
+        assert msg.data is not None
         chunk = decode(msg.data, TokenLogChunk)
         assert chunk.final and chunk.token_ids == res.token_ids
         # resubmitting the id replays the result; nothing is generated twice

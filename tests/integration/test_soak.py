@@ -109,7 +109,12 @@ def test_sigterm_stops_the_soak_and_the_node_it_started(tmp_path: Path) -> None:
         env=soak_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr or []])
+
+    def pump() -> None:
+        for x in proc.stderr or []:
+            lines.put(x)
+
+    reader = threading.Thread(target=pump)
     reader.start()
     seen: list[str] = []
     try:

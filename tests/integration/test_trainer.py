@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import pytest_asyncio
 import torch
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from common import subjects
 from common.bus import connect
@@ -96,7 +98,7 @@ def training_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 
 
 @pytest_asyncio.fixture
-async def bus(training_node: Node) -> AsyncIterator[tuple[object, EventTail]]:
+async def bus(training_node: Node) -> AsyncIterator[tuple[NATS, EventTail]]:
     """The node's operator (reads every stream) and its event log."""
     nc = await connect(
         training_node.nats_url, name="test-trainer", bus=training_node.bus("operator")
@@ -110,7 +112,7 @@ async def bus(training_node: Node) -> AsyncIterator[tuple[object, EventTail]]:
 
 
 @pytest_asyncio.fixture
-async def controller_js(training_node: Node) -> AsyncIterator[object]:
+async def controller_js(training_node: Node) -> AsyncIterator[JetStreamContext]:
     """JetStream as the controller: only it may publish trajectories."""
     nc = await training_node.connect("test-trajectories", "controller")
     try:
@@ -119,7 +121,7 @@ async def controller_js(training_node: Node) -> AsyncIterator[object]:
         await nc.drain()
 
 
-async def rollout(nc: object, rollout_id: str, version: int) -> list[Trajectory]:
+async def rollout(nc: NATS, rollout_id: str, version: int) -> list[Trajectory]:
     """GROUPS tasks × GROUP samples sampled through the router from the real tiny model: an
     observation, the model's turn, another observation (only the model's tokens are trained
     on); reward: share of even model tokens."""
@@ -133,7 +135,7 @@ async def rollout(nc: object, rollout_id: str, version: int) -> list[Trajectory]
         req = GenerateRequest(
             request_id=tid, prompt_token_ids=prompt + OBSERVATION, sampling=sp, stream=False
         )
-        a = await generate(nc, req, timeout=120)  # type: ignore[arg-type]
+        a = await generate(nc, req, timeout=120)
         assert set(a.token_weight_versions) == {version}
         obs, n = len(OBSERVATION), len(a.token_ids)
         return Trajectory(
@@ -149,26 +151,26 @@ async def rollout(nc: object, rollout_id: str, version: int) -> list[Trajectory]
     return list(await asyncio.gather(*(one(t, s) for t in range(GROUPS) for s in range(GROUP))))
 
 
-async def publish(js: object, trajs: list[Trajectory]) -> None:
+async def publish(js: JetStreamContext, trajs: list[Trajectory]) -> None:
     for t in trajs:
-        await js.publish(  # type: ignore[attr-defined]
+        await js.publish(
             subjects.trajectory(t.rollout_id, t.trajectory_id),
             encode(t),
             headers={"Nats-Msg-Id": t.trajectory_id},
         )
 
 
-async def all_acked(js: object) -> bool:
-    info = await js.consumer_info(subjects.STREAM_TRAJECTORIES, TRAINER.consumer)  # type: ignore[attr-defined]
+async def all_acked(js: JetStreamContext) -> bool:
+    info = await js.consumer_info(subjects.STREAM_TRAJECTORIES, TRAINER.consumer)
     return info.num_ack_pending == 0 and info.num_pending == 0
 
 
 async def test_a_batch_trains_pushes_and_the_workers_switch(
-    bus: tuple[object, EventTail], controller_js: object
+    bus: tuple[NATS, EventTail], controller_js: JetStreamContext
 ) -> None:
     nc, log = bus
-    js = nc.jetstream()  # type: ignore[attr-defined]
-    st = await trainer_status(nc)  # type: ignore[arg-type]
+    js = nc.jetstream()
+    st = await trainer_status(nc)
     trajs = await rollout(nc, f"ok{st.version}", st.version)
     # a malformed record on the stream: dead-lettered and acked, training goes on
     bad = subjects.trajectory("junk", "junk-1")
@@ -193,12 +195,13 @@ async def test_a_batch_trains_pushes_and_the_workers_switch(
     refused = await log.wait_for(TrajectoryRefused, reason="malformed")
     assert refused.trajectory_id == "junk-1"
     dead = await js.get_last_msg(subjects.STREAM_DEADLETTER, subjects.dead_letter("trajectories"))
-    assert dead.data == b"\x81\xa4type\xabTrajectory.v1" and dead.headers["Belayer-Subject"] == bad
+    assert dead.data == b"\x81\xa4type\xabTrajectory.v1" and dead.headers is not None
+    assert dead.headers["Belayer-Subject"] == bad
     await wait_until(lambda: all_acked(js), timeout=30, what="every trajectory acked")
 
     # the next rollout runs on the trained weights
     nxt = await generate(
-        nc,  # type: ignore[arg-type]
+        nc,
         GenerateRequest(request_id=f"after{step.version}", prompt_token_ids=[5, 6, 7],
                         sampling=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
     )  # fmt: skip
@@ -206,11 +209,11 @@ async def test_a_batch_trains_pushes_and_the_workers_switch(
 
 
 async def test_a_trainer_killed_mid_step_resumes_and_trains_each_trajectory_once(
-    training_node: Node, bus: tuple[object, EventTail], controller_js: object
+    training_node: Node, bus: tuple[NATS, EventTail], controller_js: JetStreamContext
 ) -> None:
     nc, log = bus
-    js = nc.jetstream()  # type: ignore[attr-defined]
-    st = await trainer_status(nc)  # type: ignore[arg-type]
+    js = nc.jetstream()
+    st = await trainer_status(nc)
     s0, v0 = st.step, st.version
     ckpt_dir = training_node.run_dir / "trainer"
     before = json.loads((journal.checkpoint_path(ckpt_dir, s0) / "meta.json").read_text())
@@ -241,7 +244,7 @@ async def test_a_trainer_killed_mid_step_resumes_and_trains_each_trajectory_once
     ) == len(after["trained"])
     assert len(log.matching(TrainStep, step=s0 + 1)) == 1
     assert len(log.matching(WeightsUpdated, version=v0 + 1)) == 1
-    status = await trainer_status(nc)  # type: ignore[arg-type]
+    status = await trainer_status(nc)
     assert (status.step, status.version, status.trained, status.held) == (
         s0 + 1,
         v0 + 1,
@@ -272,5 +275,5 @@ async def test_a_trainer_killed_mid_step_resumes_and_trains_each_trajectory_once
     ours = publishable_state_dict(state.model)
     resumed_weights = load_weights(journal.checkpoint_path(ckpt_dir, s0 + 1))
     assert weights_equal(ours, resumed_weights)
-    served = map_weights(await fetch_manifest(nc, v0 + 1))  # type: ignore[arg-type]
+    served = map_weights(await fetch_manifest(nc, v0 + 1))
     assert weights_equal(ours, dict(served))

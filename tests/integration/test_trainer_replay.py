@@ -132,7 +132,7 @@ async def test_a_checkpoint_of_another_run_or_model_is_refused_before_training(
         out = await run_to_exit(other_run)
         assert out.returncode == 1 and "pass --resume" in out.stderr, out.stderr[-2000:]
 
-    other_model = init_tiny_model(tmp_path / "other", **{**SMALL, "hidden_size": 32})
+    other_model = init_tiny_model(tmp_path / "other", **(SMALL | {"hidden_size": 32}))
     store_b = WeightStoreConfig(nats_url=nats_server.url, run_id=run_id, model_dir=other_model)
     async with running_service(run_weights, store_b, what="weight store"):
         resume = replace(trainer_config(nats_server.url, run_id, ckpt), resume=True)

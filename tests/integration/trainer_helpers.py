@@ -30,9 +30,10 @@ from model.train_forward import token_logprobs
 from schemas.rollout import Trajectory
 from services.trainer.client import GrpoConfig, TrainerConfig, trainer_status
 from tests.integration.node_helpers import wait_until
+from tests.unit.model_fixtures import ModelShape
 
 GROUP = 2
-SMALL = dict(
+SMALL = ModelShape(
     hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
     intermediate_size=128, vocab_size=512,
 )  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -13,8 +14,21 @@ from model.tiny import init_tiny_model
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.llm_engine import LLMEngine
 
+
+class ModelShape(TypedDict):
+    """A tiny model's shape, as ``init_tiny_model`` takes it (typed, so ``**shape`` checks)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
 # Smaller than the default tiny model: engine tests care about bookkeeping, not size.
-SMALL_MODEL = {
+SMALL_MODEL: ModelShape = {
     "hidden_size": 64,
     "num_layers": 2,
     "num_heads": 4,

@@ -36,7 +36,7 @@ def test_wrong_tag_is_refused() -> None:
 
 
 def test_int_encoded_float_is_accepted() -> None:
-    raw = {"type": "GenerateRequest.v1", "request_id": "r", "prompt": "x"}
+    raw: dict[str, object] = {"type": "GenerateRequest.v1", "request_id": "r", "prompt": "x"}
     raw["sampling"] = {"temperature": 1, "top_p": 1, "max_tokens": 4}
     req = decode(msgpack.packb(raw), GenerateRequest)
     assert req.sampling.temperature == 1.0

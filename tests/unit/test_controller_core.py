@@ -137,6 +137,7 @@ def test_generations_have_distinct_ids_and_seeds(chat: ChatFormat) -> None:
         core.on_response([chat.im_end], [0.0], [1], "```bash\nls\n```", llm_s=0.1)
         core.on_observation(stdout="", stderr="", exit_code=0, env_s=0.0)
     assert len({s for _, s in seen}) == 3 and len({r for r, _ in seen}) == 3
+    assert isinstance(gen, Generate)  # held in the loop; mypy forgets it past the loop
     assert gen.request_id == "r1-s0-a0-g3" and gen.prompt_ids == core.context[: len(gen.prompt_ids)]
 
 

@@ -6,6 +6,7 @@ observations, mask and score in both, and the limits are declared once."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -74,7 +75,8 @@ class Scripted:
         return 1.0 if step.reason == "answered" else 0.0
 
 
-def episode(chat: ChatFormat, cls: type[Episode] = Episode, **extra: object) -> Episode:
+def episode(chat: ChatFormat, cls: type[Episode] = Episode, **extra: Any) -> Episode:
+    """``extra``: more of ``cls``'s fields (Any: each value is typed as the field it names)."""
     return cls(
         trajectory_id="t-s0-a0", prompt_ids=chat.prompt(PROMPT), limits=LIMITS, sample_seed=5,
         has_sandbox=True, started_at=0.0, observation_ids=chat.observation, **extra,

@@ -13,7 +13,9 @@ from services.trainer.core import group_advantages, grpo_loss
 EPS = 1e-4
 
 
-def close(got: torch.Tensor, want: float | list[float], tol: float = 1e-6) -> None:
+def close(
+    got: torch.Tensor, want: float | list[float] | list[list[float]], tol: float = 1e-6
+) -> None:
     torch.testing.assert_close(got, torch.tensor(want, dtype=got.dtype), atol=tol, rtol=0)
 
 

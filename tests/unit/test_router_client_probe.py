@@ -10,11 +10,11 @@ import asyncio
 import pytest
 
 from common.errors import BusUnavailable
-from schemas.serving import RouterStatus
+from schemas.serving import RequestPhase, RouterStatus
 from services.router import client
 
 
-def _status(request: str, router_id: str = "r1") -> RouterStatus:
+def _status(request: RequestPhase, router_id: str = "r1") -> RouterStatus:
     return RouterStatus(
         engines=[], inflight=0, finished=0, token_log_chunk=16, router_id=router_id, request=request
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from common.errors import Conflict, EngineUnavailable, NotFound, ResourceLimit
@@ -27,7 +29,7 @@ from services.router.state import (
 )
 
 
-def core(**kw: object) -> RouterCore:
+def core(**kw: Any) -> RouterCore:  # Any: each value is the RouterConfig field it names
     return RouterCore(
         RouterConfig(token_log_chunk=4, **kw), decode=lambda ids: " ".join(map(str, ids))
     )

@@ -30,7 +30,7 @@ def traj(
         trajectory_id=f"r-s{slot}-a{attempt}", rollout_id="r", workload="math", task_id=task_id,
         slot=slot, sample=slot % 2, attempt=attempt, prompt_ids=[1], response_ids=ids,
         loss_mask=[1] * len(ids), logprobs=[-1.0] * len(ids), weight_versions=[1] * len(ids),
-        reward=0.0, turns=1, finish_reason="stop",
+        reward=0.0, turns=1, finish_reason="answered",
     )  # fmt: skip
 
 

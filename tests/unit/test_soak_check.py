@@ -65,13 +65,13 @@ def test_a_clean_history_passes() -> None:
 
 
 def test_a_request_must_finish_exactly_once() -> None:
-    unfinished = [sub("r")]
+    unfinished: list[Record] = [sub("r")]
     assert invariants(unfinished) == ["finished_once"]
     twice = [*good("r"), Finished(rid="r", t=3.0, tokens=[1, 2, 3, 4], finish_reason="length")]
     assert invariants(twice) == ["finished_once"]
-    errored = [sub("r"), Errored(rid="r", t=1.0, error="timeout")]
+    errored: list[Record] = [sub("r"), Errored(rid="r", t=1.0, error="timeout")]
     assert invariants(errored) == ["finished_once"]
-    stray = [Finished(rid="x", t=1.0, tokens=[], finish_reason="length")]
+    stray: list[Record] = [Finished(rid="x", t=1.0, tokens=[], finish_reason="length")]
     assert invariants(stray) == ["finished_once"]
 
 
@@ -104,23 +104,23 @@ def test_deltas_must_add_up_to_the_result() -> None:
     records = good("r")
     del records[2]  # the second delta never came, yet the result holds 4 tokens
     assert invariants(records) == ["stream"]
-    quiet = [sub("q", stream=False), Delta(rid="q", t=1.0, start=0, tokens=[1])]
+    quiet: list[Record] = [sub("q", stream=False), Delta(rid="q", t=1.0, start=0, tokens=[1])]
     quiet += [Finished(rid="q", t=2, tokens=[1], finish_reason="length")]
     quiet += [Reference(rid="q", tokens=[1])]
     assert invariants(quiet) == ["stream"]
 
 
 def test_epochs_only_grow_and_one_worker_streams_per_epoch() -> None:
-    back = [EpochSeen(engine="e0", epoch=3, t=1.0), EpochSeen(engine="e0", epoch=2, t=2.0)]
+    back: list[Record] = [EpochSeen(engine="e0", epoch=3, t=1.0), EpochSeen(engine="e0", epoch=2, t=2.0)]
     assert invariants(back) == ["epochs"]
     # out of order in the file, in order in time: fine; another engine's epochs are its own
-    fine = [
+    fine: list[Record] = [
         EpochSeen(engine="e0", epoch=3, t=2.0),
         EpochSeen(engine="e0", epoch=2, t=1.0),
         EpochSeen(engine="e1", epoch=1, t=3.0),
     ]
     assert check(fine) == []
-    brain = [
+    brain: list[Record] = [
         BatchSeen(engine="e0", epoch=4, pid=10, t=1.0),
         BatchSeen(engine="e0", epoch=4, pid=11, t=1.1),
         BatchSeen(engine="e1", epoch=4, pid=12, t=1.2),

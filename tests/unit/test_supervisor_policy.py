@@ -6,6 +6,7 @@ router's word that the engine is down."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TypedDict
 
 import pytest
 
@@ -86,16 +87,27 @@ def test_an_exited_main_worker_is_restarted_even_without_the_router() -> None:
     assert got == (HandoverAction.COLD_RESTART, "shadow_exited")
 
 
+class Promotion(TypedDict):
+    """``promotion_confirmed``'s arguments, typed so that ``**`` checks them."""
+
+    shadow_pid: int | None
+    shadow_alive: bool
+    router_state: str | None
+    router_pid: int | None
+    router_epoch: int | None
+    claimed_epoch: int
+
+
 def test_a_promotion_needs_the_router_and_the_bucket_to_agree() -> None:
-    ok = dict(shadow_pid=7, shadow_alive=True, router_state="up", router_pid=7, router_epoch=3,
-              claimed_epoch=3)  # fmt: skip
+    ok = Promotion(shadow_pid=7, shadow_alive=True, router_state="up", router_pid=7,
+                   router_epoch=3, claimed_epoch=3)  # fmt: skip
     assert promotion_confirmed(**ok)
-    assert not promotion_confirmed(**{**ok, "shadow_alive": False})
-    assert not promotion_confirmed(**{**ok, "router_pid": 8})  # the router has another worker
-    assert not promotion_confirmed(**{**ok, "router_epoch": 2})  # a stale registration
-    assert not promotion_confirmed(**{**ok, "claimed_epoch": -1})  # the bucket was unreadable
-    assert not promotion_confirmed(**{**ok, "router_state": None})  # no answer from the router
-    assert not promotion_confirmed(**{**ok, "router_state": "down"})
+    assert not promotion_confirmed(**(ok | {"shadow_alive": False}))
+    assert not promotion_confirmed(**(ok | {"router_pid": 8}))  # the router has another worker
+    assert not promotion_confirmed(**(ok | {"router_epoch": 2}))  # a stale registration
+    assert not promotion_confirmed(**(ok | {"claimed_epoch": -1}))  # the bucket was unreadable
+    assert not promotion_confirmed(**(ok | {"router_state": None}))  # no answer from the router
+    assert not promotion_confirmed(**(ok | {"router_state": "down"}))
 
 
 def test_retirement_and_cold_restart_need_the_routers_word() -> None:

@@ -120,9 +120,9 @@ def test_swe_gym_missing_repository_or_column_is_a_clear_error(tmp_path: Path) -
         )
     no_column = _instance()
     del no_column["base_commit"]
-    with pytest.raises(InvalidRequest, match="base_commit") as exc:
+    with pytest.raises(InvalidRequest, match="base_commit") as refused:
         load_workload("swe-gym", path=_write(tmp_path, no_column), check_images=False)
-    assert exc.value.data["missing"] == ["base_commit"]
+    assert refused.value.data["missing"] == ["base_commit"]
 
 
 def test_swe_gym_git_checkout_at_base_commit_and_image_mode(tmp_path: Path) -> None:
