@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -28,7 +30,7 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 
 
 @pytest_asyncio.fixture
-async def nc(nats_server: NatsServer) -> AsyncIterator[object]:
+async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
     """A client connected to ``nats_server``."""
     from common.bus import connect
 
@@ -40,10 +42,10 @@ async def nc(nats_server: NatsServer) -> AsyncIterator[object]:
 
 
 @pytest_asyncio.fixture
-async def js(nc: object) -> object:
+async def js(nc: NATS) -> JetStreamContext:
     """JetStream with Belayer's streams and KV buckets declared."""
     from common.bus import ensure_jetstream
 
-    ctx = nc.jetstream()  # type: ignore[attr-defined]
+    ctx = nc.jetstream()
     await ensure_jetstream(ctx)
     return ctx

@@ -10,6 +10,7 @@ import math
 
 import msgpack
 import pytest
+from nats.aio.client import Client as NATS
 
 from common import subjects
 from common.bus import connect
@@ -26,9 +27,9 @@ would break its loop does so within a second."""
 BAD_IDS = ["a.b", "", "*", ">", "../..", "e0\n"]
 
 
-async def _ask(nc: object, subject: str, raw: object) -> ErrorReply:
+async def _ask(nc: NATS, subject: str, raw: object) -> ErrorReply:
     data = raw if isinstance(raw, bytes) else msgpack.packb(raw)
-    msg = await nc.request(subject, data, timeout=10)  # type: ignore[attr-defined]
+    msg = await nc.request(subject, data, timeout=10)
     return decode(msg.data, ErrorReply)
 
 

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from common import subjects
 from common.codec import decode
@@ -20,14 +22,14 @@ from services.router.state import EngineStatus, PersistChunk
 pytestmark = pytest.mark.timeout(60)
 
 
-def _router(nc: object, js: object, model_dir: Path) -> RouterService:
+def _router(nc: NATS, js: JetStreamContext, model_dir: Path) -> RouterService:
     """The router service with its bus handles set, as the lifecycle sets them before
     ``setup`` (its loops are driven by hand here)."""
     config = RouterConfig(
         model_dir=str(model_dir), heartbeat_interval_s=0.05, heartbeat_timeout_s=0.2
     )
     router = RouterService(config)
-    router.nc, router.js = nc, js  # type: ignore[assignment]
+    router.nc, router.js = nc, js
     return router
 
 

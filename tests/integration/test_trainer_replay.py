@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from nats.aio.client import Client as NATS
 
 from common import subjects
 from common.events import EventTail
@@ -46,13 +47,13 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 async def test_a_kill_between_checkpoints_replays_both_steps_exactly(
     nats_server: NatsServer,
-    trainer_bus: tuple[object, EventTail],
+    trainer_bus: tuple[NATS, EventTail],
     model_dir: Path,
     run_id: str,
     tmp_path: Path,
 ) -> None:
     nc, log = trainer_bus
-    js = nc.jetstream()  # type: ignore[attr-defined]
+    js = nc.jetstream()
     ckpt = tmp_path / "trainer"
     store = WeightStoreConfig(
         nats_url=nats_server.url, run_id=run_id, model_dir=model_dir, keep_versions=3
@@ -67,7 +68,7 @@ async def test_a_kill_between_checkpoints_replays_both_steps_exactly(
             await publish(js, first)
             step1 = await log.wait_for(TrainStep, step=1, timeout=60)
             assert not step1.checkpointed and step1.logprob_diff_max <= 1e-4
-            v2 = map_weights(await fetch_manifest(nc, 2))  # type: ignore[arg-type]
+            v2 = map_weights(await fetch_manifest(nc, 2))
             second = make_group(model_dir, dict(v2), 2, "b")
             await publish(js, second)
             await log.wait_for(TrainStepStarted, step=2, replay=False, timeout=60)
@@ -102,7 +103,7 @@ async def test_a_kill_between_checkpoints_replays_both_steps_exactly(
                 grpo_step(state, samples, group_size=GROUP, grpo=GRPO, optim=OPTIM, pad_id=0)
             ours = publishable_state_dict(state.model)
             assert weights_equal(ours, load_weights(journal.checkpoint_path(ckpt, 2)))
-            v3 = map_weights(await fetch_manifest(nc, 3))  # type: ignore[arg-type]
+            v3 = map_weights(await fetch_manifest(nc, 3))
             assert weights_equal(ours, dict(v3))
         finally:
             trainer.stop()
@@ -110,7 +111,7 @@ async def test_a_kill_between_checkpoints_replays_both_steps_exactly(
 
 async def test_a_checkpoint_of_another_run_or_model_is_refused_before_training(
     nats_server: NatsServer,
-    trainer_bus: tuple[object, EventTail],
+    trainer_bus: tuple[NATS, EventTail],
     model_dir: Path,
     run_id: str,
     tmp_path: Path,

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest_asyncio
 import torch
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from common import subjects
 from common.bus import connect, ensure_jetstream
@@ -71,12 +73,12 @@ class TrainerProc:
                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
             )  # fmt: skip
 
-    async def ready(self, nc: object) -> None:
+    async def ready(self, nc: NATS) -> None:
         async def answers() -> bool:
             assert self.proc is not None
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
             try:
-                await trainer_status(nc, timeout=0.5)  # type: ignore[arg-type]
+                await trainer_status(nc, timeout=0.5)
                 return True
             except BelayerError:
                 return False
@@ -99,7 +101,7 @@ class TrainerProc:
 
 
 @pytest_asyncio.fixture
-async def trainer_bus(nats_server: NatsServer) -> AsyncIterator[tuple[object, EventTail]]:
+async def trainer_bus(nats_server: NatsServer) -> AsyncIterator[tuple[NATS, EventTail]]:
     """A client on the test's NATS server (JetStream streams declared) and its event log."""
     nc = await connect(nats_server.url, name="test-replay")
     await ensure_jetstream(nc.jetstream())
@@ -157,9 +159,9 @@ async def run_to_exit(config: TrainerConfig) -> subprocess.CompletedProcess[str]
     )
 
 
-async def publish(js: object, trajs: list[Trajectory]) -> None:
+async def publish(js: JetStreamContext, trajs: list[Trajectory]) -> None:
     for t in trajs:
-        await js.publish(  # type: ignore[attr-defined]
+        await js.publish(
             subjects.trajectory(t.rollout_id, t.trajectory_id),
             encode(t),
             headers={"Nats-Msg-Id": t.trajectory_id},

@@ -111,7 +111,10 @@ def test_deltas_must_add_up_to_the_result() -> None:
 
 
 def test_epochs_only_grow_and_one_worker_streams_per_epoch() -> None:
-    back: list[Record] = [EpochSeen(engine="e0", epoch=3, t=1.0), EpochSeen(engine="e0", epoch=2, t=2.0)]
+    back: list[Record] = [
+        EpochSeen(engine="e0", epoch=3, t=1.0),
+        EpochSeen(engine="e0", epoch=2, t=2.0),
+    ]
     assert invariants(back) == ["epochs"]
     # out of order in the file, in order in time: fine; another engine's epochs are its own
     fine: list[Record] = [
