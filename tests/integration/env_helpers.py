@@ -137,7 +137,7 @@ def make_config(tmp_path: Path, **kw: object) -> EnvConfig:
     the product default, ``layer_only_when_quiescent=True`` (``test_env_layer``)."""
     kw.setdefault("layer_only_when_quiescent", False)
     node = "test-" + secrets.token_hex(4)
-    return EnvConfig(run_dir=tmp_path / "run", node=node, lock_wait_s=20.0, **kw)  # type: ignore[arg-type]
+    return EnvConfig(run_dir=tmp_path / "run", node=node, lock_wait_s=20.0, **kw)  # type: ignore[arg-type]  # kw: fields by name
 
 
 @contextlib.asynccontextmanager

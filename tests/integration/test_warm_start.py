@@ -100,7 +100,7 @@ def test_swe_warm_start_is_built_from_real_sandbox_observations_and_acts(
         ] + [SubmitAction()]
         seen = [c for r, c in demo.messages[len(task.prompt) :] if r == "user"]
         assert seen[0].startswith("exit_code: 1") and "1 failed" in seen[0]
-        assert seen[1] == "exit_code: 0\n" + task.sandbox.files[task.metadata["module"]].decode()  # type: ignore[union-attr]
+        assert seen[1] == "exit_code: 0\n" + task.sandbox.files[task.metadata["module"]].decode()  # type: ignore[union-attr]  # SWE: has a sandbox
         assert (
             seen[2] == "exit_code: 0" and seen[3].startswith("exit_code: 0") and "passed" in seen[3]
         )

@@ -11,7 +11,7 @@ import docker
 import pytest
 
 from common.errors import NotFound
-from workloads import SandboxHandle, SandboxOps, load_workload
+from workloads import HiddenTests, SandboxHandle, SandboxOps, load_workload
 from workloads.runner import run_action, run_episode
 from workloads.scoring import score_tests
 from workloads.swe import SWE_IMAGE
@@ -32,13 +32,14 @@ KILL_SERVER = (
 async def test_every_bundled_task_scores_0_unfixed_and_1_after_its_reference_fix(env) -> None:
     ops: SandboxOps = env.client  # EnvClient satisfies the workloads protocol structurally
     swe = load_workload("swe-bundled")
-    tasks = swe.tasks(len(swe.train)) + swe.held_out(len(swe.evaluation))  # type: ignore[attr-defined]
+    tasks = swe.tasks(len(swe.train)) + swe.held_out(len(swe.evaluation))  # type: ignore[attr-defined]  # not in the protocol
     assert len(tasks) >= 4 and {t.id for t in tasks} >= {"kv_daemon"}
     for task in tasks:
         before = await run_episode(ops, task, actions=[])
         assert before.score is not None and before.score.reward == 0.0, (task.id, before.score)
-        assert set(task.reward.fail_to_pass) <= set(before.score.failed), task.id  # type: ignore[union-attr]
-        assert set(task.reward.pass_to_pass) <= set(before.score.passed), task.id  # type: ignore[union-attr]
+        assert isinstance(task.reward, HiddenTests), task.id
+        assert set(task.reward.fail_to_pass) <= set(before.score.failed), task.id
+        assert set(task.reward.pass_to_pass) <= set(before.score.passed), task.id
         after = await run_episode(ops, task, trajectory_id=f"verify-{task.id}".replace("_", "-"))
         assert after.score is not None and after.score.reward == 1.0, (
             task.id,
@@ -147,7 +148,7 @@ async def test_running_process_state_survives_checkpoint_and_restore(env) -> Non
 def test_a_missing_image_is_a_clear_error_at_load(tmp_path: Path) -> None:
     """deploy/install_env.sh built the image the bundled tasks name; a missing one is a
     ``NotFound`` when the workload loads, before any sandbox starts."""
-    assert load_workload("swe").task("calc_clamp").sandbox.image == SWE_IMAGE  # type: ignore[union-attr]
+    assert load_workload("swe").task("calc_clamp").sandbox.image == SWE_IMAGE  # type: ignore[union-attr]  # SWE tasks have one
     with pytest.raises(NotFound, match="sandbox image not found") as exc:
         load_workload("swe", image="belayer-absent:0")
     assert exc.value.data["image"] == "belayer-absent:0"

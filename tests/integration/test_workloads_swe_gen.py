@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from services.rl.demonstrations import general_actions
-from workloads import SandboxOps, load_workload
+from workloads import HiddenTests, SandboxOps, load_workload
 from workloads.runner import run_episode
 
 pytestmark = [pytest.mark.docker]
@@ -31,8 +31,9 @@ async def test_generated_tasks_score_0_unfixed_and_1_after_the_reference_fix(env
     for task in tasks:
         before = await run_episode(ops, task, actions=[])
         assert before.score is not None and before.score.reward == 0.0, (task.id, before.score)
-        assert set(task.reward.fail_to_pass) <= set(before.score.failed), task.id  # type: ignore[union-attr]
-        assert set(task.reward.pass_to_pass) <= set(before.score.passed), task.id  # type: ignore[union-attr]
+        assert isinstance(task.reward, HiddenTests), task.id
+        assert set(task.reward.fail_to_pass) <= set(before.score.failed), task.id
+        assert set(task.reward.pass_to_pass) <= set(before.score.passed), task.id
         after = await run_episode(ops, task)
         assert after.score is not None and after.score.reward == 1.0, (task.id, after.score)
         assert all(s.exit_code == 0 and not s.timed_out for s in after.steps), task.id

@@ -21,7 +21,7 @@ from services.controller.core import (
     TrajectoryCore,
     is_agent_timeout,
 )
-from services.controller.policy import CheckpointPolicy, PolicyConfig
+from services.controller.policy import CheckpointPolicy, PolicyConfig, PolicyKind
 from tests.unit.model_fixtures import write_small_model
 
 LIMITS = Limits(
@@ -48,13 +48,17 @@ def chat(tok: Tokenizer) -> ChatFormat:
 
 
 def make(
-    chat: ChatFormat, *, sandbox: bool = True, limits: Limits = LIMITS, policy: str = "always"
+    chat: ChatFormat,
+    *,
+    sandbox: bool = True,
+    limits: Limits = LIMITS,
+    policy: PolicyKind = "always",
 ) -> TrajectoryCore:
     return TrajectoryCore(
         trajectory_id="r1-s0-a0",
         prompt_ids=chat.prompt(PROMPT),
         limits=limits,
-        policy=CheckpointPolicy(PolicyConfig(kind=policy)),  # type: ignore[arg-type]
+        policy=CheckpointPolicy(PolicyConfig(kind=policy)),
         sample_seed=11,
         has_sandbox=sandbox,
         started_at=0.0,

@@ -10,6 +10,7 @@ import pytest
 from services.controller.policy import (
     CheckpointPolicy,
     PolicyConfig,
+    PolicyKind,
     PolicyStats,
     parse_policy,
 )
@@ -96,8 +97,8 @@ def test_timeout_cooldown_disables_checkpointing() -> None:
 
 
 @pytest.mark.parametrize("kind", ["always", "interval", "young-daly", "risk-aware"])
-def test_every_policy_but_never_honours_the_cooldown(kind: str) -> None:
-    p = CheckpointPolicy(PolicyConfig(kind=kind, fixed_probability=1.0))  # type: ignore[arg-type]
+def test_every_policy_but_never_honours_the_cooldown(kind: PolicyKind) -> None:
+    p = CheckpointPolicy(PolicyConfig(kind=kind, fixed_probability=1.0))
     p.observe_step(env_s=100.0)
     p.observe_timeout(now=0.0)
     assert p.decide(step_s=1.0, now=1.0).reason == "cooldown"
@@ -195,7 +196,7 @@ def test_parse_policy_refuses(text: str) -> None:
 
 def test_config_checks_kind_and_interval() -> None:
     with pytest.raises(ValueError):
-        PolicyConfig(kind="sometimes")  # type: ignore[arg-type]
+        PolicyConfig(kind="sometimes")  # type: ignore[arg-type]  # an unknown kind, on purpose
     with pytest.raises(ValueError):
         PolicyConfig(kind="interval", interval=0)
     assert PolicyConfig(kind="interval", interval=5).name == "interval:5"

@@ -3,6 +3,8 @@ slots, a slot is failed only once it used up its attempts, times and recoveries 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from schemas.rollout import RecoveryLog, RolloutRequest, RolloutState, Timings, TrajectoryRow
@@ -10,11 +12,15 @@ from services.controller.summary import summarize
 
 
 def row(
-    slot: int, attempt: int, state: str, reward: float = 0.0, restores: int = 0
+    slot: int,
+    attempt: int,
+    state: Literal["running", "finished", "failed"],
+    reward: float = 0.0,
+    restores: int = 0,
 ) -> TrajectoryRow:
     return TrajectoryRow(
         trajectory_id=f"r-s{slot}-a{attempt}", task_id="t", slot=slot, attempt=attempt,
-        state=state, reward=reward, restores=restores,  # type: ignore[arg-type]
+        state=state, reward=reward, restores=restores,
     )  # fmt: skip
 
 

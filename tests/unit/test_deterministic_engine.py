@@ -59,7 +59,7 @@ def recording(engine: LLMEngine) -> dict[str, dict[int, Tensor]]:
             seen.setdefault(seq.request_id, {})[seq.sample_index] = row.clone()
         return logits
 
-    engine.runner.run = recorded  # type: ignore[method-assign]
+    engine.runner.run = recorded  # type: ignore[method-assign]  # records each forward pass
     return seen
 
 

@@ -16,7 +16,7 @@ CAPS = core.Limits(memory_mb=1024, cpus=2.0, pids=512)
 
 def _limits(**kw: float) -> core.Limits:
     base: dict[str, float] = {"memory_mb": 256, "cpus": 1.0, "pids": 64}
-    return core.Limits(**{**base, **kw})  # type: ignore[arg-type]
+    return core.Limits(**{**base, **kw})  # type: ignore[arg-type]  # int fields take float test values too
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.core import group_advantages, grpo_loss
+from services.trainer.core import ScaleRewards, group_advantages, grpo_loss
 
 EPS = 1e-4
 
@@ -53,8 +53,8 @@ def test_two_sample_group_uses_bessels_correction() -> None:
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_constant_rewards_give_zero_advantage_not_nan(scale: str) -> None:
-    a = group_advantages([0.7, 0.7, 0.7], 3, scale=scale)  # type: ignore[arg-type]
+def test_constant_rewards_give_zero_advantage_not_nan(scale: ScaleRewards) -> None:
+    a = group_advantages([0.7, 0.7, 0.7], 3, scale=scale)
     assert torch.isfinite(a).all()
     close(a, [0.0, 0.0, 0.0])
 
@@ -67,7 +67,7 @@ def test_bad_advantage_input_is_refused() -> None:
     with pytest.raises(ValueError, match="groups of 4"):
         group_advantages([1.0, 2.0, 3.0], 4)
     with pytest.raises(ValueError, match="scale"):
-        group_advantages([1.0, 2.0], 2, scale="rank")  # type: ignore[arg-type]
+        group_advantages([1.0, 2.0], 2, scale="rank")  # type: ignore[arg-type]  # unknown scale, on purpose
     with pytest.raises(ValueError, match="finite"):
         group_advantages([1.0, float("nan")], 2)
 
@@ -82,7 +82,7 @@ LOGP = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.1, 0.6, 0.3]]))
 
 
 def on_policy(**kw: object) -> torch.Tensor:
-    return grpo_loss(LOGP, LOGP.clone(), ADV, MASK, **kw)  # type: ignore[arg-type]
+    return grpo_loss(LOGP, LOGP.clone(), ADV, MASK, **kw)  # type: ignore[arg-type]  # kw: loss options by name
 
 
 def test_grpo_averages_each_sequence_then_the_batch() -> None:
@@ -137,7 +137,7 @@ def one_token(ratio: float, advantage: float, **kw: object) -> tuple[float, floa
     """(loss, d loss / d logp) of one token with ``exp(logp - old) = ratio``."""
     old = torch.tensor([[math.log(0.4)]])
     logp = (old + math.log(ratio)).requires_grad_(True)
-    loss = grpo_loss(logp, old, torch.tensor([advantage]), torch.ones(1, 1), **kw)  # type: ignore[arg-type]
+    loss = grpo_loss(logp, old, torch.tensor([advantage]), torch.ones(1, 1), **kw)  # type: ignore[arg-type]  # kw: loss options
     loss.backward()
     assert logp.grad is not None
     return float(loss.detach()), float(logp.grad)
@@ -242,8 +242,8 @@ def test_sequence_level_gradient_is_shared_by_the_sequences_tokens() -> None:
 
 def test_bad_loss_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="loss_type"):
-        grpo_loss(LOGP, LOGP, ADV, MASK, loss_type="ppo")  # type: ignore[arg-type]
+        grpo_loss(LOGP, LOGP, ADV, MASK, loss_type="ppo")  # type: ignore[arg-type]  # unknown, on purpose
     with pytest.raises(ValueError, match="importance_sampling_level"):
-        grpo_loss(LOGP, LOGP, ADV, MASK, importance_sampling_level="group")  # type: ignore[arg-type]
+        grpo_loss(LOGP, LOGP, ADV, MASK, importance_sampling_level="group")  # type: ignore[arg-type]  # unknown, on purpose
     with pytest.raises(ValueError, match="shape"):
         grpo_loss(LOGP, LOGP[:, :2], ADV, MASK)

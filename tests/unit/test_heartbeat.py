@@ -31,7 +31,7 @@ def test_identity_roundtrip(tmp_path: Path) -> None:
     hb = tmp_path / "e0.hb"
     assert read_identity(hb) is None
     write_identity(hb, Identity(pid=12, epoch=3, engine_id="e0"))
-    ident, mtime = read_identity(hb)  # type: ignore[misc]
+    ident, mtime = read_identity(hb)  # type: ignore[misc]  # written just above: not None
     assert ident == Identity(12, 3, "e0") and mtime > 0
     hb.write_text("{not json")
     assert read_identity(hb) is None

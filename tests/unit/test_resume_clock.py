@@ -3,12 +3,17 @@ the engine's next worker (``resumed_first_token``), driven through the real Rout
 
 from __future__ import annotations
 
+from typing import Literal
+
 from schemas.events import RequestsResumed, ResumedFirstToken
 from schemas.serving import SamplingParams, SeqDelta, StepBatch
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.resume_clock import MAX_WAIT_S, ResumeClock
 from services.router.state import Action, EmitEvent
+
+Recovery = Literal["belayer", "baseline"]
+"""``RouterConfig.recovery``'s values."""
 
 
 def step(engine: str, epoch: int, pid: int, deltas: dict[str, tuple[int, list[int]]]) -> StepBatch:
@@ -22,9 +27,9 @@ def step(engine: str, epoch: int, pid: int, deltas: dict[str, tuple[int, list[in
 class Node:
     """A RouterCore with the clock fed as the router's service feeds it."""
 
-    def __init__(self, recovery: str = "belayer") -> None:
+    def __init__(self, recovery: Recovery = "belayer") -> None:
         self.core = RouterCore(
-            RouterConfig(token_log_chunk=4, recovery=recovery),  # type: ignore[arg-type]
+            RouterConfig(token_log_chunk=4, recovery=recovery),
             decode=lambda ids: " ".join(map(str, ids)),
         )
         self.clock = ResumeClock()
@@ -41,7 +46,7 @@ class Node:
         return self.clock.on_step(batch, now)
 
 
-def started(recovery: str = "belayer") -> Node:
+def started(recovery: Recovery = "belayer") -> Node:
     n = Node(recovery)
     n.run(n.core.register("e0", 1, 100), 0.0)
     for rid in ("a", "b"):

@@ -31,7 +31,7 @@ def _probe(monkeypatch: pytest.MonkeyPatch, answers: list[RouterStatus | Excepti
 
     monkeypatch.setattr(client, "router_status", fake_status)
     stream = client._Stream(None)
-    return [asyncio.run(client._still_working(None, "q", stream)) for _ in answers]  # type: ignore[arg-type]
+    return [asyncio.run(client._still_working(None, "q", stream)) for _ in answers]  # type: ignore[arg-type]  # nc=None: router_status is faked
 
 
 def test_active_waits_and_finished_waits_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -223,8 +223,12 @@ def test_sandbox_limits_in_range_decode() -> None:
     ],
 )
 def test_sampling_integers_are_bounded(name: str, value: object) -> None:
-    raw = {"type": "GenerateRequest.v1", "request_id": "r", "prompt": "x", "sampling": {}}
-    raw["sampling"][name] = value  # type: ignore[index]
+    raw = {
+        "type": "GenerateRequest.v1",
+        "request_id": "r",
+        "prompt": "x",
+        "sampling": {name: value},
+    }
     with pytest.raises(InvalidRequest) as err:
         decode(msgpack.packb(raw), GenerateRequest)
     assert err.value.data["field"] == f"$.sampling.{name}"

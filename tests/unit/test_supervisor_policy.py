@@ -35,7 +35,7 @@ UNDER_WAY = HandoverView(
 
 
 def decide(**changes: object) -> tuple[HandoverAction, str]:
-    d = handover_decision(replace(UNDER_WAY, **changes))  # type: ignore[arg-type]
+    d = handover_decision(replace(UNDER_WAY, **changes))  # type: ignore[arg-type]  # fields by name
     return d.action, d.reason
 
 

@@ -13,7 +13,7 @@ from model.config import ModelConfig, load_model_config
 from model.loader import load_safetensors
 from model.training import OptimConfig, publishable_state_dict, weights_sha256
 from services.trainer.config import GrpoConfig
-from services.trainer.core import Batcher, Sample, Verdict, validate_sample
+from services.trainer.core import Batcher, LossType, Sample, Verdict, validate_sample
 from services.trainer.update import (
     grpo_step,
     load_state,
@@ -227,9 +227,9 @@ def test_update_is_bitwise_reproducible_and_survives_a_checkpoint(
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_every_loss_type_trains_with_kl_and_sequence_level_ratios(
-    cfg: ModelConfig, model_dir: Path, rollouts: list[Sample], loss_type: str
+    cfg: ModelConfig, model_dir: Path, rollouts: list[Sample], loss_type: LossType
 ) -> None:
-    grpo = GrpoConfig(loss_type=loss_type, beta=0.05, importance_sampling_level="sequence")  # type: ignore[arg-type]
+    grpo = GrpoConfig(loss_type=loss_type, beta=0.05, importance_sampling_level="sequence")
     state = new_state(cfg, load_safetensors(model_dir), 1, OPTIM, with_reference=True)
     res = grpo_step(state, rollouts, group_size=GROUP, grpo=grpo, optim=OPTIM, pad_id=0)
     assert res.kl == pytest.approx(0.0, abs=1e-6)  # the reference is the starting policy

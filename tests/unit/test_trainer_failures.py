@@ -37,7 +37,7 @@ def sample(tid: str, group: str, index: int, **changes: object) -> Sample:
         weight_versions=(1, -1, 1),
         reward=float(index),
     )
-    return dataclasses.replace(s, **changes)  # type: ignore[arg-type]
+    return dataclasses.replace(s, **changes)  # type: ignore[arg-type]  # changes: fields by name
 
 
 def batch() -> list[Sample]:

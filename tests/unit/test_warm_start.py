@@ -198,7 +198,7 @@ def test_swe_transcript_acts_then_submits() -> None:
 
 def test_long_episodes_explore_fix_and_test_with_a_thought_before_each_action() -> None:
     swe = load_workload("swe", check_image=False)
-    for task in swe.tasks(len(swe.train)):  # type: ignore[attr-defined]
+    for task in swe.tasks(len(swe.train)):  # type: ignore[attr-defined]  # train: not in the Workload protocol
         steps = long_episode(task)
         commands = [c for _, c in steps]
         module = edited_module(task)
@@ -259,7 +259,7 @@ def test_the_learning_rate_warms_up_then_decays_by_cosine() -> None:
     constant = SftConfig(steps=11, warmup_steps=2)
     assert [lr_factor(constant, s) for s in range(11)] == [0.5] + [1.0] * 10
     with pytest.raises(ValueError, match="decay"):
-        SftConfig(decay="linear")  # type: ignore[arg-type]
+        SftConfig(decay="linear")  # type: ignore[arg-type]  # an unknown decay, on purpose
     with pytest.raises(ValueError, match="min_lr_ratio"):
         SftConfig(decay="cosine", min_lr_ratio=1.5)
 

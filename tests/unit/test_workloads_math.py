@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.errors import InvalidRequest, NotFound
-from workloads import Task, load_workload, score_answer
+from workloads import AnswerCheck, Task, load_workload, score_answer
 from workloads.scoring import normalize_answer
 
 DATA = Path(__file__).resolve().parents[2] / "workloads" / "data"
@@ -91,7 +91,7 @@ def test_dapo_loader_on_the_shipped_files(name: str) -> None:
     assert held.id == "dapo-11" and held not in w.tasks(11, seed=5)
     t = w.task("dapo-3")
     assert t.prompt[0].role == "user" and "Answer:" in t.prompt[0].content
-    assert t.reward.ground_truth == "180"  # type: ignore[union-attr]
+    assert isinstance(t.reward, AnswerCheck) and t.reward.ground_truth == "180"
     assert w.tasks(5, seed=1) == w.tasks(5, seed=1) != w.tasks(5, seed=2)
     assert isinstance(msgspec.json.decode(msgspec.json.encode(t), type=Task), Task)
 
@@ -99,7 +99,7 @@ def test_dapo_loader_on_the_shipped_files(name: str) -> None:
 def test_shipped_jsonl_and_parquet_hold_the_same_tasks() -> None:
     a = load_workload("dapo", path=DATA / "dapo_sample.jsonl")
     b = load_workload("dapo", path=DATA / "dapo_sample.parquet")
-    assert [(t.prompt, t.reward) for t in a.all] == [(t.prompt, t.reward) for t in b.all]  # type: ignore[attr-defined]
+    assert [(t.prompt, t.reward) for t in a.all] == [(t.prompt, t.reward) for t in b.all]  # type: ignore[attr-defined]  # all: DapoWorkload only
 
 
 def _rows() -> list[dict[str, object]]:

@@ -79,8 +79,9 @@ def test_swe_gym_sample_points_at_a_bundled_repo() -> None:
     assert t.id == "belayer__calc-1" and w.task("belayer__calc-1") is t
     assert t.sandbox is not None and bundled.sandbox is not None
     assert t.sandbox.files == bundled.sandbox.files and t.sandbox.image == "belayer-swe:1"
-    assert t.reward.files == bundled.reward.files  # type: ignore[union-attr]  # test_patch applied here
-    assert t.reward.fail_to_pass == bundled.reward.fail_to_pass  # type: ignore[union-attr]
+    assert isinstance(t.reward, HiddenTests) and isinstance(bundled.reward, HiddenTests)
+    assert t.reward.files == bundled.reward.files  # test_patch applied here
+    assert t.reward.fail_to_pass == bundled.reward.fail_to_pass
     assert t.metadata["instance_id"] == "belayer__calc-1"
 
 
@@ -95,7 +96,8 @@ def test_swe_gym_test_fields_as_list_or_json_string(tmp_path: Path) -> None:
         "swe-gym", path=_write(tmp_path, as_list, as_str), check_images=False, held_out=0
     )
     a, b = w.task("a__b-1"), w.task("a__b-2")
-    assert a.reward == b.reward and a.reward.fail_to_pass == f2p and a.reward.pass_to_pass == p2p  # type: ignore[union-attr]
+    assert a.reward == b.reward and isinstance(a.reward, HiddenTests)
+    assert a.reward.fail_to_pass == f2p and a.reward.pass_to_pass == p2p
     bad = _instance(FAIL_TO_PASS="not json")
     with pytest.raises(InvalidRequest, match="FAIL_TO_PASS is not a JSON list"):
         load_workload("swe-gym", path=_write(tmp_path, bad), check_images=False)
@@ -164,7 +166,8 @@ def test_swe_gym_git_checkout_at_base_commit_and_image_mode(tmp_path: Path) -> N
     t = w.tasks(1)[0]
     assert t.sandbox is not None and t.sandbox.image == "sweb.eval.x86_64.org_1776_proj-7:latest"
     assert t.sandbox.workdir == "/testbed" and not t.sandbox.files
-    assert t.reward.test_patch == row["test_patch"] and not t.reward.files  # type: ignore[union-attr]
+    assert isinstance(t.reward, HiddenTests)
+    assert t.reward.test_patch == row["test_patch"] and not t.reward.files
 
 
 def test_patch_applier() -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from common.errors import InvalidRequest, NotFound
 from services.rl.options import RunOptions, check_options, choose_tasks, workload_spec
-from workloads import Task, load_workload, score_answer
+from workloads import AnswerCheck, Task, load_workload, score_answer
 from workloads.actions import MATH_INSTRUCTION
 from workloads.rewards import columns_of
 from workloads.table import dataset_workload
@@ -51,7 +51,8 @@ def check_qa(w: Any) -> None:
         ("system", MATH_INSTRUCTION),
         ("user", "What is 3 + 1?"),
     ]
-    assert t.reward.ground_truth == "4" and t.reward.checker == "dapo"  # type: ignore[union-attr]
+    assert isinstance(t.reward, AnswerCheck)
+    assert t.reward.ground_truth == "4" and t.reward.checker == "dapo"
     assert score_answer(t, "3 plus 1.\nAnswer: 4").reward == 1.0
     assert score_answer(t, "Answer: 5").reward == 0.0
     assert t.metadata["level"] == "l0" and "question" not in t.metadata
@@ -105,7 +106,8 @@ def test_a_save_to_disk_directory(tmp_path: Path) -> None:
 
 def test_dapo_files_read_as_before_and_as_a_table() -> None:
     w = load_workload("dapo", path=DATA / "dapo_sample.parquet")
-    assert w.task("dapo-3").reward.ground_truth  # type: ignore[union-attr]
+    reward = w.task("dapo-3").reward
+    assert isinstance(reward, AnswerCheck) and reward.ground_truth
     t = table(DATA / "dapo_sample.parquet", answer_column="reward_model.ground_truth")
     d = w.task("dapo-0")
     assert t.task("table-0").prompt == d.prompt  # a chat prompt is used as it is
