@@ -8,6 +8,8 @@ workload"). Use it without installing anything::
     PYTHONPATH=examples/plugin belayer rollout --workload belayer_example_tasks:make ...
     PYTHONPATH=examples/plugin belayer run --workload belayer_example_tasks:make --steps 2
 
+``make_judged`` is the same workload declaring a reward service (``rewards``) instead.
+
 or install this directory (``pip install examples/plugin``): its ``pyproject.toml`` declares
 the entry point ``capitals`` in the group ``belayer.workloads``, so every service finds it by
 that name with no listing.
@@ -81,3 +83,19 @@ def make(*, held_out_words: int = len(HELD_OUT)) -> Capitals:
     """The factory Belayer calls (``belayer_example_tasks:make``) with the workload options
     (keyword-only, so an unknown option is one clear error before anything starts)."""
     return Capitals(held_out_words=held_out_words)
+
+
+class JudgedCapitals(Capitals):
+    """``capitals`` scored by a reward service on the bus instead of its own ``reward``."""
+
+    def __init__(self, *, service: str, held_out_words: int) -> None:
+        super().__init__(held_out_words=held_out_words)
+        self.rewards = [f"service:{service}"]
+        """Optional: the reward services (``service:<name>``) that score this workload's
+        trajectories when a rollout or run names no ``--reward`` (docs/protocol.md §5.1)."""
+
+
+def make_judged(*, service: str = "exact", held_out_words: int = len(HELD_OUT)) -> Capitals:
+    """``belayer_example_tasks:make_judged``: the same tasks, scored by the reward service
+    ``belayer.reward.<service>`` (e.g. ``tests/integration/reward_service.mjs``)."""
+    return JudgedCapitals(service=service, held_out_words=held_out_words)
