@@ -48,6 +48,11 @@ def bad_defaults():
     wl.run_defaults = {"tasks": 0}
     return wl
 
+def bad_rewards():
+    wl = _make()
+    wl.rewards = ["my_plugins:raising"]
+    return wl
+
 class MultiTurn(Capitals):
     def _task(self, tag, word):
         task = super()._task(tag, word)
@@ -89,6 +94,7 @@ def belayer_run(plugin_path: Path, tmp_path: Path, *args: str) -> subprocess.Com
         (["--workload", "my_plugins:not_a_workload"], "did not return a workload"),
         (["--workload", "my_plugins:nothing_here"], "no such callable"),
         (["--workload", "my_plugins:bad_defaults"], "run_defaults tasks must be a whole number"),
+        (["--workload", "my_plugins:bad_rewards"], "rewards must be a list of 'service:<name>'"),
         (["--workload", "my_plugins:multi_turn"], "pass --model DIR"),
         (["--workload", SPEC, "--reward", "no_such_module:fn"], "--reward 'no_such_module:fn'"),
         (["--workload", SPEC, "--reward-weights", "2"], "--reward-weights weighs --reward"),
