@@ -9,7 +9,7 @@ echo "test: ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check . >/dev/null || { echo "test: ruff format --check failed (run .venv/bin/ruff format .)"; exit 1; }
 echo "test: mypy"
-.venv/bin/mypy common schemas model workloads services belayer bench
+.venv/bin/mypy common schemas model workloads services belayer bench tests
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 # The warm-started tiny models the rollout tests use (tests/model_fixtures.py), made before the
 # tests so no test's timeout pays for a training: cached in $BELAYER_CACHE_DIR (default

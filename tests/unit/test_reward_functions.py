@@ -89,7 +89,7 @@ def test_a_reward_service_is_asked_with_the_token_ids_and_the_sandbox(capitals) 
     task = capitals.tasks(1, seed=0)[0]
     asked: list[RewardRequest] = []
 
-    async def ask(name: str, t, outcome) -> float:  # type: ignore[no-untyped-def]
+    async def ask(name: str, t, outcome) -> float:
         asked.append(reward_request(t, outcome))
         return 0.5
 
@@ -102,7 +102,7 @@ def test_a_reward_service_is_asked_with_the_token_ids_and_the_sandbox(capitals) 
     assert (req.trajectory_id, req.sandbox_id, req.task_id) == ("r1-s0-a0", "", task.id)
     assert reward_request(task, "Answer: X").response_token_ids == []  # a plain str: text only
 
-    handle = SandboxHandle(ops=None, sandbox_id="sb-1", trajectory_id="r1-s1-a0",  # type: ignore[arg-type]
+    handle = SandboxHandle(ops=None, sandbox_id="sb-1", trajectory_id="r1-s1-a0",  # type: ignore[arg-type]  # ops=None: never used here
                            response="done", token_ids=(5,))  # fmt: skip
     assert asyncio.run(scored.reward(task, handle)) == 0.5  # services score sandbox tasks
     assert (asked[-1].sandbox_id, asked[-1].response_token_ids) == ("sb-1", [5])
@@ -121,6 +121,6 @@ def test_a_workload_declares_its_reward_services() -> None:
     assert declared_rewards(Declared()) == ["service:judge"]
     assert declared_rewards(object()) == []
     for bad in (["belayer_example_rewards:exact"], "service:judge", [1]):
-        Declared.rewards = bad  # type: ignore[assignment]
+        Declared.rewards = bad  # type: ignore[assignment]  # ill-typed on purpose
         with pytest.raises(InvalidRequest, match="service:<name>"):
             declared_rewards(Declared())
