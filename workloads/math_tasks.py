@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,11 +20,11 @@ from workloads.base import (
     Task,
     TaskLimits,
     check_count,
-    find_task,
     split_held_out,
 )
 from workloads.rows import read_rows, require_columns
 from workloads.scoring import score
+from workloads.table import RowTasks
 
 MATH_LIMITS = TaskLimits(
     max_turns=1, action_timeout_s=1.0, observation_chars=64, max_response_tokens=64
@@ -163,7 +162,7 @@ DAPO_COLUMNS = ("prompt", "reward_model")
 """Columns a DAPO-style file must have (``reward_model.ground_truth`` inside)."""
 
 
-class DapoWorkload:
+class DapoWorkload(RowTasks):
     """``dapo``: a DAPO-Math-17k-style ``.parquet`` or ``.jsonl`` file. Each row: ``prompt`` (a
     list of ``{role, content}``), ``reward_model.ground_truth``; optional ``data_source``,
     ``extra_info``. The last ``held_out`` rows are the evaluation set (default: a tenth)."""
@@ -216,19 +215,3 @@ class DapoWorkload:
                 "index": str(extra.get("index", "")) if isinstance(extra, dict) else "",
             },
         )
-
-    def tasks(self, count: int, seed: int = 0) -> list[Task]:
-        check_count(count, len(self.train), what="dapo tasks")
-        order = list(self.train)
-        random.Random(seed).shuffle(order)
-        return order[:count]
-
-    def held_out(self, count: int) -> list[Task]:
-        check_count(count, len(self.evaluation), what="dapo held-out tasks")
-        return self.evaluation[:count]
-
-    def task(self, task_id: str) -> Task:
-        return find_task(self.all, task_id, self.name)
-
-    async def reward(self, task: Task, outcome: Outcome) -> float:
-        return (await score(task, outcome)).reward

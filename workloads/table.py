@@ -45,7 +45,34 @@ MATH_STYLE = ("math", "dapo", "table")
 SANDBOXED = ("swe", "swe-bundled", "swe-gym")
 
 
-class TableWorkload:
+class RowTasks:
+    """A workload over rows read once (``table``, ``dapo``): ``all`` of them, the ``train``
+    rows (``tasks`` shuffles them by seed) and the held-out ``evaluation`` rows; each task
+    scored by its answer check."""
+
+    name: str
+    all: list[Task]
+    train: list[Task]
+    evaluation: list[Task]
+
+    def tasks(self, count: int, seed: int = 0) -> list[Task]:
+        check_count(count, len(self.train), what=f"{self.name} tasks")
+        order = list(self.train)
+        random.Random(seed).shuffle(order)
+        return order[:count]
+
+    def held_out(self, count: int) -> list[Task]:
+        check_count(count, len(self.evaluation), what=f"{self.name} held-out tasks")
+        return self.evaluation[:count]
+
+    def task(self, task_id: str) -> Task:
+        return find_task(self.all, task_id, self.name)
+
+    async def reward(self, task: Task, outcome: Outcome) -> float:
+        return (await score(task, outcome)).reward
+
+
+class TableWorkload(RowTasks):
     """``table``: one single-turn task per row (module doc). Task ids are ``table-<row>`` (rows
     count from 0); the last ``held_out`` rows are the evaluation set (default: a tenth)."""
 
@@ -99,22 +126,6 @@ class TableWorkload:
             reference_answer=truth,
             metadata=metadata,
         )
-
-    def tasks(self, count: int, seed: int = 0) -> list[Task]:
-        check_count(count, len(self.train), what="table tasks")
-        order = list(self.train)
-        random.Random(seed).shuffle(order)
-        return order[:count]
-
-    def held_out(self, count: int) -> list[Task]:
-        check_count(count, len(self.evaluation), what="table held-out tasks")
-        return self.evaluation[:count]
-
-    def task(self, task_id: str) -> Task:
-        return find_task(self.all, task_id, self.name)
-
-    async def reward(self, task: Task, outcome: Outcome) -> float:
-        return (await score(task, outcome)).reward
 
 
 def column_path(column: str, present: list[str]) -> list[str] | None:
