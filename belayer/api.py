@@ -9,23 +9,25 @@ import asyncio
 import dataclasses
 import threading
 import uuid
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
+from belayer.observe import UnknownEvent, event_history, node_status
 from common import subjects
 from common.codec import decode
 from common.errors import BelayerError, InvalidRequest, NotFound
+from common.node import read_node
 from schemas.events import AnyEvent, EventBase
-from schemas.rollout import RolloutRequest, RolloutResult
+from schemas.rollout import RolloutAccepted, RolloutRequest, RolloutResult
 from schemas.serving import GenerateRequest, GenerateResult, SamplingParams, TokenDelta
 from services.controller.client import parse_inject, submit, wait
 from services.rl.node import NodeHandle, launch, open_bus, running_node, shut_down
 from services.rl.options import RunOptions
 from services.rl.run import execute, run_paths
 from services.router.client import generate as router_generate
-from services.supervisor.client import SupervisorConfig, supervisor_status
+from services.supervisor.client import SupervisorConfig
 from workloads.table import dataset_workload
 
 T = TypeVar("T")
@@ -82,6 +84,17 @@ class AsyncNode:
         )  # fmt: skip
         self.handle: NodeHandle | None = None
         self.nc: Any = None
+        self.url = ""
+        self._borrowed = False
+
+    @classmethod
+    def over(cls, nc: Any, *, url: str = "", run_dir: str | Path | None = None) -> AsyncNode:
+        """A node reached over a bus connection the caller opened (``url``, with its own
+        credentials) and closes: this object starts, stops and disconnects nothing. The CLI's
+        commands are built on it."""
+        node = cls(run_dir, start=False)
+        node.nc, node.url, node._borrowed = nc, url, True
+        return node
 
     # --- lifetime ---------------------------------------------------------------------------
     async def open(self) -> AsyncNode:
@@ -94,14 +107,14 @@ class AsyncNode:
             info = await asyncio.to_thread(launch, self.config, self.paths, self.timeout)
             ours = True
         self.handle = NodeHandle(self.paths, info, ours=ours)
-        self.nc = await open_bus(self.handle)
+        self.nc, self.url = await open_bus(self.handle), info.nats_url
         return self
 
     async def close(self) -> None:
         """Disconnect; stop the node if this object started it (and ``keep`` is off)."""
-        if self.nc is not None:
+        if self.nc is not None and not self._borrowed:
             await self.nc.drain()
-            self.nc = None
+        self.nc = None
         if self.handle is not None and self.handle.ours and not self.keep:
             await asyncio.to_thread(shut_down, self.paths, timeout=60.0, keep=False)
         self.handle = None
@@ -124,10 +137,10 @@ class AsyncNode:
 
     # --- work -------------------------------------------------------------------------------
     async def status(self) -> dict[str, Any]:
-        """The node's processes (name, pid, alive, restarts) and readiness."""
-        st = await supervisor_status(self._bus(), timeout=5.0)
-        return {"run_id": st.run_id, "ready": st.ready,
-                "procs": [{"name": p.name, "pid": p.pid, "alive": p.alive} for p in st.procs]}  # fmt: skip
+        """The node's readiness, processes (name, pid, alive, restarts), engines (id, epoch,
+        worker pid, health …) and router (``belayer status --json``: ``belayer.observe.
+        node_status``); while its router restarts, ``state`` is ``degraded``, not an error."""
+        return await node_status(self._bus(), url=self.url, node=read_node(self.paths))
 
     async def generate(
         self,
@@ -141,10 +154,11 @@ class AsyncNode:
         request_id: str | None = None,
         on_tokens: Any = None,
         timeout: float = 300.0,
+        engine: str | None = None,
     ) -> GenerateResult:
         """Generate from a text prompt or token ids; rides through worker and router failures
         (the same request id is resumed, never generated twice). ``on_tokens(token_ids)``
-        receives each new piece as it streams."""
+        receives each new piece as it streams; ``engine`` pins the request to that engine."""
         sampling = SamplingParams(
             temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
             ignore_eos=ignore_eos,
@@ -153,14 +167,26 @@ class AsyncNode:
         req = GenerateRequest(
             request_id=request_id or f"py-{uuid.uuid4().hex[:16]}", prompt=text,
             prompt_token_ids=ids, sampling=sampling, stream=on_tokens is not None,
+            engine_id=engine,
         )  # fmt: skip
 
         def delta(d: TokenDelta) -> None:
             on_tokens(list(d.token_ids))
 
-        return await router_generate(
-            self._bus(), req, timeout=timeout, on_delta=delta if on_tokens else None
+        return await self.generate_request(
+            req, timeout=timeout, on_delta=delta if on_tokens else None
         )
+
+    async def generate_request(
+        self,
+        req: GenerateRequest,
+        *,
+        timeout: float = 300.0,
+        on_delta: Callable[[TokenDelta], None] | None = None,
+    ) -> GenerateResult:
+        """``generate`` for a request the caller built (``belayer generate`` builds one from
+        its flags): the router's answer, ``on_delta`` called with each streamed piece."""
+        return await router_generate(self._bus(), req, timeout=timeout, on_delta=on_delta)
 
     async def rollout(
         self,
@@ -194,9 +220,24 @@ class AsyncNode:
             sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
             rewards=list(rewards), reward_weights=list(reward_weights),
         )  # fmt: skip
+        return await self.rollout_request(req, timeout=timeout)
+
+    async def rollout_request(
+        self,
+        req: RolloutRequest,
+        *,
+        timeout: float = 3600.0,
+        on_accepted: Callable[[RolloutAccepted], None] | None = None,
+        on_progress: Callable[[RolloutResult], None] | None = None,
+    ) -> RolloutResult:
+        """``rollout`` for a request the caller built (``belayer rollout`` builds one from its
+        flags: recovery policy, task ids, deadlines …): submitted (idempotent by
+        ``rollout_id``), then followed to its end, ``on_progress`` called as it changes."""
         nc = self._bus()
         accepted = await submit(nc, req)
-        return await wait(nc, accepted.rollout_id, timeout=timeout)
+        if on_accepted is not None:
+            on_accepted(accepted)
+        return await wait(nc, accepted.rollout_id, timeout=timeout, on_progress=on_progress)
 
     async def run(self, workload: str, *, steps: int = 20, **options: Any) -> dict[str, Any]:
         """A GRPO training run on this node (``belayer run``: ``options`` are ``RunOptions``'
@@ -208,7 +249,7 @@ class AsyncNode:
         if unknown:
             raise InvalidRequest("unknown run option", unknown=unknown, known=sorted(fields))
         opts = RunOptions(workload=workload, steps=steps, node_dir=self.paths.root, **options)
-        report, _ = await asyncio.to_thread(execute, opts, say=lambda _line: None)
+        report, _ = await asyncio.to_thread(train, opts)
         return report
 
     def events(self, kinds: Sequence[str] | None = None) -> EventStream:
@@ -217,6 +258,25 @@ class AsyncNode:
         node.events(...)`` subscribes at the first iteration; ``async with node.events(...) as
         stream`` subscribes at once (nothing published after that is missed)."""
         return EventStream(self._bus(), kinds)
+
+    def history(
+        self, kind: str = "", *, follow: bool = False, duration: float = 0.0
+    ) -> AsyncIterator[EventBase | UnknownEvent]:
+        """The node's events from the start of its ``EVENTS`` stream (``belayer events``):
+        ``kind`` only that kind; ``follow``: then the new ones, for ``duration`` seconds (0:
+        until the caller stops). An event this version cannot decode comes as an
+        ``UnknownEvent``."""
+        return event_history(self._bus(), kind=kind, follow=follow, duration=duration)
+
+
+def train(
+    options: RunOptions, *, say: Callable[[str], object] = lambda _line: None, ui: Any = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A GRPO training run as ``options`` say (``belayer run``; ``AsyncNode.run`` on a node):
+    on the node of ``options.node_dir`` (or ``$BELAYER_HOME`` / ``./.belayer``), else one it
+    starts for the run. Returns the report and the per-step records; ``say`` gets progress
+    lines, ``ui`` the per-phase progress (``services.rl.run.execute``'s)."""
+    return execute(options, say=say, ui=ui)
 
 
 class EventStream:
@@ -327,6 +387,21 @@ class Node:
 
     def run(self, workload: str, **options: Any) -> dict[str, Any]:
         return self._call(self._node.run(workload, **options))
+
+    def history(
+        self, kind: str = "", *, follow: bool = False, duration: float = 0.0
+    ) -> Iterator[EventBase | UnknownEvent]:
+        """``AsyncNode.history`` as a plain iterator."""
+        events = self._node.history(kind, follow=follow, duration=duration)
+
+        async def step() -> EventBase | UnknownEvent:
+            return await anext(events)
+
+        while True:
+            try:
+                yield self._call(step())
+            except StopAsyncIteration:
+                return
 
     def events(
         self, kinds: Sequence[str] | None = None, *, timeout: float | None = None

@@ -10,11 +10,11 @@ from typing import Any
 import msgspec
 import typer
 
+from belayer.api import AsyncNode
 from common.config import RunPaths
 from common.node import read_node
 from schemas.serving import MAX_TOKENS, GenerateRequest, SamplingParams, TokenDelta
 from services.cli.shared import checked, fail, finite, print_json, run, with_bus
-from services.router.client import generate as generate_request
 
 # `belayer generate`'s options (declared here, so that `generate` reads as what it does)
 GENERATE_PROMPT = typer.Option(..., "--prompt", "-p", help="Prompt text.")
@@ -101,8 +101,8 @@ def generate(
         sys.stdout.flush()
 
     async def go(nc: Any) -> Any:
-        return await generate_request(
-            nc, req, timeout=timeout, on_delta=None if json_out else on_delta
+        return await AsyncNode.over(nc).generate_request(
+            req, timeout=timeout, on_delta=None if json_out else on_delta
         )
 
     result = run(with_bus(nats_url or None, go))

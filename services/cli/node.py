@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import subprocess
 import sys
@@ -14,24 +13,18 @@ from typing import Any, NoReturn
 import msgspec
 import typer
 
+from belayer.api import AsyncNode
+from belayer.observe import UnknownEvent
 from common import events as event_types
-from common import subjects
-from common.auth import BusConfig, redact
-from common.bus import js_call
-from common.codec import decode
+from common.auth import BusConfig
 from common.config import RunPaths, config_argv
-from common.errors import BelayerError, BusUnavailable, Timeout
+from common.errors import BelayerError
 from common.heartbeat import process_alive
 from common.node import read_node
-from schemas.events import AnyEvent
-from schemas.node import SupervisorStatus
-from schemas.serving import RouterStatus
 from services.cli.auth import preflight
 from services.cli.shared import fail, print_json, run, with_bus
 from services.rl.node import NodeFailed, docker_usable, launch, shut_down
 from services.rl.run import run_paths
-from services.router.client import router_status
-from services.supervisor.client import supervisor_status
 from services.supervisor.config import SupervisorConfig
 from services.worker.config import WorkerConfig
 from workloads import plugins
@@ -387,48 +380,12 @@ def status(
     if not url:
         fail("no Belayer node is running here: start one with `belayer up` or pass --nats-url")
 
-    async def query(nc: Any) -> tuple[RouterStatus | None, SupervisorStatus | None, dict[str, int]]:
-        try:
-            rs: RouterStatus | None = await router_status(nc, timeout=3)
-        except (BusUnavailable, Timeout):
-            rs = None
-        try:
-            ss: SupervisorStatus | None = await supervisor_status(nc, timeout=2)
-        except BelayerError:
-            ss = None
-        epochs = {} if rs is not None else await engine_epochs(nc)
-        return rs, ss, epochs
+    async def query(nc: Any) -> dict[str, Any]:
+        return await AsyncNode.over(nc, url=url, run_dir=paths.root).status()
 
-    rs, ss, epochs = run(with_bus(url, query, creds=creds or None, paths=paths))
-    procs: list[dict[str, Any]] = [msgspec.to_builtins(p) for p in ss.procs] if ss else []
-    router_proc = next((p for p in procs if p["name"] == "router"), None)
-    router = {
-        "alive": rs is not None,
-        "restarts": router_proc["restarts"] if router_proc else 0,
-    }
-    if rs is not None:
-        engines = [msgspec.to_builtins(e) for e in rs.engines]
-        mark_dead_workers(engines, procs if ss else None, local=node is not None)
-    else:
-        # Last known: epochs from the engine_epochs bucket, pids from the supervisor.
-        pids = {p["name"]: p["pid"] for p in procs}
-        engines = [
-            {"id": eid, "epoch": ep, "worker_pid": pids.get(f"worker-{eid}"), "healthy": None}
-            for eid, ep in sorted(epochs.items())
-        ]
-    out = {
-        "nats_url": redact(url),
-        "run_id": node.run_id if node else None,
-        "recovery": node.recovery if node else None,
-        "state": "ready" if rs is not None else "degraded",
-        "router": router,
-        "engines": engines,
-        "inflight": rs.inflight if rs else None,
-        "finished": rs.finished if rs else None,
-        "token_log_chunk": rs.token_log_chunk if rs else None,
-        "metrics": rs.metrics if rs else {},
-        "procs": procs,
-    }
+    out = run(with_bus(url, query, creds=creds or None, paths=paths))
+    rs_alive, router = out["state"] == "ready", out["router"]
+    engines, procs = out["engines"], out["procs"]
     if json_out:
         print_json(out)
         return
@@ -436,7 +393,7 @@ def status(
         f"nats {url}  run {out['run_id']}  recovery {out['recovery']}  state {out['state']}  "
         f"inflight {out['inflight']}  finished {out['finished']}"
     )
-    if rs is None:
+    if not rs_alive:
         typer.echo(
             f"router restarting (restarts so far: {router['restarts']}): engines as last known; "
             "requests in flight resume when it is back"
@@ -449,39 +406,6 @@ def status(
         )
     for p in procs:
         typer.echo(f"  {p['name']:14} pid {p['pid']}  alive {p['alive']}  restarts {p['restarts']}")
-
-
-def mark_dead_workers(
-    engines: list[dict[str, Any]], procs: list[dict[str, Any]] | None, *, local: bool
-) -> None:
-    """Never show a dead pid as healthy: an engine whose worker pid is not a live process of
-    the node (the supervisor's table; without it, this host's, for a local node) is shown
-    down, whatever the router last heard."""
-    if procs is not None:
-        live = {p["pid"] for p in procs if p["alive"]}
-        gone = [e for e in engines if e["worker_pid"] not in live]
-    elif local:
-        gone = [e for e in engines if not process_alive(e["worker_pid"])]
-    else:
-        return
-    for e in gone:
-        if e["healthy"]:
-            e["healthy"], e["state"] = False, "down"
-
-
-async def engine_epochs(nc: Any) -> dict[str, int]:
-    """Every engine's epoch from the ``engine_epochs`` KV bucket ({} if unreadable)."""
-    try:
-        kv = await nc.jetstream().key_value(subjects.BUCKET_ENGINE_EPOCHS)
-        keys = await kv.keys()
-    except Exception:  # no bucket yet, or JetStream unavailable: nothing is known
-        return {}
-    out: dict[str, int] = {}
-    for key in keys:
-        with contextlib.suppress(Exception):
-            entry = await kv.get(key)
-            out[key] = int(entry.value or b"0")
-    return out
 
 
 def events(
@@ -497,33 +421,11 @@ def events(
     """Print lifecycle and recovery events (from the start of the EVENTS stream)."""
 
     async def tail(nc: Any) -> None:
-        js = nc.jetstream()
-        subject = subjects.event(kind) if kind else subjects.EVENTS_ALL
-        what = "cannot read EVENTS"
-        sub = await js_call(lambda: js.subscribe(subject, ordered_consumer=True), what=what)
-        info = await js_call(lambda: js.stream_info(subjects.STREAM_EVENTS), what=what)
-        pending = info.state.messages
-        seen = 0
-        deadline = time.monotonic() + duration if duration else None
-        while True:
-            if not follow and seen >= pending:
-                return
-            wait = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            if deadline is not None and wait == 0.0:
-                return
-            try:
-                msg = await sub.next_msg(timeout=min(wait, 1.0) if follow else 1.0)
-            except TimeoutError:  # nats' TimeoutError subclasses the builtin one
-                if not follow:
-                    return
-                continue
-            seen += 1
-            try:
-                ev = decode(msg.data, AnyEvent)
-            except BelayerError as exc:  # an older or newer event type than this CLI knows
-                typer.echo(f"? {msg.subject}: {exc}", err=True)
-                continue
-            if json_out:
+        history = AsyncNode.over(nc).history(kind, follow=follow, duration=duration)
+        async for ev in history:
+            if isinstance(ev, UnknownEvent):  # an older or newer event type than this CLI knows
+                typer.echo(f"? {ev.subject}: {ev.error}", err=True)
+            elif json_out:
                 print_json_line({"kind": ev.kind, **msgspec.to_builtins(ev)})
             else:
                 stamp = (

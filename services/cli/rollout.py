@@ -12,11 +12,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from belayer.api import AsyncNode
 from common.errors import InvalidRequest
-from schemas.rollout import RolloutRequest, RolloutResult
+from schemas.rollout import RolloutAccepted, RolloutRequest, RolloutResult
 from schemas.serving import SamplingParams
 from services.cli.shared import checked, fail, finite, print_json, run, with_bus
-from services.controller.client import parse_inject, parse_policy, submit, wait
+from services.controller.client import parse_inject, parse_policy
 from workloads.table import dataset_workload
 
 
@@ -213,14 +214,16 @@ def rollout(
             f"sandbox failures {s.env_failures}, injected {s.failures_injected}"
         )
 
-    async def go(nc: Any) -> RolloutResult:
-        accepted = await submit(nc, req)
+    def accepted(a: RolloutAccepted) -> None:
         console.print(
-            f"rollout {accepted.rollout_id}: {accepted.trajectories} trajectories "
-            f"({len(accepted.task_ids)} tasks × {req.n})"
-            + (" (already submitted)" if accepted.existing else "")
+            f"rollout {a.rollout_id}: {a.trajectories} trajectories "
+            f"({len(a.task_ids)} tasks × {req.n})" + (" (already submitted)" if a.existing else "")
         )
-        return await wait(nc, accepted.rollout_id, timeout=timeout, on_progress=progress)
+
+    async def go(nc: Any) -> RolloutResult:
+        return await AsyncNode.over(nc).rollout_request(
+            req, timeout=timeout, on_accepted=accepted, on_progress=progress
+        )
 
     result = run(with_bus(nats_url or None, go, name="cli-rollout"))
     if json_out:

@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from belayer.api import train
 from common.errors import BelayerError, InvalidRequest
 from services.cli.shared import fail, finite, one_line, print_json
 from services.rl.node import (
@@ -22,7 +23,6 @@ from services.rl.node import (
 )
 from services.rl.options import DEFAULTS, LR_DEFAULTS, RunOptions
 from services.rl.report import step_table
-from services.rl.run import execute
 from services.rl.run_workload import PLUGIN_DEFAULTS, PLUGIN_LR
 
 PHASES = ("rollout", "reward", "train", "push", "eval")
@@ -243,7 +243,7 @@ def run(
     )  # fmt: skip
     console = Console(file=sys.stderr)
     try:
-        report, records = execute(opts, say=console.print, ui=Ui(console))
+        report, records = train(opts, say=console.print, ui=Ui(console))
     except NodeFailed as exc:  # the node's own lines, as `belayer up` and `down` print them
         fail(str(exc))
     except BelayerError as exc:

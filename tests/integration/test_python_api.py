@@ -53,7 +53,8 @@ def test_node_generates_rolls_out_and_follows_a_handover(api_node: belayer.Node)
         assert attached.status()["run_id"] == node.status()["run_id"]
     assert (run_dir / "node.json").exists()  # still running: the attached one left it
 
-    worker = next(p for p in node.status()["procs"] if p["name"] == "worker-e0")
+    before = node.status()
+    worker = next(p for p in before["procs"] if p["name"] == "worker-e0")
     seen = node.events(kinds=["handover_complete"], timeout=60)
     os.kill(worker["pid"], signal.SIGKILL)  # the subscription is live from here on
     ev = next(seen)
@@ -62,6 +63,15 @@ def test_node_generates_rolls_out_and_follows_a_handover(api_node: belayer.Node)
     assert ev.old_pid == worker["pid"]
     after = node.generate("Once upon a time", max_tokens=24, temperature=0, ignore_eos=True)
     assert after.token_ids == a.token_ids  # the shadow serves the same weights
+
+    # what `belayer status --json` and `belayer events --no-follow` print, from the API
+    status = node.status()
+    assert status["ready"] and status["state"] == "ready"
+    (engine,) = status["engines"]
+    assert engine["id"] == "e0" and engine["worker_pid"] != worker["pid"]
+    assert engine["epoch"] > before["engines"][0]["epoch"]
+    stored = list(node.history("handover_complete"))
+    assert [e.old_pid for e in stored if isinstance(e, HandoverComplete)] == [worker["pid"]]
 
 
 def test_errors_are_typed(tmp_path: Path) -> None:

@@ -225,3 +225,33 @@ def test_no_test_module_imports_another() -> None:
             if mod.split(".")[-1].startswith("test_") and mod.startswith("tests."):
                 problems.append(f"{path.relative_to(ROOT)}:{line}: imports {mod}")
     assert not problems, "\n".join(problems)
+
+
+API_CALLS = {
+    "services.router.client.generate": "AsyncNode.generate_request",
+    "services.controller.client.submit": "AsyncNode.rollout_request",
+    "services.controller.client.wait": "AsyncNode.rollout_request",
+    "services.rl.run.execute": "belayer.api.train",
+}
+"""The library calls the Python API makes for its users, and the API method the CLI reaches
+them through."""
+CLI_COMMANDS = ("generate", "rollout", "run", "node")
+"""The CLI modules of `belayer generate`, `rollout`, `run`, `status` and `events`."""
+
+
+def test_the_cli_commands_are_built_on_the_python_api() -> None:
+    """`belayer generate|rollout|run|status|events` call `belayer.AsyncNode` (over the CLI's
+    own bus connection) and `belayer.api.train`, not the clients behind them: the CLI is a
+    thin layer over the Python API, so the two cannot drift."""
+    problems = []
+    for name in CLI_COMMANDS:
+        path = ROOT / "services" / "cli" / f"{name}.py"
+        mods = {mod for _, mod in imports_of(path)}
+        problems += [
+            f"{path.relative_to(ROOT)} imports {mod}: use {via}"
+            for mod, via in API_CALLS.items()
+            if mod in mods
+        ]
+        if "belayer.api.AsyncNode" not in mods and "belayer.api.train" not in mods:
+            problems.append(f"{path.relative_to(ROOT)} does not use the Python API")
+    assert not problems, "\n".join(problems)
