@@ -32,6 +32,7 @@ from typing import Any
 from common.errors import BelayerError, InvalidRequest
 from schemas.rollout import FaultSpec
 from services.controller.client import KINDS, TRIGGERS, Trigger, parse_inject, parse_policy
+from services.trainer.client import TrainerConfig
 from workloads import plugins
 from workloads.table import dataset_workload
 
@@ -102,6 +103,9 @@ class RunOptions:
     """Leave a node the run started running at the end."""
     hold_before_checkpoint_s: float = 0.0
     """Trainer: pause between an update and its checkpoint (a kill window; benchmarks)."""
+    trainer_procs: int = TrainerConfig.procs
+    """Data-parallel ranks of the trainer of a node the run starts (``belayer up
+    --trainer-procs``)."""
     rewards: tuple[str, ...] = ()
     """Reward functions (``package.module:function`` or ``service:<name>``) scoring the
     rollouts instead of the workload's own reward; a node the run starts enables them."""
@@ -176,11 +180,12 @@ def faults_of(specs: list[FaultSpec], step: int, *, sandboxed: bool) -> StepFaul
 
 # --- the model -------------------------------------------------------------------------------
 def check_model_dir(path: Path) -> None:
-    """``InvalidRequest`` unless ``path`` holds a Qwen3 checkpoint with a ChatML tokenizer."""
+    """``InvalidRequest`` unless ``path`` holds a checkpoint Belayer serves (a Qwen3 or Llama
+    family, ``model.qwen3.FAMILIES``) with a ChatML tokenizer."""
     from model.config import load_model_config
 
     def bad(why: str) -> InvalidRequest:
-        return InvalidRequest(f"--model {path} is not a Qwen3 checkpoint: {why}")
+        return InvalidRequest(f"--model {path} is not a Qwen3 or Llama checkpoint: {why}")
 
     if not path.is_dir():
         raise bad("no such directory")

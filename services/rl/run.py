@@ -205,7 +205,7 @@ def start_run_node(
     trainer = run_trainer_config(
         group_size=state.n, groups_per_step=state.tasks, checkpoint_dir=out / "trainer",
         resume=resumed, seed=state.seed, lr=opts.lr or rw.lr,
-        hold_before_checkpoint_s=opts.hold_before_checkpoint_s,
+        hold_before_checkpoint_s=opts.hold_before_checkpoint_s, procs=opts.trainer_procs,
     )  # fmt: skip
     info = start_node(
         paths, model_dir=model_dir, environment=rw.sandboxed, trainer=trainer,
@@ -244,7 +244,7 @@ def model_for(
     say: Any,
     rw: RunWorkload | None = None,
 ) -> Path:
-    """The model the run starts from (checked: a Qwen3 checkpoint). A plugin's run without
+    """The model the run starts from (checked: a Qwen3 or Llama checkpoint). A plugin's run without
     ``--model DIR`` starts from the tiny math model when its tasks are single-turn answer
     tasks; a plugin with sandbox or multi-turn tasks needs ``--model DIR``."""
     explicit = opts.model not in (None, "tiny")

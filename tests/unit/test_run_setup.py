@@ -70,11 +70,11 @@ def test_bad_injections_are_refused(text: str, words: str) -> None:
         parse_run_inject(text, steps=2, sandboxed="sandbox" not in text)
 
 
-def test_a_directory_that_is_not_a_qwen3_checkpoint_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(InvalidRequest, match=r"not a Qwen3 checkpoint: no config\.json"):
+def test_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match=r"not a Qwen3 or Llama checkpoint: no config\.json"):
         check_model_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(InvalidRequest, match="not a Qwen3 checkpoint"):
+    with pytest.raises(InvalidRequest, match="not a Qwen3 or Llama checkpoint"):
         check_model_dir(tmp_path)
 
 
@@ -95,7 +95,7 @@ def test_tasks_cycle_through_the_pool() -> None:
     [
         (["--steps", "0"], "--steps"),
         (["--inject", "trainer-kill@turn=2"], "takes only step=S"),
-        (["--model", "/nonexistent-model-dir"], "not a Qwen3 checkpoint"),
+        (["--model", "/nonexistent-model-dir"], "not a Qwen3 or Llama checkpoint"),
     ],
 )
 def test_bad_input_is_one_line_before_anything_starts(
