@@ -261,9 +261,17 @@ def bench_train(
     model: Path | None = typer.Option(
         None, "--model", help="Warm-started SWE model directory (default: made for the run)."
     ),
+    trainer_procs: int = typer.Option(
+        1,
+        "--trainer-procs",
+        min=1,
+        max=64,
+        help="N > 1: instead, the GRPO update's step time on N data-parallel ranks beside one "
+        "process (a synthetic batch, the tiny model or --model; a minute or two).",
+    ),
 ) -> None:
     """End-to-end time per training step, Belayer vs the baseline node; time added by a worker
-    and by a sandbox failure.
+    and by a sandbox failure (with --trainer-procs N: the update on N ranks vs one process).
 
     Two real nodes side by side (environment service, trainer, warm-started tiny SWE model):
     Belayer (shadows, risk-aware sandbox checkpoints) and the baseline (`--recovery baseline`,
@@ -274,6 +282,11 @@ def bench_train(
     each node (as measured, with its 95 % interval over the kills), and baseline / Belayer
     ratios with 95 % intervals over the kill pairs. About 20 minutes.
     """
+    if trainer_procs > 1:
+        from bench.train_dp import main as dp_main
+
+        _run_bench(lambda path: dp_main(path, procs=trainer_procs, model=model), out, as_json)
+        return
     from bench.train import main as bench_main
 
     _run_bench(

@@ -105,6 +105,15 @@ UP_TRAINING = typer.Option(
     help="Also run the GRPO trainer (consumes finished trajectories, pushes new weights); "
     "`belayer run` uses it.",
 )
+UP_TRAINER_PROCS = typer.Option(
+    NODE_DEFAULTS.trainer.procs,
+    "--trainer-procs",
+    min=1,
+    max=64,
+    help="Data-parallel ranks of the trainer's update (torch.distributed, gloo on CPU): each "
+    "computes its share of every micro-batch, gradients are summed, rank 0 checkpoints and "
+    "pushes; a rank that dies restarts the trainer from its checkpoint. With --training.",
+)
 UP_ENVIRONMENT = typer.Option(
     None,
     "--environment/--no-environment",
@@ -193,6 +202,7 @@ def up(
     replicas: int = UP_REPLICAS,
     run_dir: Path | None = UP_RUN_DIR,
     training: bool = UP_TRAINING,
+    trainer_procs: int = UP_TRAINER_PROCS,
     environment: bool | None = UP_ENVIRONMENT,
     token_log_chunk: int = UP_TOKEN_LOG_CHUNK,
     max_num_seqs: int = UP_MAX_NUM_SEQS,
@@ -224,6 +234,7 @@ def up(
         model_dir=str(Path(model).resolve()) if model else "",
         engines=engines,
         training=training,
+        trainer=dataclasses.replace(NODE_DEFAULTS.trainer, procs=trainer_procs),
         environment=(
             True if role == "env-host" else docker_usable() if environment is None else environment
         ),

@@ -199,6 +199,11 @@ RUN_TEMPERATURE = typer.Option(
 RUN_RECOVERY = typer.Option(
     RunOptions.recovery, "--recovery", help="A started node's recovery: belayer or baseline."
 )
+RUN_TRAINER_PROCS = typer.Option(
+    RunOptions.trainer_procs, "--trainer-procs", min=1, max=64,
+    help="Data-parallel ranks of the trainer of a node the run starts (belayer up "
+    "--trainer-procs).",
+)  # fmt: skip
 RUN_KEEP_NODE = typer.Option(
     RunOptions.keep_node, "--keep-node", help="Leave the node the run started running."
 )
@@ -225,6 +230,7 @@ def run(
     temperature: float = RUN_TEMPERATURE,
     recovery: str = RUN_RECOVERY,
     keep_node: bool = RUN_KEEP_NODE,
+    trainer_procs: int = RUN_TRAINER_PROCS,
     workload_spec: str | None = RUN_WORKLOAD_SPEC,
     reward: list[str] = RUN_REWARD,
     reward_weights: list[float] = RUN_REWARD_WEIGHTS,
@@ -240,6 +246,7 @@ def run(
         lr=lr, held_out=held_out, temperature=temperature, recovery=recovery,
         keep_node=keep_node, prompt_column=prompt_column, answer_column=answer_column,
         rewards=tuple(reward), reward_weights=tuple(reward_weights),
+        trainer_procs=trainer_procs,
     )  # fmt: skip
     console = Console(file=sys.stderr)
     try:

@@ -77,9 +77,11 @@ def run_trainer_config(
     seed: int = 0,
     lr: float = 1e-4,
     hold_before_checkpoint_s: float = 0.0,
+    procs: int = TrainerConfig.procs,
 ) -> TrainerConfig:
     """The trainer of a node ``belayer run`` starts: ``group_size`` samples a group,
-    ``groups_per_step`` groups a step, a checkpoint every step under ``checkpoint_dir``."""
+    ``groups_per_step`` groups a step, a checkpoint every step under ``checkpoint_dir``,
+    ``procs`` data-parallel ranks."""
     d = TrainerConfig()
     return dataclasses.replace(
         d,
@@ -88,6 +90,7 @@ def run_trainer_config(
         checkpoint_dir=checkpoint_dir,
         resume=resume,
         hold_before_checkpoint_s=hold_before_checkpoint_s,
+        procs=procs,
         ack_wait_s=ACK_WAIT_S,
         optim=OptimConfig(lr=lr, seed=seed),
         grpo=GrpoConfig(micro_batch_size=MICRO_BATCH),

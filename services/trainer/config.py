@@ -81,7 +81,11 @@ class TrainerConfig(ServiceConfig):
     deterministic: bool = False
     """The batch-invariant training forward (bitwise equal to a deterministic engine's)."""
     threads: int = 1
-    """torch intra-op threads (1: bitwise reproducible updates)."""
+    """torch intra-op threads (1: bitwise reproducible updates); each rank's with ``procs``."""
+    procs: int = 1
+    """Data-parallel ranks of the update (``torch.distributed``, gloo on CPU): this process is
+    rank 0 and starts the others; each computes its share of every micro-batch, gradients are
+    summed, rank 0 checkpoints and pushes. 1: one process."""
     pad_token_id: int = 0
     """Token id used for padding (masked out; any id works)."""
     consumer: str = "trainer"
@@ -115,6 +119,8 @@ class TrainerConfig(ServiceConfig):
             raise ValueError(
                 "checkpoint_every, keep_checkpoints, threads and step_attempts must be >= 1"
             )
+        if not 1 <= self.procs <= 64:
+            raise ValueError(f"procs must be between 1 and 64, got {self.procs}")
         if not self.logprob_diff_bound > 0 or not self.ack_wait_s > 0:
             raise ValueError("logprob_diff_bound and ack_wait_s must be > 0")
         if self.temperature < 0 or self.hold_before_checkpoint_s < 0:

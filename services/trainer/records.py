@@ -1,26 +1,37 @@
 """The trainer's side of its records on the bus: a ``Trajectory`` as the trainer's ``Sample``,
-acks, the dead-letter copy, the texts of refusals, and the ``train_step`` event of an update."""
+acks, the dead-letter copy, the texts of refusals, the ``train_step`` event of an update, and
+the weights of the older versions a batch's tokens came from."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import nats.errors
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from common import subjects
+from common.errors import BusUnavailable, NotFound, Timeout
+from model.config import ModelConfig
+from model.qwen3 import Qwen3ForCausalLM, build_model
 from schemas.base import ID_PATTERN
 from schemas.events import TrainStep
 from schemas.events_training import UpdateMetrics
 from schemas.rollout import Trajectory
 from schemas.weights import WeightManifest
 from services.trainer.core import Sample, Verdict, without_trailing_context
+from services.weights.client import fetch_manifest, map_weights
+
+STORE_WAIT_S = 60.0
+"""How long a restarting weight store is waited for."""
 
 
 def to_sample(traj: Trajectory, stream_seq: int, default_temperature: float) -> Sample:
@@ -133,3 +144,32 @@ def batch_sha256(batch: Sequence[Sample]) -> str:
                    s.weight_versions, s.reward, s.temperature]  # fmt: skip
         digest.update(json.dumps(content).encode() + b"\n")
     return digest.hexdigest()
+
+
+async def generating_models(
+    nc: NATS,
+    cfg: ModelConfig | None,
+    batch: Sequence[Sample],
+    version: int,
+    *,
+    deterministic: bool,
+    stopping: asyncio.Event,
+) -> dict[int, Qwen3ForCausalLM | None]:
+    """Inference models of the versions other than ``version`` the batch's tokens came from
+    (from the weight store while it keeps them; None when gone); a restarting store is waited
+    for, up to ``STORE_WAIT_S``."""
+    out: dict[int, Qwen3ForCausalLM | None] = {}
+    assert cfg is not None
+    deadline = time.monotonic() + STORE_WAIT_S
+    for v in sorted({x for s in batch for x in s.model_versions() if x != version}):
+        while v not in out:
+            try:
+                tensors = map_weights(await fetch_manifest(nc, v, timeout=5.0))
+                out[v] = build_model(cfg, tensors, deterministic=deterministic)
+            except NotFound:
+                out[v] = None
+            except (BusUnavailable, Timeout):
+                if time.monotonic() > deadline or stopping.is_set():
+                    raise
+                await asyncio.sleep(0.5)  # the weight store is restarting: bounded wait
+    return out

@@ -17,6 +17,8 @@
   (``update.find_poison``) are dead-lettered with their groups, a one-off failure is retried, a
   batch failed ``step_attempts`` times is dead-lettered (``core.after_step_failure``); one that
   failed after moving the weights exits the trainer, which resumes from its checkpoint.
+- **Ranks** (``--procs N``): the update runs data-parallel on N ranks (``ranks``, ``dp``); a
+  rank lost stops the trainer (``RankLost``), and the restarted one resumes as below.
 - **Resume.** From the latest checkpoint: its trained ids are dedup'd, a checkpoint whose push
   did not happen is pushed, planned steps after it are redone from the same trajectories
   (pushes the store already has are checked bit for bit, not repeated).
@@ -49,7 +51,6 @@ from common.errors import (
 )
 from common.service import Service, run_service
 from model.config import ModelConfig, load_model_config
-from model.qwen3 import Qwen3ForCausalLM, build_model
 from model.training import publishable_state_dict, read_meta, weights_sha256
 from schemas.events import (
     EventBase,
@@ -75,7 +76,8 @@ from services.trainer.core import (
     validate_sample,
 )
 from services.trainer.journal import Plan
-from services.trainer.records import to_sample
+from services.trainer.ranks import RankLost, Ranks
+from services.trainer.records import STORE_WAIT_S, to_sample
 from services.trainer.update import (
     TrainState,
     find_poison,
@@ -91,7 +93,6 @@ from services.weights.client import fetch_manifest, map_weights, push_weights
 
 FETCH_BATCH = 64
 MAX_ACK_PENDING = 65_536
-STORE_WAIT_S = 60.0
 STEP_RETRY_S = 1.0
 """Pause before trying a failed update again (a one-off failure: the store restarting)."""
 
@@ -131,6 +132,7 @@ class TrainerService(Service[TrainerConfig]):
         self.sub: Any = None
         self.signature: list[list[Any]] = []
         """Names, dtypes and shapes of the served model's tensors (stamped on checkpoints)."""
+        self.ranks: Ranks | None = None
 
     # --- start ----------------------------------------------------------------------------
     async def open(self) -> None:
@@ -142,6 +144,9 @@ class TrainerService(Service[TrainerConfig]):
         self.model_cfg = await asyncio.to_thread(load_model_config, manifest.model_dir)
         self.signature = records.model_signature(manifest)
         await self._restore(manifest)
+        if self.config.procs > 1:  # spawned from this (the main) thread: they die with it
+            self.ranks = Ranks.spawn(self.config, self.model_cfg, self.dir)
+            await asyncio.to_thread(self.ranks.join)
         filt = self.config.subject_filter or subjects.TRAJECTORIES_ALL
         self.sub = await self.js.pull_subscribe(
             filt,
@@ -276,6 +281,11 @@ class TrainerService(Service[TrainerConfig]):
                     await msg.in_progress()
                 except nats.errors.Error as exc:
                     self.log.debug("in_progress_failed", error=repr(exc))
+
+    async def ranks_loop(self) -> None:
+        """With ``procs > 1``: a rank that exits stops the trainer (``RankLost``)."""
+        if self.ranks is not None and (lost := await asyncio.to_thread(self.ranks.wait_lost)):
+            raise RankLost(f"trainer {lost}: every rank stops, resume from the checkpoint")
 
     async def _on_message(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream
@@ -476,13 +486,19 @@ class TrainerService(Service[TrainerConfig]):
         """``update.grpo_step`` in a thread; ``_UpdateFailed`` if it fails before changing
         ``state`` (it can be tried again), ``FatalError`` after (exit, resume the checkpoint)."""
         c = self.config
-        generating = await self._generating_models(batch, state)
+        generating = await records.generating_models(
+            self.nc, self.model_cfg, batch, state.version,
+            deterministic=c.deterministic, stopping=self.stop_requested,
+        )  # fmt: skip
         lr_steps, step = state.scheduler.last_epoch, state.step
+        update = self.ranks.grpo_step if self.ranks is not None else grpo_step
         try:
             result: UpdateMetrics = await asyncio.to_thread(
-                grpo_step, state, batch, group_size=c.group_size, grpo=c.grpo, optim=c.optim,
+                update, state, batch, group_size=c.group_size, grpo=c.grpo, optim=c.optim,
                 pad_id=c.pad_token_id, generating=generating.get,
             )  # fmt: skip
+        except FatalError:
+            raise  # a rank lost: exit, the next trainer resumes from the checkpoint
         except Exception as exc:  # any failure of the update: core.after_step_failure decides
             if state.scheduler.last_epoch != lr_steps or state.step != step:
                 raise FatalError(
@@ -492,28 +508,6 @@ class TrainerService(Service[TrainerConfig]):
                 ) from exc
             raise _UpdateFailed(exc, generating) from exc
         return result
-
-    async def _generating_models(
-        self, batch: list[Sample], state: TrainState
-    ) -> dict[int, Qwen3ForCausalLM | None]:
-        """Inference models of the older versions the batch's tokens came from (from the weight
-        store while it keeps them; None when gone); a restarting store is waited for."""
-        out: dict[int, Qwen3ForCausalLM | None] = {}
-        cfg = self.model_cfg
-        assert cfg is not None
-        deadline = time.monotonic() + STORE_WAIT_S
-        for v in sorted({x for s in batch for x in s.model_versions() if x != state.version}):
-            while v not in out:
-                try:
-                    tensors = map_weights(await fetch_manifest(self.nc, v, timeout=5.0))
-                    out[v] = build_model(cfg, tensors, deterministic=self.config.deterministic)
-                except NotFound:
-                    out[v] = None
-                except (BusUnavailable, Timeout):
-                    if time.monotonic() > deadline or self.stop_requested.is_set():
-                        raise
-                    await asyncio.sleep(0.5)  # the weight store is restarting: bounded wait
-        return out
 
     async def _checkpoint(self) -> float:
         state = self.state
@@ -582,6 +576,10 @@ class TrainerService(Service[TrainerConfig]):
         except TimeoutError:
             self.log.warning("drain_timeout", busy=True)
         await super().drain()
+
+    async def close(self) -> None:
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.close)
 
     async def _publish(self, event: EventBase) -> None:
         await events.publish(self.js, event)
