@@ -135,6 +135,16 @@ def _stream_consume(stream: str) -> list[str]:
     ]
 
 
+def _object_store(bucket: str) -> list[str]:
+    """Put, get (an ordered consumer) and delete (purge) objects of one Object Store bucket."""
+    stream = subjects.object_store_stream(bucket)
+    return [
+        subjects.object_store_subjects(bucket),
+        f"$JS.API.STREAM.PURGE.{stream}",
+        *_stream_read(stream),
+    ]
+
+
 def _kv_read(bucket: str) -> list[str]:
     return _stream_read(f"KV_{bucket}")
 
@@ -248,22 +258,28 @@ def _engine_grant(engine: str) -> tuple[list[str], list[str]]:
 
 
 def _environment_grant() -> tuple[list[str], list[str]]:
-    """Writes and reads the sandbox ready pointers; answers every env request."""
+    """Writes and reads the sandbox ready pointers, keeps checkpoints in their object store,
+    registers its host; answers every env request (any host's and its own host's)."""
     return (
         [
             *_kv_write(subjects.BUCKET_SANDBOX_PREFIX),
             *_kv_read(subjects.BUCKET_SANDBOX_PREFIX),
+            *_kv_write(subjects.BUCKET_ENV_HOSTS),
+            *_object_store(subjects.OBJECT_STORE_CHECKPOINTS),
         ],
-        [f"{P}.env.*"],
+        [f"{P}.env.*", subjects.ENV_HOST_ALL],
     )
 
 
 def _controller_grant() -> tuple[list[str], list[str]]:
-    """Uses the environment and the router, publishes trajectories, keeps rollout and
-    trajectory state; answers rollout submit and status."""
+    """Uses the environment (placing sandboxes by the hosts' registrations) and the router,
+    publishes trajectories, keeps rollout and trajectory state; answers rollout submit and
+    status."""
     return (
         [
             f"{P}.env.*",
+            subjects.ENV_HOST_ALL,
+            *_kv_read(subjects.BUCKET_ENV_HOSTS),
             subjects.router_generate(),
             subjects.router_cancel(),
             subjects.router_status(),
@@ -352,6 +368,7 @@ _READ_ALL = [
             subjects.BUCKET_SANDBOX_PREFIX,
             subjects.BUCKET_ROLLOUTS,
             subjects.BUCKET_TRAJECTORY_PREFIX,
+            subjects.BUCKET_ENV_HOSTS,
         )
         for api in _kv_read(bucket)
     ),
@@ -368,6 +385,7 @@ def grant(role: str, *, public_key: str, scope: str = "") -> Grant:
         publish = [
             *_CLIENT_PUBLISH,
             f"{P}.env.*",
+            subjects.ENV_HOST_ALL,
             subjects.supervisor_stop(),
             subjects.weights_get(),
             *_READ_ALL,
@@ -553,7 +571,10 @@ def markdown_table() -> str:
             subjects.BUCKET_SANDBOX_PREFIX,
             subjects.BUCKET_ROLLOUTS,
             subjects.BUCKET_TRAJECTORY_PREFIX,
+            subjects.BUCKET_ENV_HOSTS,
         ]
+        if take(_object_store(obj := subjects.OBJECT_STORE_CHECKPOINTS)):
+            out.append(f"put/get/delete objects of `{obj}`")
         for s in streams:
             if take(_stream_consume(s)):
                 out.append(f"consume `{s}` (durable, acks)")

@@ -21,7 +21,13 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    KeyValueConfig,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 
 from common import subjects
 from common.auth import BusConfig, inbox_prefix, public_key_of, read_seed, redact
@@ -387,6 +393,10 @@ STREAMS: dict[str, dict[str, Any]] = {
     ),
 }
 
+ENV_HOST_TTL_S = 60.0
+"""An environment host's registration expires this long after its last refresh (a host
+refreshes every ``EnvConfig.register_every_s``)."""
+
 BUCKETS: dict[str, dict[str, Any]] = {
     subjects.BUCKET_WEIGHT_VERSION: dict(history=5),
     subjects.BUCKET_ENGINE_EPOCHS: dict(history=5),
@@ -394,7 +404,14 @@ BUCKETS: dict[str, dict[str, Any]] = {
     subjects.BUCKET_SANDBOX_PREFIX: dict(history=5),
     subjects.BUCKET_ROLLOUTS: dict(history=1, ttl=7 * DAY),
     subjects.BUCKET_TRAJECTORY_PREFIX: dict(history=1, ttl=7 * DAY),
+    subjects.BUCKET_ENV_HOSTS: dict(history=1, ttl=ENV_HOST_TTL_S),
 }
+
+OBJECT_STORES: dict[str, dict[str, Any]] = {
+    subjects.OBJECT_STORE_CHECKPOINTS: dict(ttl=DAY, max_bytes=4 << 30),
+}
+"""JetStream Object Stores: ready sandbox checkpoints (deleted with their sandbox; the TTL
+bounds what a dead host leaves)."""
 
 
 JETSTREAM_READY_S = 30.0
@@ -474,6 +491,19 @@ async def declare_jetstream(
             if (info.config.num_replicas or 1) != replicas:
                 await js.update_stream(dataclasses.replace(info.config, num_replicas=replicas))
         del kv
+    for bucket, params in OBJECT_STORES.items():
+        try:
+            await js.object_store(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            obs = ObjectStoreConfig(
+                bucket=bucket, replicas=replicas, storage=StorageType.FILE, **params
+            )
+            await js.create_object_store(bucket, obs)
+            continue
+        if update:
+            info = await js.stream_info(subjects.object_store_stream(bucket))
+            if (info.config.num_replicas or 1) != replicas:
+                await js.update_stream(dataclasses.replace(info.config, num_replicas=replicas))
 
 
 def _stream_matches(have: StreamConfig, want: StreamConfig) -> bool:

@@ -123,6 +123,17 @@ def env(op: str) -> str:
     return f"{PREFIX}.env.{check_token(op, 'env op')}"
 
 
+def env_host(host: str, op: str) -> str:
+    """Request: environment operation ``op`` on one environment host (its service's ``node``
+    label): how the controller reaches the host it placed a sandbox on. ``env(op)`` reaches
+    any one host (a queue group)."""
+    return f"{PREFIX}.envhost.{check_token(host, 'env host')}.{check_token(op, 'env op')}"
+
+
+ENV_HOST_ALL = f"{PREFIX}.envhost.*.*"
+"""Every operation of every environment host."""
+
+
 # --- controller / trainer -----------------------------------------------------------------
 def rollout_submit() -> str:
     """Request: submit a rollout (``RolloutRequest``) to the controller."""
@@ -206,3 +217,20 @@ BUCKET_REQUESTS = "request_status"
 BUCKET_SANDBOX_PREFIX = "sandbox_prefix"
 BUCKET_ROLLOUTS = "rollouts"
 BUCKET_TRAJECTORY_PREFIX = "trajectory_prefix"
+
+BUCKET_ENV_HOSTS = "env_hosts"
+"""Environment hosts' registrations (key: host; value: its capacity and live sandboxes)."""
+
+OBJECT_STORE_CHECKPOINTS = "checkpoints"
+"""JetStream Object Store of ready sandbox checkpoints (object name: the checkpoint id), so a
+checkpoint outlives the host that took it."""
+
+
+def object_store_stream(bucket: str) -> str:
+    """The stream behind a JetStream Object Store bucket."""
+    return f"OBJ_{bucket}"
+
+
+def object_store_subjects(bucket: str) -> str:
+    """Every chunk and metadata subject of an Object Store bucket."""
+    return f"$O.{bucket}.>"

@@ -9,11 +9,15 @@ row-invariant with this repository's torch/MKL on CPU with one intra-op thread
 (``tests/unit/test_batch_invariant.py`` checks every claim on the machine it runs on):
 
 - :func:`linear`: the CPU sgemm gives each output row the same bits for any number of rows
-  ``M >= MIN_GEMM_ROWS`` (16), in any position and order; fewer rows use other kernels with
-  other reduction orders (on AVX2 machines ``M = 1..3``; on AVX-512 ones every ``M`` up to 15,
-  measured for K from 64 to 8192). So a matmul with fewer rows is padded with zero rows up to
-  ``MIN_GEMM_ROWS``. With two or more threads the rows are split and a thread's share can fall
-  below the minimum, so the deterministic forward runs on one thread (:func:`one_thread`).
+  ``M >= MIN_GEMM_ROWS`` (16), in any position and order; fewer rows may use other kernels
+  with other reduction orders (on AVX2 machines ``M = 1..3``; on AVX-512 ones every ``M`` up to
+  15, measured for K from 64 to 8192). So a matmul with fewer rows is padded with zero rows up
+  a bucket of :data:`ROW_BUCKETS` no smaller than :func:`min_rows`, the fewest rows from which,
+  for that product's shape on this machine, the buckets up to ``MIN_GEMM_ROWS`` give the bits
+  of ``MIN_GEMM_ROWS`` rows (probed once per shape and process; 16 where nothing smaller holds).
+  Padding to fewer rows therefore changes no bit, only the cost: a decode step of batch 1 pads
+  to 4 rows and one of batch 8 not at all where the kernels allow it (this AMD EPYC: 4). With two or more threads the rows are split and a thread's share can
+  fall below the minimum, so the deterministic forward runs on one thread (:func:`one_thread`).
 - :func:`silu`: ``F.silu`` finishes a tensor whose size is not a multiple of the vector width
   with a scalar loop whose ``exp`` differs from the vectorised one in the last bit, so a row's
   result would depend on the tensor's total size; ``x / (1 + exp(-x))`` uses ops that are
@@ -21,7 +25,7 @@ row-invariant with this repository's torch/MKL on CPU with one intra-op thread
 - :func:`attend`: attention of each query row over its own sequence's keys in fixed chunks of
   ``ATTENTION_CHUNK`` positions, in position order, with an online softmax. Every reduction
   (``amax``, ``sum`` over one chunk, the ``q·k`` and ``p·v`` products as batched matmuls with at
-  least ``MIN_GEMM_ROWS`` rows) has a fixed length and order per row; keys past a query's position are masked
+  least :func:`min_rows` rows) has a fixed length and order per row; keys past a query's position are masked
   to ``-inf`` and contribute exact zeros, and chunks wholly past it leave the running state
   bitwise unchanged (``exp(0) == 1``). A query therefore gets the same bits whether it is one
   of a 1000-token prefill, a decode step in a batch of 8 with longer neighbours, or a row of a
@@ -35,7 +39,7 @@ switch maps to SGLang's ``--enable-deterministic-inference`` (batch-invariant ke
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -63,21 +67,95 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def pad_rows(x: Tensor, dim: int) -> tuple[Tensor, int]:
-    """``x`` with zeros appended along ``dim`` up to ``MIN_GEMM_ROWS``; and its original size."""
+ROW_BUCKETS = (1, 2, 4, 8, MIN_GEMM_ROWS)
+"""Row counts a deterministic product below ``MIN_GEMM_ROWS`` rows is padded to (the smallest
+one that holds its rows and is at least :func:`min_rows`)."""
+
+_MIN_ROWS: dict[tuple[str, int, int], int] = {}
+
+
+def min_rows(kind: str, k: int, n: int) -> int:
+    """Fewest rows (one of ``ROW_BUCKETS``) a deterministic product of this shape is padded to.
+
+    ``kind`` is ``linear`` (``F.linear(x [M, k], w [n, k])``), ``qk`` (``matmul(q [b, M, k],
+    key [b, n, k].transpose)``) or ``pv`` (``matmul(p [b, M, k], v [b, k, n])``), the three
+    products of the deterministic forward. Probed once per shape and process: the smallest
+    bucket from which every bucket up to ``MIN_GEMM_ROWS`` gives each row (at the start and at
+    the end of the rows) the bits it gets among ``MIN_GEMM_ROWS`` rows. Padding to any bucket
+    from there on gives the same bits as padding to ``MIN_GEMM_ROWS``, so the engine and the
+    trainer agree whichever each pads to.
+    """
+    key = (kind, k, n)
+    found = _MIN_ROWS.get(key)
+    if found is None:
+        found = _MIN_ROWS[key] = _probe_min_rows(kind, k, n)
+    return found
+
+
+def padded_rows(kind: str, k: int, n: int, m: int) -> int:
+    """Rows ``m`` rows of a ``kind`` product are padded to (``m`` itself from ``MIN_GEMM_ROWS``)."""
+    return bucket(m, min_rows(kind, k, n))
+
+
+def bucket(m: int, floor: int) -> int:
+    """``m`` rows padded for products whose :func:`min_rows` is at most ``floor``."""
+    if m >= MIN_GEMM_ROWS:
+        return m
+    return next(b for b in ROW_BUCKETS if b >= m and b >= floor)
+
+
+def _product(kind: str, k: int, n: int, gen: torch.Generator) -> Callable[[Tensor], Tensor]:
+    """``kind``'s product of ``[M, k]`` rows with a random operand, laid out as the model does.
+    The operand repeats a random block along ``n`` (its values do not choose the kernel)."""
+    block = torch.randn(min(n, 1024), k, generator=gen)
+    other = block.repeat(-(-n // block.shape[0]), 1)[:n].contiguous()
+    if kind == "linear":
+        return lambda rows: F.linear(rows, other)
+    if kind == "qk":
+        keys = other[None]
+        return lambda rows: torch.matmul(rows[None], keys.transpose(1, 2))[0]
+    if kind == "pv":
+        values = other.t().contiguous()[None]
+        return lambda rows: torch.matmul(rows[None], values)[0]
+    raise ValueError(f"unknown product kind {kind!r}")
+
+
+def _probe_min_rows(kind: str, k: int, n: int) -> int:
+    gen = torch.Generator().manual_seed(1_000_003 * k + n)
+    with torch.inference_mode(), one_thread():
+        product = _product(kind, k, n, gen)
+        x = torch.randn(MIN_GEMM_ROWS, k, generator=gen)
+        ref = product(x)
+        floor = MIN_GEMM_ROWS
+        for m in reversed(ROW_BUCKETS[:-1]):
+            head = product(x[:m].clone())
+            tail = product(x[MIN_GEMM_ROWS - m :].clone())
+            if not (torch.equal(head, ref[:m]) and torch.equal(tail, ref[MIN_GEMM_ROWS - m :])):
+                break
+            floor = m
+        return floor
+
+
+def pad_rows(x: Tensor, dim: int, rows: int = MIN_GEMM_ROWS) -> tuple[Tensor, int]:
+    """``x`` with zeros appended along ``dim`` up to ``rows``; and its original size."""
     n = x.shape[dim]
-    if n >= MIN_GEMM_ROWS:
+    if n >= rows:
         return x, n
     shape = list(x.shape)
-    shape[dim] = MIN_GEMM_ROWS - n
+    shape[dim] = rows - n
     return torch.cat([x, x.new_zeros(shape)], dim=dim), n
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """``F.linear(x, weight)`` (no bias) whose rows do not depend on the other rows of ``x``."""
     lead = x.shape[:-1]
-    rows, n = pad_rows(x.reshape(-1, x.shape[-1]).contiguous(), 0)
-    return F.linear(rows, weight)[:n].reshape(*lead, weight.shape[0])
+    flat = x.reshape(-1, x.shape[-1])
+    n_out, k = weight.shape
+    if flat.shape[0] >= MIN_GEMM_ROWS:
+        return F.linear(flat, weight).reshape(*lead, n_out)
+    rows, n = pad_rows(flat.contiguous(), 0, padded_rows("linear", k, n_out, flat.shape[0]))
+    out = F.linear(rows, weight)
+    return (out if rows.shape[0] == n else out[:n]).reshape(*lead, n_out)
 
 
 def silu(x: Tensor) -> Tensor:
@@ -102,30 +180,50 @@ def chunk_kv(kv: Tensor, num_seqs: int) -> Tensor:
     return view.permute(0, 2, 1, 4, 3, 5).contiguous()
 
 
-def attend(q: Tensor, q_pos: Tensor, kv: Tensor) -> Tensor:
+def gather_index(slots: Tensor, kv_heads: int, num_slots: int) -> Tensor:
+    """Rows of a layer's cache viewed as ``[2 * num_slots * kv_heads, hd]`` that
+    :func:`chunk_kv` of ``cache[:, slots.reshape(-1)]`` would hold, in its order: one
+    ``index_select`` then gives :func:`chunk_kv`'s layout without the permuting copy.
+    ``slots`` is ``[S, L]`` (``L`` a whole number of chunks)."""
+    s, length = slots.shape
+    c = ATTENTION_CHUNK
+    per_chunk = slots.view(s, length // c, c).transpose(0, 1)  # [chunks, S, C]
+    heads = torch.arange(kv_heads)[None, None, :, None]
+    rows = (per_chunk[:, :, None, :] * kv_heads + heads).reshape(-1)
+    return torch.cat([rows, rows + num_slots * kv_heads])
+
+
+def attend(q: Tensor, q_pos: Tensor, kv: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
     """Causal attention of query rows over their own sequence's chunked keys.
 
     ``q`` is ``[S, kvh, M, hd]``: for each of ``S`` sequences and each KV head, ``M`` query
     rows (the query heads of that KV head, for one or more tokens); ``q_pos`` ``[S, M]`` is each
     row's position (it sees keys at positions ``<= q_pos``); ``kv`` is :func:`chunk_kv`'s
     ``[2, chunks, S, kvh, C, hd]``. Returns ``[S, kvh, M, hd]``. Keys past a row's position
-    may hold anything finite.
+    may hold anything finite. ``cache``: a dict kept for calls with the same ``q_pos`` and
+    chunk count (the layers of one step), where the masks are built once.
     """
     s, kvh, m, hd = q.shape
-    qp, _ = pad_rows(q, 2)
-    pos, _ = pad_rows(q_pos, 1)  # padded rows see key 0 only; their output is dropped
+    c = kv.shape[4]
+    need = max(padded_rows("qk", hd, c, m), padded_rows("pv", c, hd, m))
+    qp, _ = pad_rows(q, 2, need)
+    pos, _ = pad_rows(q_pos, 1, need)  # padded rows see key 0 only; their output is dropped
     rows = qp.shape[2]
     qf = qp.reshape(s * kvh, rows, hd)
     scale = hd**-0.5
-    c = kv.shape[4]
-    key_pos = torch.arange(c)
+    chunks = kv.shape[1]
+    hidden = cache.get(f"hidden-{rows}-{chunks}") if cache is not None else None
+    if hidden is None:
+        key_pos = torch.arange(chunks * c).view(chunks, 1, 1, 1, c)
+        hidden = key_pos > pos[None, :, None, :, None]  # [chunks, S, 1, rows, C]
+        if cache is not None:
+            cache[f"hidden-{rows}-{chunks}"] = hidden
     mx = denom = acc = qf  # bound in the first iteration
-    for i in range(kv.shape[1]):
+    for i in range(chunks):
         k = kv[0, i].view(s * kvh, c, hd)
         v = kv[1, i].view(s * kvh, c, hd)
         scores = torch.matmul(qf, k.transpose(1, 2)) * scale
-        visible = (key_pos + i * c)[None, None, :] <= pos[:, :, None]  # [S, rows, C]
-        scores = scores.view(s, kvh, rows, c).masked_fill(~visible[:, None], float("-inf"))
+        scores = scores.view(s, kvh, rows, c).masked_fill(hidden[i], float("-inf"))
         scores = scores.view(s * kvh, rows, c)
         if i == 0:  # chunk 0 always holds position 0, so every row has a finite maximum
             mx = scores.amax(dim=-1)

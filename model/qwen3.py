@@ -29,7 +29,7 @@ parameters.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -72,6 +72,9 @@ class AttentionMetadata:
     """Decode only: ``[B]`` tokens in each sequence's context, the new one included."""
     block_size: int = 0
     """Decode only: token slots per KV block (to address a position through a block table)."""
+    det_cache: dict[str, Tensor] = field(default_factory=dict)
+    """Deterministic decode: tensors derived from this metadata once per step and shared by
+    the layers (the cache gather index, the attention masks)."""
 
     @classmethod
     def prefill(cls, slot_mapping: Tensor, seq_lens: list[int]) -> AttentionMetadata:
@@ -178,7 +181,8 @@ class Qwen3Attention(nn.Module):
 
         ``cos``/``sin_rot`` broadcast against the result (``[..., 1, head_dim]``). Shared by the
         paged and the dense forward, so both compute the same projections; ``det`` uses the
-        batch-invariant matmul.
+        batch-invariant matmul (the paged deterministic forward passes False: its rows are
+        already padded, so the plain matmul is row-invariant).
         """
         lead = x.shape[:-1]
         lin = bi.linear if det else _linear
@@ -240,16 +244,22 @@ class Qwen3Attention(nn.Module):
         """``x`` is ``[T, hidden]``; ``flat_cache`` is this layer's ``[2, slots, kv_heads, hd]``
         view and ``block_cache`` the same memory as ``[2, blocks, block_size, kv_heads, hd]``.
         ``kv_slots`` (deterministic mode, :meth:`AttentionMetadata.deterministic_kv_slots`)
-        selects the batch-invariant attention, which reads every key back from the cache.
+        selects the batch-invariant attention, which reads every key back from the cache; ``x``
+        then holds the step's tokens followed by zero or more padding rows (already enough rows
+        for every matmul to be row-invariant: :func:`model.batch_invariant.bucket`).
         """
         t = x.shape[0]
-        det = kv_slots is not None
-        q, k, v = self.project_qkv(x, cos, sin_rot, det)
+        q, k, v = self.project_qkv(x, cos, sin_rot)
+        if kv_slots is not None:
+            # Rows past the step's tokens are padding (see Qwen3ForCausalLM.forward): the
+            # matmuls run on all of them, the cache and the attention on the real ones only.
+            n = attn.slot_mapping.shape[0]
+            flat_cache[0].index_copy_(0, attn.slot_mapping, k[:n])
+            flat_cache[1].index_copy_(0, attn.slot_mapping, v[:n])
+            out = self._deterministic_attention(q[:n], attn, flat_cache, kv_slots)
+            return _linear(F.pad(out.reshape(n, -1), (0, 0, 0, t - n)), self.o_proj.weight)
         flat_cache[0].index_copy_(0, attn.slot_mapping, k)
         flat_cache[1].index_copy_(0, attn.slot_mapping, v)
-        if kv_slots is not None:
-            out = self._deterministic_attention(q, attn, flat_cache, kv_slots)
-            return bi.linear(out.reshape(t, -1), self.o_proj.weight)
         if attn.is_prefill:
             out = self._prefill_attention(q, k, v, attn.seq_lens)
         else:
@@ -297,16 +307,25 @@ class Qwen3Attention(nn.Module):
             return torch.cat(outs)
         assert attn.context_lens is not None
         b, g = q.shape[0], self.num_heads // self.num_kv_heads
-        kv = bi.chunk_kv(flat_cache[:, kv_slots[0].reshape(-1)], b)
-        rows = q.view(b, self.num_kv_heads, g, self.head_dim)
+        slots, kvh, hd = kv_slots[0], self.num_kv_heads, self.head_dim
+        cache = attn.det_cache
+        index = cache.get("gather")
+        if index is None:  # once per step: every layer reads the same slots
+            index = cache["gather"] = bi.gather_index(slots, kvh, flat_cache.shape[1])
+        chunks = slots.shape[1] // bi.ATTENTION_CHUNK
+        kv = flat_cache.view(-1, hd).index_select(0, index)
+        kv = kv.view(2, chunks, b, kvh, bi.ATTENTION_CHUNK, hd)
+        rows = q.view(b, kvh, g, hd)
         pos = (attn.context_lens - 1)[:, None].expand(b, g)
-        return bi.attend(rows, pos, kv).reshape(b, self.num_heads, self.head_dim)
+        return bi.attend(rows, pos, kv, cache).reshape(b, self.num_heads, hd)
 
     def _decode_attention(self, q: Tensor, attn: AttentionMetadata, block_cache: Tensor) -> Tensor:
         assert attn.block_tables is not None and attn.attn_mask is not None
         b = attn.block_tables.shape[0]
-        # One gather of K and V for the whole batch: [2, B, max_blocks, block_size, kvh, hd].
-        kv = block_cache[:, attn.block_tables].view(2, b, -1, self.num_kv_heads, self.head_dim)
+        # One gather of K and V for the whole batch: [2, B, max_blocks, block_size, kvh, hd]
+        # (index_select copies whole blocks; advanced indexing was several times slower).
+        blocks = block_cache.index_select(1, attn.block_tables.reshape(-1))
+        kv = blocks.view(2, b, -1, self.num_kv_heads, self.head_dim)
         k = kv[0].transpose(1, 2)
         v = kv[1].transpose(1, 2)
         # The query heads sharing a KV head become that head's "query positions", so GQA
@@ -326,10 +345,13 @@ class Qwen3MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, det: bool = False) -> Tensor:
+    def forward(self, x: Tensor, det: bool = False, padded: bool = False) -> Tensor:
+        """``det``: the batch-invariant SiLU and matmuls; ``padded``: ``x``'s rows are already
+        enough for the plain matmul to be row-invariant (the paged deterministic forward)."""
         if det:
-            gate = bi.silu(bi.linear(x, self.gate_proj.weight))
-            return bi.linear(gate * bi.linear(x, self.up_proj.weight), self.down_proj.weight)
+            lin = _linear if padded else bi.linear
+            gate = bi.silu(lin(x, self.gate_proj.weight))
+            return lin(gate * lin(x, self.up_proj.weight), self.down_proj.weight)
         gate = F.silu(F.linear(x, self.gate_proj.weight))
         return F.linear(gate * F.linear(x, self.up_proj.weight), self.down_proj.weight)
 
@@ -356,7 +378,8 @@ class Qwen3DecoderLayer(nn.Module):
     ) -> Tensor:
         h = self.input_layernorm(x)
         x = x + self.self_attn(h, cos, sin_rot, attn, flat_cache, block_cache, kv_slots)
-        return x + self.mlp(self.post_attention_layernorm(x), kv_slots is not None)
+        det = kv_slots is not None
+        return x + self.mlp(self.post_attention_layernorm(x), det, det)
 
     def forward_dense(
         self,
@@ -393,6 +416,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.deterministic = False
         """Batch-invariant forward (see the module docstring); set by :func:`build_model`."""
+        self._det_min_rows: int | None = None
         self.rope_cos: Tensor
         self.rope_sin: Tensor
 
@@ -403,8 +427,17 @@ class Qwen3ForCausalLM(nn.Module):
 
         ``input_ids`` and ``positions`` are ``[T]`` int64; ``kv_cache`` has
         :func:`kv_cache_shape`. Returns the final-norm hidden states ``[T, hidden]``.
+
+        Deterministic mode pads the step once, to :func:`model.batch_invariant.bucket` rows
+        (token 0 at position 0: finite, never written to the cache, dropped at the end), so
+        every matmul of the decoder runs row-invariant without padding its own input.
         """
         with bi.one_thread() if self.deterministic else contextlib.nullcontext():
+            t = input_ids.shape[0]
+            if self.deterministic:
+                rows = bi.bucket(t, self.det_min_rows())
+                input_ids = F.pad(input_ids, (0, rows - t))
+                positions = F.pad(positions, (0, rows - t))
             x = F.embedding(input_ids, self.model.embed_tokens.weight)
             cos = self.rope_cos[positions].unsqueeze(1)
             sin_rot = self.rope_sin[positions].unsqueeze(1)
@@ -412,7 +445,20 @@ class Qwen3ForCausalLM(nn.Module):
             kv_slots = attn.deterministic_kv_slots() if self.deterministic else None
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, cos, sin_rot, attn, flat[i], kv_cache[i], kv_slots)
-            return self.model.norm(x)
+            return self.model.norm(x[:t])
+
+    def det_min_rows(self) -> int:
+        """The most rows any of the decoder's matmuls needs to be row-invariant on this
+        machine (:func:`model.batch_invariant.min_rows` over their shapes; probed once)."""
+        if self._det_min_rows is None:
+            cfg = self.config
+            hidden, inter = cfg.hidden_size, cfg.intermediate_size
+            q_out = cfg.num_attention_heads * cfg.head_dim
+            kv_out = cfg.num_key_value_heads * cfg.head_dim
+            shapes = {(hidden, q_out), (hidden, kv_out), (q_out, hidden), (hidden, inter)}
+            shapes.add((inter, hidden))
+            self._det_min_rows = max(bi.min_rows("linear", k, n) for k, n in shapes)
+        return self._det_min_rows
 
     def forward_dense(
         self,

@@ -147,6 +147,13 @@ class EnvRestore(Message, tag="EnvRestore.v1"):
     sandbox_id: SandboxId
     checkpoint_id: CheckpointIdOrEmpty = ""
     """Empty: the latest ready checkpoint."""
+    from_store: bool = False
+    """The sandbox lived on another (dead) environment host: fetch ``checkpoint_id`` from the
+    checkpoint object store and take the sandbox over here (``image``, ``limits`` and
+    ``trajectory_id`` describe it; the ready pointer's digests verify the checkpoint)."""
+    image: str = ""
+    limits: SandboxLimits | None = None
+    trajectory_id: IdOrEmpty = ""
 
 
 class RestoreAttempt(msgspec.Struct, kw_only=True):
@@ -229,6 +236,25 @@ class ReadyPointer(msgspec.Struct, kw_only=True):
     """Checkpoint id → SHA-256 of its ``manifest.json``, for the ready checkpoint and the older
     ones still kept. Restore refuses a checkpoint not listed here or whose manifest (and so
     whose artifacts' digests) changed: a modified, truncated or substituted checkpoint."""
+
+
+class EnvPing(Message, tag="EnvPing.v1"):
+    """Liveness of one environment host (``belayer.envhost.<host>.ping``)."""
+
+
+class EnvHostInfo(Message, tag="EnvHostInfo.v1"):
+    """An environment host's registration (KV ``env_hosts``, key: ``host``) and its answer to
+    ``ping``: what the controller places sandboxes by."""
+
+    host: Id
+    capacity: int
+    """Most live sandboxes it takes (``EnvConfig.max_sandboxes``)."""
+    sandboxes: int
+    """Live sandboxes now."""
+    sandbox_ids: list[Id] = []
+    """Their ids (how a restarted controller finds the host of a sandbox)."""
+    ts: float = 0.0
+    """When it wrote this (seconds since the epoch)."""
 
 
 EnvRequest = EnvCreate | EnvExec | EnvCheckpoint | EnvRestore | EnvDestroy | EnvList | EnvGc

@@ -404,7 +404,11 @@ class TrajectoryRunner:
             candidate = core.restore_candidate() if self.sandbox_id else None
             try:
                 if candidate is not None:
-                    restored = await self.env.restore(self.sandbox_id, candidate.checkpoint_id)
+                    spec = self.task.sandbox
+                    restored = await self.env.restore(
+                        self.sandbox_id, candidate.checkpoint_id, image=spec.image if spec else "",
+                        limits=spec.limits if spec else None, trajectory_id=self.trajectory_id,
+                    )  # fmt: skip
                     if restored.prefix != candidate.prefix:
                         raise SandboxError("restored another prefix", prefix=restored.prefix)
                     core.on_restored(candidate, time.monotonic() - t0, time.time())

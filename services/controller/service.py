@@ -51,7 +51,7 @@ from services.controller.reward_service import ask_reward_service
 from services.controller.rollout import RolloutRun
 from services.controller.store import StateStore
 from services.controller.summary import summarize
-from services.environment.client import EnvClient
+from services.environment.client import PlacedEnvClient
 from workloads import plugins
 from workloads.base import Outcome, Task, Workload
 from workloads.registry import load_workload
@@ -97,7 +97,7 @@ class Controller(Service[ControllerConfig]):
         if not cfg.model_dir:
             raise InvalidRequest("the controller needs --model-dir (the node's model)")
         self.store = StateStore(self.js)
-        self.env = EnvClient(self.nc, timeout=cfg.env_timeout_s)
+        self.env = PlacedEnvClient(self.nc, timeout=cfg.env_timeout_s)
         self.injector = Injector(self.nc, self.env, docker_url=cfg.docker_url)
         tokenizer = await asyncio.to_thread(load_tokenizer, Path(cfg.model_dir))
         self.chat = ChatFormat(tokenizer)

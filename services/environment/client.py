@@ -7,19 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import secrets
 import shutil
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import msgspec
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from common import subjects
 from common.bus import request
-from schemas.base import Ok
+from common.codec import decode
+from common.errors import BusUnavailable, InvalidRequest, ResourceLimit, Timeout
+from schemas.base import Message, Ok
 from schemas.env import (
     CheckpointInfo,
     EnvCheckpoint,
@@ -29,24 +36,37 @@ from schemas.env import (
     EnvExec,
     EnvExecResult,
     EnvGc,
+    EnvHostInfo,
     EnvList,
     EnvListing,
+    EnvPing,
     EnvRestore,
     EnvRestored,
+    SandboxInfo,
     SandboxLimits,
     TaskFile,
 )
+from services.environment import placement
 from services.environment.config import EnvConfig
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class EnvClient:
-    """One method per ``belayer.env.<op>``; errors arrive as typed ``common.errors``."""
+    """One method per ``belayer.env.<op>``; errors arrive as typed ``common.errors``. This
+    reaches any one environment host; ``PlacedEnvClient`` places sandboxes across hosts."""
 
     def __init__(self, nc: NATS, *, timeout: float = 60.0) -> None:
         self.nc = nc
         self.timeout = timeout
+
+    async def call(
+        self, sandbox_id: str, op: str, msg: Message, reply_type: type[R], timeout: float
+    ) -> R:
+        """Send one operation on the sandbox ``sandbox_id`` (empty: none in particular)."""
+        del sandbox_id
+        return await request(self.nc, subjects.env(op), msg, reply_type, timeout=timeout)
 
     async def create(
         self,
@@ -64,13 +84,11 @@ class EnvClient:
             trajectory_id=trajectory_id,
             sandbox_id=sandbox_id,
         )
-        return await request(self.nc, subjects.env("create"), msg, EnvCreated, timeout=self.timeout)
+        return await self.call(sandbox_id, "create", msg, EnvCreated, self.timeout)
 
     async def exec(self, sandbox_id: str, command: str, timeout_s: float = 30.0) -> EnvExecResult:
         msg = EnvExec(sandbox_id=sandbox_id, command=command, timeout_s=timeout_s)
-        return await request(
-            self.nc, subjects.env("exec"), msg, EnvExecResult, timeout=timeout_s + self.timeout
-        )
+        return await self.call(sandbox_id, "exec", msg, EnvExecResult, timeout_s + self.timeout)
 
     async def checkpoint(
         self, sandbox_id: str, prefix: int, trajectory_id: str = "", timeout_s: float = 0.0
@@ -78,42 +96,212 @@ class EnvClient:
         msg = EnvCheckpoint(
             sandbox_id=sandbox_id, prefix=prefix, trajectory_id=trajectory_id, timeout_s=timeout_s
         )
-        return await request(
-            self.nc,
-            subjects.env("checkpoint"),
-            msg,
-            CheckpointInfo,
-            timeout=self.timeout + timeout_s,
+        return await self.call(
+            sandbox_id, "checkpoint", msg, CheckpointInfo, self.timeout + timeout_s
         )
 
-    async def restore(self, sandbox_id: str, checkpoint_id: str = "") -> EnvRestored:
-        msg = EnvRestore(sandbox_id=sandbox_id, checkpoint_id=checkpoint_id)
-        return await request(
-            self.nc, subjects.env("restore"), msg, EnvRestored, timeout=self.timeout * 2
-        )
+    async def restore(
+        self,
+        sandbox_id: str,
+        checkpoint_id: str = "",
+        *,
+        image: str = "",
+        limits: SandboxLimits | None = None,
+        trajectory_id: str = "",
+    ) -> EnvRestored:
+        """``image``, ``limits``, ``trajectory_id``: what the sandbox was created with, for a
+        host that takes it over when its own host died (``PlacedEnvClient``)."""
+        msg = EnvRestore(
+            sandbox_id=sandbox_id, checkpoint_id=checkpoint_id, image=image, limits=limits,
+            trajectory_id=trajectory_id,
+        )  # fmt: skip
+        return await self.call(sandbox_id, "restore", msg, EnvRestored, self.timeout * 2)
 
     async def destroy(self, sandbox_id: str) -> Ok:
-        return await request(
-            self.nc,
-            subjects.env("destroy"),
-            EnvDestroy(sandbox_id=sandbox_id),
-            Ok,
-            timeout=self.timeout,
-        )
+        msg = EnvDestroy(sandbox_id=sandbox_id)
+        return await self.call(sandbox_id, "destroy", msg, Ok, self.timeout)
 
     async def list(self) -> EnvListing:
-        return await request(
-            self.nc, subjects.env("list"), EnvList(), EnvListing, timeout=self.timeout
-        )
+        return await self.call("", "list", EnvList(), EnvListing, self.timeout)
 
     async def gc(self, trajectory_id: str) -> Ok:
-        return await request(
-            self.nc,
-            subjects.env("gc"),
-            EnvGc(trajectory_id=trajectory_id),
-            Ok,
-            timeout=self.timeout,
-        )
+        return await self.call("", "gc", EnvGc(trajectory_id=trajectory_id), Ok, self.timeout)
+
+
+class PlacedEnvClient(EnvClient):
+    """Places each new sandbox on the registered environment host with the most free
+    capacity (KV ``env_hosts``, ``placement.choose_host``) and sends that sandbox's operations
+    to its host (``belayer.envhost.<host>.<op>``). While an operation waits, its host is
+    pinged: a host that is gone fails the operation at once (``BusUnavailable``) instead of at
+    its deadline. A restore whose host is gone goes to the host with the most free capacity,
+    which takes the sandbox over from the checkpoint object store (``EnvRestore.from_store``).
+    With no host registered it is an ``EnvClient``."""
+
+    def __init__(
+        self, nc: NATS, *, timeout: float = 60.0, probe_every_s: float = 1.0, refresh_s: float = 1.0
+    ) -> None:
+        super().__init__(nc, timeout=timeout)
+        self.probe_every_s = probe_every_s
+        self.refresh_s = refresh_s
+        self.where: dict[str, str] = {}
+        """Sandbox id → the host it lives on (as far as this client knows)."""
+        self._hosts: dict[str, EnvHostInfo] = {}
+        self._pending: dict[str, set[str]] = {}
+        """Host → sandboxes placed on it that its registration does not list yet."""
+        self._read_at = -math.inf
+        self._reading = asyncio.Lock()
+
+    async def hosts(self, *, now: bool = False) -> list[EnvHostInfo]:
+        """The fresh registrations (read again at most every ``refresh_s``, or ``now``)."""
+        asked = time.monotonic()
+        async with self._reading:  # concurrent callers share one read
+            if (now and self._read_at < asked) or asked - self._read_at >= self.refresh_s:
+                self._read_at = time.monotonic()
+                self._hosts = await self._registry()
+                for name, h in self._hosts.items():  # what a registration lists, it counts
+                    self._pending.get(name, set()).difference_update(h.sandbox_ids)
+        return placement.fresh(self._hosts.values(), time.time())
+
+    async def _registry(self) -> dict[str, EnvHostInfo]:
+        out: dict[str, EnvHostInfo] = {}
+        try:
+            kv = await self.nc.jetstream().key_value(subjects.BUCKET_ENV_HOSTS)
+            watcher = await kv.watchall(ignore_deletes=True)
+            try:
+                async for entry in watcher:
+                    if entry is None:
+                        break
+                    with contextlib.suppress(InvalidRequest):
+                        info = decode(entry.value or b"", EnvHostInfo)
+                        if info.host == entry.key:
+                            out[info.host] = info
+            finally:
+                await watcher.stop()
+        except nats.js.errors.BucketNotFoundError:
+            return {}
+        except (TimeoutError, nats.errors.Error):
+            return dict(self._hosts)  # keep the last view through a bus hiccup
+        return out
+
+    async def host_of(self, sandbox_id: str) -> str | None:
+        """The sandbox's host: known here, else the registration that lists it."""
+        if sandbox_id in self.where:
+            return self.where[sandbox_id]
+        for h in await self.hosts(now=True) + list(self._hosts.values()):
+            if sandbox_id in h.sandbox_ids:
+                self.where[sandbox_id] = h.host
+                return h.host
+        return None
+
+    async def call(
+        self, sandbox_id: str, op: str, msg: Message, reply_type: type[R], timeout: float
+    ) -> R:
+        if isinstance(msg, EnvCreate):
+            return await self._create(msg, reply_type, timeout)
+        if isinstance(msg, EnvRestore):
+            return await self._restore(msg, reply_type, timeout)
+        host = await self.host_of(sandbox_id) if sandbox_id else None
+        if host is None:
+            return await super().call(sandbox_id, op, msg, reply_type, timeout)
+        out = await self.on_host(host, op, msg, reply_type, timeout)
+        if op == "destroy":
+            self.where.pop(sandbox_id, None)
+            for ids in self._pending.values():
+                ids.discard(sandbox_id)
+        return out
+
+    async def _create(self, msg: EnvCreate, reply_type: type[R], timeout: float) -> R:
+        hosts = await self.hosts()
+        if not hosts:
+            return await super().call(msg.sandbox_id, "create", msg, reply_type, timeout)
+        gone: set[str] = set()
+        while True:
+            host = placement.choose_host(hosts, placed=self._placed(), exclude=gone)
+            if host is None:
+                raise ResourceLimit("no environment host has room", hosts=len(hosts))
+            key = msg.sandbox_id or secrets.token_hex(8)
+            self._pending.setdefault(host, set()).add(key)
+            try:
+                out = await self.on_host(host, "create", msg, reply_type, timeout)
+            except BaseException as exc:
+                self._pending[host].discard(key)
+                if not isinstance(exc, BusUnavailable):
+                    raise
+                gone.add(host)  # gone since it registered: the next one
+                continue
+            if isinstance(out, EnvCreated):
+                self.where[out.sandbox_id] = host
+            return out
+
+    async def _restore(self, msg: EnvRestore, reply_type: type[R], timeout: float) -> R:
+        sid = msg.sandbox_id
+        host = await self.host_of(sid)
+        hosts = await self.hosts()
+        if host is None and not hosts:
+            return await super().call(sid, "restore", msg, reply_type, timeout)
+        msg = msgspec.structs.replace(msg, from_store=True)
+        if host is not None and await self.alive(host):
+            return await self.on_host(host, "restore", msg, reply_type, timeout)
+        target = placement.choose_host(hosts, placed=self._placed(), exclude={host or ""})
+        if target is None:
+            raise BusUnavailable("no environment host to restore the sandbox on", sandbox_id=sid)
+        self.where[sid] = target
+        self._pending.setdefault(target, set()).add(sid)
+        return await self.on_host(target, "restore", msg, reply_type, timeout)
+
+    def _placed(self) -> dict[str, int]:
+        return {host: len(ids) for host, ids in self._pending.items()}
+
+    async def alive(self, host: str) -> bool:
+        """Whether ``host`` answers a ping (no responder: gone; silence raises ``Timeout``)."""
+        try:
+            await request(
+                self.nc, subjects.env_host(host, "ping"), EnvPing(), EnvHostInfo,
+                timeout=max(self.probe_every_s * 3, 1.0),
+            )  # fmt: skip
+        except BusUnavailable:
+            return False
+        return True
+
+    async def on_host(
+        self, host: str, op: str, msg: Message, reply_type: type[R], timeout: float
+    ) -> R:
+        """One operation on ``host``, failed at once (``BusUnavailable``) if the host goes."""
+        subject = subjects.env_host(host, op)
+        call = asyncio.ensure_future(request(self.nc, subject, msg, reply_type, timeout=timeout))
+        watch = asyncio.ensure_future(self._gone(host))
+        try:
+            await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (call, watch):
+                if not t.done():
+                    t.cancel()
+        if call.done() and not call.cancelled():
+            return call.result()
+        raise BusUnavailable("the environment host is gone", host=host, op=op)
+
+    async def _gone(self, host: str) -> None:
+        """Returns once ``host`` has no responder, or stayed silent for three pings."""
+        misses = 0
+        while misses < 3:
+            await asyncio.sleep(self.probe_every_s)  # the probe's period
+            try:
+                if not await self.alive(host):
+                    return
+                misses = 0
+            except Timeout:
+                misses += 1
+
+    async def list(self) -> EnvListing:
+        hosts = await self.hosts()
+        if not hosts:
+            return await super().list()
+        out: list[SandboxInfo] = []
+        for h in hosts:
+            with contextlib.suppress(BusUnavailable):
+                got = await self.on_host(h.host, "list", EnvList(), EnvListing, self.timeout)
+                out += got.sandboxes
+        return EnvListing(sandboxes=out)
 
 
 def node_label(run_id: str) -> str:

@@ -78,7 +78,15 @@ class EnvConfig(ServiceConfig):
     archive_limits: ArchiveLimits = field(default_factory=ArchiveLimits)
     """Caps enforced on a writable-layer archive before it is installed."""
     max_sandboxes: int = 64
-    """Refuse ``create`` beyond this many live sandboxes."""
+    """Refuse ``create`` beyond this many live sandboxes (this host's capacity, registered
+    in KV ``env_hosts`` for the controller's placement)."""
+    register_every_s: float = 2.0
+    """How often this host refreshes its registration (also at once when its number of
+    sandboxes changes)."""
+    checkpoint_store: bool = False
+    """Also store every ready checkpoint in the JetStream Object Store ``checkpoints`` (before
+    it is published), so another host can restore the sandbox when this one dies. On for
+    environment hosts and nodes that join a deployment (``belayer up --join``)."""
     default_memory_mb: int = 512
     """Default memory limit of a sandbox."""
     default_cpus: float = 1.0

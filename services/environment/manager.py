@@ -48,7 +48,7 @@ from services.environment import criu_ops as ops
 from services.environment.config import EnvConfig
 from services.environment.core import Manifest, SandboxRecord, SandboxState
 from services.environment.docker_ops import DockerOps, ExecOutput
-from services.environment.ports import ReadyStore
+from services.environment.ports import CheckpointStore, ReadyStore
 from services.environment.restore import Restored, full_restore, quarantined
 
 log = get_logger(component="env.manager")
@@ -57,9 +57,18 @@ WRAPPER = Path(__file__).with_name("belayer-runc")
 
 
 class SandboxManager:
-    def __init__(self, config: EnvConfig, store: ReadyStore, docker: DockerOps | None = None):
+    def __init__(
+        self,
+        config: EnvConfig,
+        store: ReadyStore,
+        docker: DockerOps | None = None,
+        objects: CheckpointStore | None = None,
+    ):
         self.config = config
         self.store = store
+        self.objects = objects
+        """Ready checkpoints beyond this host: each is put there before it is published when
+        ``config.checkpoint_store``; a restore ``from_store`` fetches what this host lacks."""
         self.docker = docker or DockerOps(config)
         self.records: dict[str, SandboxRecord] = {}
         self.locks: dict[str, asyncio.Lock] = {}
@@ -215,8 +224,15 @@ class SandboxManager:
         """Container, checkpoints, ready pointer, record — in that order (a failure to remove
         the container keeps everything else, so the sandbox can still be found)."""
         await asyncio.to_thread(self.docker.remove, rec.container_id)
+        stored = {m.checkpoint_id for m in self.manifests(rec.id)}
+        if self.objects is not None:
+            with contextlib.suppress(BelayerError):
+                ptr, _ = await self.store.get(rec.id)
+                stored |= set(ptr.manifests) if ptr is not None else set()
         ops.remove_tree(self.sandbox_dir(rec.id))
         await self.store.delete(rec.id)
+        for ck in sorted(stored):
+            self.forget(ck)
         rec.move(SandboxState.DESTROYED)
         core.remove_record(self.config.records_dir, rec.id)
         del self.records[rec.id]
@@ -254,6 +270,7 @@ class SandboxManager:
                 if m.trajectory_id == trajectory_id:
                     async with self._locked(rec, self.config.lock_wait_s):
                         ops.remove_tree(self.sandbox_dir(rec.id) / m.checkpoint_id)
+                        self.forget(m.checkpoint_id)
                         removed += 1
                         if rec.checkpoint_id == m.checkpoint_id:
                             await self.store.delete(rec.id)
@@ -377,8 +394,11 @@ class SandboxManager:
                     ),
                 )
                 try:
+                    if self.objects is not None and self.config.checkpoint_store:
+                        await self.objects.put(ck_id, final)
                     await self.store.advance(pointer, rev)
                 except BaseException:
+                    self.forget(ck_id)
                     ops.remove_tree(final)
                     raise
             except BaseException:
@@ -473,6 +493,13 @@ class SandboxManager:
         plan = core.prune_plan(self.manifests(rec.id), self.config.keep_checkpoints, protected)
         for ck in plan:
             ops.remove_tree(self.sandbox_dir(rec.id) / ck)
+            self.forget(ck)
+
+    def forget(self, checkpoint_id: str) -> None:
+        """Delete a checkpoint's object from the store, in the background (``settle`` awaits
+        it; one left behind by a dead service expires with the bucket's TTL)."""
+        if self.objects is not None and self.config.checkpoint_store:
+            keep(self._retiring, asyncio.create_task(self.objects.delete(checkpoint_id)))
 
     def manifests(self, sandbox_id: str) -> list[Manifest]:
         """The manifests of a sandbox's checkpoints (not the partial or quarantined ones)."""
@@ -490,13 +517,52 @@ class SandboxManager:
         return out
 
     # --- full_restore ---------------------------------------------------------------------
-    async def restore(self, sandbox_id: str, checkpoint_id: str = "") -> Restored:
-        """See ``restore.full_restore``."""
-        rec = self.get(sandbox_id)
-        if checkpoint_id:
-            self._check_owner(rec.id, checkpoint_id)
+    async def restore(
+        self, sandbox_id: str, checkpoint_id: str = "", taken: SandboxRecord | None = None
+    ) -> Restored:
+        """See ``restore.full_restore``. ``taken``: the sandbox as it lived on another host,
+        restored here from the checkpoint store (``from_store``)."""
+        if taken is not None:
+            rec, checkpoint_id = await self._from_store(taken, checkpoint_id)
+        else:
+            rec = self.get(sandbox_id)
+            if checkpoint_id:
+                self._check_owner(rec.id, checkpoint_id)
         async with self._locked(rec, self.config.lock_wait_s):
             return await full_restore(self, rec, checkpoint_id)
+
+    async def _from_store(
+        self, taken: SandboxRecord, checkpoint_id: str
+    ) -> tuple[SandboxRecord, str]:
+        """Make ``taken`` (unknown here, or known with fewer checkpoints) a sandbox of this host
+        and fetch ``checkpoint_id`` (default: the ready one) from the store unless it is on
+        local disk. The restore that follows verifies it against the ready pointer."""
+        rec = self.records.get(taken.id)
+        if rec is None or rec.status is SandboxState.DESTROYED:
+            if self.objects is None:
+                raise NotFound("unknown sandbox (no checkpoint store here)", sandbox_id=taken.id)
+            live = sum(1 for r in self.records.values() if r.status is not SandboxState.DESTROYED)
+            if live >= self.config.max_sandboxes:
+                raise ResourceLimit("too many sandboxes", limit=self.config.max_sandboxes)
+            rec = taken
+            self.records[rec.id], self.locks[rec.id] = rec, asyncio.Lock()
+            self.save(rec)
+            log.info("sandbox_taken_over", sandbox_id=rec.id, trajectory_id=rec.trajectory_id)
+        if not checkpoint_id:
+            ptr, _ = await self.store.get(rec.id)
+            if ptr is None:
+                raise NotFound("no ready checkpoint of this sandbox", sandbox_id=rec.id)
+            checkpoint_id = ptr.checkpoint_id
+        directory = self.sandbox_dir(rec.id) / checkpoint_id
+        base = self.sandbox_dir(rec.id)
+        if (
+            not directory.is_dir()
+            and not (base / f"{core.QUARANTINE_PREFIX}{checkpoint_id}").is_dir()
+        ):
+            async with self._locked(rec, self.config.lock_wait_s):
+                if not directory.is_dir() and self.objects is not None:
+                    await self.objects.fetch(checkpoint_id, directory)
+        return rec, checkpoint_id
 
     def _check_owner(self, sandbox_id: str, checkpoint_id: str) -> None:
         base = self.sandbox_dir(sandbox_id)

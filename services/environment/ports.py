@@ -31,6 +31,17 @@ class ReadyStore(Protocol):
     async def announce(self, info: CheckpointInfo) -> None: ...
 
 
+class CheckpointStore(Protocol):
+    """Where ready checkpoints are kept beyond this host (the JetStream Object Store,
+    ``objects.CheckpointObjects``)."""
+
+    async def put(self, checkpoint_id: str, directory: Path) -> None: ...
+
+    async def fetch(self, checkpoint_id: str, directory: Path) -> None: ...
+
+    async def delete(self, checkpoint_id: str) -> None: ...
+
+
 class Fleet(Protocol):
     """What start-up and stop (``lifecycle``) use of the manager: the sandbox table with its
     locks, Docker, the ready pointers, and four operations on one sandbox or all."""

@@ -18,6 +18,7 @@ from nats.js.kv import KeyValue
 
 from common import events, subjects
 from common.bus import Handler
+from common.codec import encode
 from common.errors import BusUnavailable, Conflict, SandboxError
 from common.guard import isolated
 from common.logging import get_logger
@@ -32,16 +33,21 @@ from schemas.env import (
     EnvExec,
     EnvExecResult,
     EnvGc,
+    EnvHostInfo,
     EnvList,
     EnvListing,
+    EnvPing,
     EnvRestore,
     EnvRestored,
     ReadyPointer,
+    SandboxLimits,
 )
 from schemas.events import CheckpointReady, SandboxRestored
 from services.environment import core
 from services.environment.config import EnvConfig
+from services.environment.core import SandboxRecord, SandboxState
 from services.environment.manager import SandboxManager
+from services.environment.objects import CheckpointObjects
 
 log = get_logger(service="environment")
 
@@ -119,14 +125,31 @@ class EnvironmentService:
         self.config = config
         self.manager = manager
         self.js = js
+        self.changed = asyncio.Event()
+        """Set when the number of sandboxes changed (the registration is refreshed)."""
 
-    async def on_create(self, req: EnvCreate, _msg: Msg) -> EnvCreated:
-        start = time.monotonic()
-        lim, cfg = req.limits, self.config
-        limits = core.check_limits(
+    def info(self) -> EnvHostInfo:
+        live = sum(
+            1 for r in self.manager.records.values() if r.status is not SandboxState.DESTROYED
+        )
+        return EnvHostInfo(
+            host=self.config.node, capacity=self.config.max_sandboxes, sandboxes=live,
+            ts=time.time(),
+        )  # fmt: skip
+
+    async def on_ping(self, _req: EnvPing, _msg: Msg) -> EnvHostInfo:
+        return self.info()
+
+    def limits(self, lim: SandboxLimits) -> core.Limits:
+        cfg = self.config
+        return core.check_limits(
             core.Limits(memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids),
             core.Limits(memory_mb=cfg.max_memory_mb, cpus=cfg.max_cpus, pids=cfg.max_pids),
         )
+
+    async def on_create(self, req: EnvCreate, _msg: Msg) -> EnvCreated:
+        start = time.monotonic()
+        limits = self.limits(req.limits)
         rec = await self.manager.create(
             image=req.image,
             files=[(f.path, f.content, f.mode) for f in req.files],
@@ -134,6 +157,7 @@ class EnvironmentService:
             trajectory_id=req.trajectory_id,
             sandbox_id=req.sandbox_id,
         )
+        self.changed.set()
         return EnvCreated(
             sandbox_id=rec.id,
             container_id=rec.container_id,
@@ -161,7 +185,16 @@ class EnvironmentService:
         )
 
     async def on_restore(self, req: EnvRestore, _msg: Msg) -> EnvRestored:
-        r = await self.manager.restore(req.sandbox_id, req.checkpoint_id)
+        taken = None
+        if req.from_store:  # the sandbox's host died: take it over from the checkpoint store
+            taken = SandboxRecord(
+                id=core.validate_sandbox_id(req.sandbox_id), image=req.image or self.config.image,
+                container_id="", limits=self.limits(req.limits or SandboxLimits()),
+                trajectory_id=req.trajectory_id, state=SandboxState.FAILED.value,
+                created_at=time.time(),
+            )  # fmt: skip
+            self.changed.set()
+        r = await self.manager.restore(req.sandbox_id, req.checkpoint_id, taken)
         if self.js is not None:
             m = r.manifest
             event = SandboxRestored(
@@ -184,6 +217,7 @@ class EnvironmentService:
 
     async def on_destroy(self, req: EnvDestroy, _msg: Msg) -> Ok:
         await self.manager.destroy(req.sandbox_id)
+        self.changed.set()
         return Ok(detail=f"destroyed {req.sandbox_id}")
 
     async def on_list(self, _req: EnvList, _msg: Msg) -> EnvListing:
@@ -209,6 +243,34 @@ async def adopt_when_reachable(manager: SandboxManager, stop: asyncio.Event) -> 
             await asyncio.wait_for(stop.wait(), 2.0)
 
 
+async def register(svc: EnvironmentService, js: JetStreamContext, stop: asyncio.Event) -> None:
+    """Keep this host's registration (KV ``env_hosts``) fresh: every ``register_every_s`` and
+    whenever its number of sandboxes changed; deleted on a graceful stop."""
+    kv: KeyValue | None = None
+    host = svc.config.node
+    try:
+        while not stop.is_set():
+            svc.changed.clear()
+            with isolated(log, "env_host_register"):  # a bus hiccup: the next round retries
+                kv = kv or await js.key_value(subjects.BUCKET_ENV_HOSTS)
+                await kv.put(host, encode(svc.info()))
+            with contextlib.suppress(TimeoutError):
+                changed = asyncio.ensure_future(svc.changed.wait())
+                stopped = asyncio.ensure_future(stop.wait())
+                try:
+                    await asyncio.wait(
+                        {changed, stopped}, timeout=svc.config.register_every_s,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )  # fmt: skip
+                finally:
+                    changed.cancel()
+                    stopped.cancel()
+    finally:
+        if kv is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(kv.delete(host), 2.0)
+
+
 class EnvService(Service[EnvConfig]):
     """The environment process: adopt the sandboxes of a previous run (or keep retrying while
     dockerd is unreachable), serve ``belayer.env.<op>`` with concurrent handlers; on stop the
@@ -221,10 +283,15 @@ class EnvService(Service[EnvConfig]):
         self.drain_timeout_s = config.lock_wait_s
         self.manager: SandboxManager | None = None
         self.adopting: asyncio.Task[None] | None = None
+        self.registering: asyncio.Task[None] | None = None
 
     async def setup(self) -> None:
         config = self.config
-        manager = SandboxManager(config, KvReadyStore(self.js, source=f"environment:{config.node}"))
+        manager = SandboxManager(
+            config,
+            KvReadyStore(self.js, source=f"environment:{config.node}"),
+            objects=CheckpointObjects(self.js),
+        )
         self.manager = manager
         try:
             await asyncio.to_thread(manager.docker.ping)
@@ -244,13 +311,25 @@ class EnvService(Service[EnvConfig]):
             ("list", EnvList, svc.on_list),
             ("gc", EnvGc, svc.on_gc),
         ]
-        for op, typ, handler in routes:
-            await self.server.serve(subjects.env(op), typ, handler, concurrent=True)
+        for op, typ, handler in routes:  # any one host (a queue group), and this host
+            await self.server.serve(
+                subjects.env(op), typ, handler, concurrent=True, queue="environment"
+            )
+            await self.server.serve(
+                subjects.env_host(config.node, op), typ, handler, concurrent=True
+            )
+        await self.server.serve(
+            subjects.env_host(config.node, "ping"), EnvPing, svc.on_ping, concurrent=True
+        )
+        self.registering = asyncio.create_task(register(svc, self.js, self.stop_requested))
         log.info("sandboxes_adopted", node=config.node, sandboxes=len(manager.records))
 
     async def drain(self) -> None:
         if self.adopting is not None:
             self.adopting.cancel()
+        if self.registering is not None:  # deregisters (stop_requested is set)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.registering, 5.0)
         await super().drain()
         if self.manager is not None:
             await self.manager.close()

@@ -267,11 +267,14 @@ class Supervisor(Service[SupervisorConfig]):
         log.info("env_host_ready", nats_url=redact(self.nats_url), run_id=self.run_id)
 
     async def _start_environment(self) -> None:
-        """The environment service of this host, started and answering ``env.list``."""
+        """The environment service of this host, started and answering ``env.list``. In a
+        deployment (``--join``) its ready checkpoints also go to the object store, so that
+        another host can restore its sandboxes when it dies."""
+        store = self.config.env.checkpoint_store or bool(self.config.nats_url)
         await self._start_and_wait(
             self.child("environment", self._py("services.environment", dataclasses.replace(
                 self.config.env, run_dir=self.paths.root, node=node_label(self.run_id),
-                log_file=str(self._log_file("environment")))),
+                log_file=str(self._log_file("environment")), checkpoint_store=store)),
                 stop_timeout=ENV_STOP_TIMEOUT_S),
             self._env_probe,
         )  # fmt: skip

@@ -1,0 +1,220 @@
+"""Environment hosts (issue 24 item 2), on real processes: one nats-server with the
+identities of `belayer auth init --env-host ha --env-host hb`, a node joined to it without an
+environment of its own (the warm-started tiny SWE model), and two environment hosts joined
+with `belayer up --role env-host` (separate run directories, so separate checkpoint
+directories and node labels; this machine's dockerd serves both).
+
+Sandboxes are placed on both hosts by free capacity. Once a host has published a ready
+checkpoint, it dies: its supervisor and environment service SIGKILLed, its containers
+removed. Every trajectory completes; every sandbox of the dead host that had a ready
+checkpoint is restored on the other host from the object store, and its trajectory continues
+from L_k — none restarts from scratch while a ready checkpoint was known."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common import subjects
+from common.auth import BusConfig
+from common.bus import connect
+from common.codec import decode
+from common.natsserver import NatsServer, start_nats_server
+from schemas.events import AnyEvent, CheckpointReady, SandboxRestored, TrajectoryFinished
+from schemas.rollout import RolloutRequest
+from schemas.serving import SamplingParams
+from services.controller.client import submit, trajectories, wait
+from services.environment.client import PlacedEnvClient
+from services.environment.docker_ops import LABEL_NODE
+from tests.integration.env_helpers import require_docker
+from tests.integration.node_helpers import Node, cli, run_id_processes, stop_node
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(600)]
+
+TASKS = ["kv_daemon", "shop_total", "calc_clamp"]
+"""Bundled SWE tasks whose solutions take more than one action."""
+
+
+@dataclass
+class Deployment:
+    server: NatsServer
+    auth: Path
+    node: Node
+    hosts: dict[str, Node]
+    """Host directory name (``ha``, ``hb``) → its env host."""
+
+    def bus(self, identity: str, where: str = "node") -> BusConfig:
+        return BusConfig(creds=str(self.auth / where / f"{identity}.nk"))
+
+
+def warm_swe_model(root: Path) -> Path:
+    """The warm-started tiny SWE model (cached by the model layer after its first build);
+    ``BELAYER_TEST_SWE_MODEL`` names an already made one instead."""
+    given = os.environ.get("BELAYER_TEST_SWE_MODEL")
+    if given:
+        return Path(given)
+    out = root / "swe"
+    proc = cli("model", "init", "--tiny", "--warm-start", "swe", str(out),
+               run_dir=root, timeout=900, check=False)  # fmt: skip
+    assert proc.returncode == 0, f"warm start failed:\n{proc.stdout}\n{proc.stderr}"
+    return out
+
+
+def start_host(name: str, url: str, auth: Path, run_dir: Path) -> Node:
+    cli(
+        "up", "--detach", "--join", url, "--role", "env-host", "--creds-dir", str(auth / name),
+        run_dir=run_dir, timeout=180,
+    )  # fmt: skip
+    info = json.loads((run_dir / "node.json").read_text())
+    return Node(run_dir=run_dir, nats_url=info["nats_url"], run_id=info["run_id"])
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    require_docker()
+    root = tmp_path_factory.mktemp("envhosts")
+    model = warm_swe_model(root / "model")
+    auth = root / "auth"
+    cli("auth", "init", str(auth), "--env-host", "ha", "--env-host", "hb", run_dir=root)
+    server = start_nats_server(root / "nats", authorization=(auth / "auth.conf").read_text())
+    nodes: list[Node] = []
+    try:
+        node_dir = root / "node"
+        cli(
+            "up", "--detach", "--no-environment", "--join", server.url, "--creds-dir",
+            str(auth / "node"), "--model", str(model), run_dir=node_dir, timeout=240,
+        )  # fmt: skip
+        info = json.loads((node_dir / "node.json").read_text())
+        node = Node(run_dir=node_dir, nats_url=info["nats_url"], run_id=info["run_id"])
+        nodes.append(node)
+        names = ("ha", "hb")
+        with ThreadPoolExecutor(2) as pool:  # the two hosts start side by side
+            started = pool.map(lambda n: start_host(n, server.url, auth, root / n), names)
+            hosts = dict(zip(names, started, strict=True))
+        nodes += hosts.values()
+        yield Deployment(server, auth, node, hosts)
+    finally:
+        with ThreadPoolExecutor(2) as pool:
+            list(
+                pool.map(
+                    lambda n: cli("down", run_dir=n.run_dir, timeout=90, check=False), nodes[1:]
+                )
+            )
+        if nodes:
+            stop_node(nodes[0])
+        server.stop()
+
+
+def kill_host(host: Node) -> int:
+    """SIGKILL every process of the host (its supervisor first, so that nothing restarts
+    the environment service), then remove its containers: the host is gone. Returns how many
+    containers were removed."""
+    import docker
+
+    supervisor = json.loads((host.run_dir / "node.json").read_text())["supervisor_pid"]
+    os.kill(supervisor, signal.SIGKILL)  # first: nothing restarts the environment service
+    for _ in range(20):  # bounded: a process the supervisor started meanwhile goes too
+        pids = run_id_processes(host.run_id)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not run_id_processes(host.run_id), "a process of the killed host is left"
+    client = docker.DockerClient(version="auto", timeout=30)
+    label = f"{LABEL_NODE}=node-{host.run_id}"
+    gone = client.containers.list(all=True, filters={"label": label})
+    for c in gone:
+        c.remove(force=True)
+    return len(gone)
+
+
+class Events:
+    """Every event of the deployment while the test runs (core subscription)."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+        self.changed = asyncio.Event()
+
+    async def start(self, nc: Any) -> Events:
+        async def cb(msg: Any) -> None:
+            with contextlib.suppress(Exception):
+                self.seen.append(decode(msg.data, AnyEvent))
+                self.changed.set()
+
+        await nc.subscribe(subjects.EVENTS_ALL, cb=cb)
+        return self
+
+    async def until(self, pred: Any, timeout: float) -> Any:
+        async def loop() -> Any:
+            while True:
+                hit = next((e for e in self.seen if pred(e)), None)
+                if hit is not None:
+                    return hit
+                self.changed.clear()
+                await self.changed.wait()
+
+        return await asyncio.wait_for(loop(), timeout)
+
+
+async def test_an_env_host_dies_and_its_sandboxes_continue_on_the_other(
+    deployment: Deployment,
+) -> None:
+    d = deployment
+    nc = await connect(d.server.url, name="t", bus=d.bus("operator"))
+    try:
+        events = await Events().start(nc)
+        request = RolloutRequest(
+            workload="swe", rollout_id="envhosts", task_ids=TASKS, n=2, policy="always",
+            sampling=SamplingParams(temperature=1.0, max_tokens=128), seed=11,
+        )  # fmt: skip
+        accepted = await submit(nc, request)
+        labels = {f"environment:node-{h.run_id}": name for name, h in d.hosts.items()}
+        # Both hosts take sandboxes (placement by free capacity spreads them).
+        first = await events.until(
+            lambda e: isinstance(e, CheckpointReady) and e.source in labels, timeout=180
+        )
+        victim = labels[first.source]
+        survivor = next(n for n in d.hosts if n != victim)
+        finished = {e.trajectory_id for e in events.seen if isinstance(e, TrajectoryFinished)}
+        ready = {
+            e.checkpoint.sandbox_id: e.checkpoint.trajectory_id
+            for e in events.seen
+            if isinstance(e, CheckpointReady) and e.source == first.source
+            and e.checkpoint.trajectory_id not in finished
+        }  # fmt: skip
+        assert ready, "the victim had no running trajectory with a ready checkpoint"
+        placed = {h.host: h.sandboxes for h in await PlacedEnvClient(nc).hosts(now=True)}
+        assert sorted(placed) == sorted(f"node-{h.run_id}" for h in d.hosts.values())
+        assert all(n >= 1 for n in placed.values()), f"not placed across hosts: {placed}"
+        assert kill_host(d.hosts[victim]) >= 1
+        done = await wait(nc, accepted.rollout_id, timeout=400)
+        s = done.summary
+        assert (s.trajectories, s.trajectories_completed, s.trajectories_failed) == (6, 6, 0)
+        got = {t.trajectory_id: t for t in await trajectories(nc, accepted.rollout_id, timeout=60)}
+        assert len(got) == 6
+        assert sum(t.recovery.restarts_from_scratch_with_checkpoint for t in got.values()) == 0
+        survivor_src = f"environment:node-{d.hosts[survivor].run_id}"
+        moved = {
+            e.sandbox_id
+            for e in events.seen
+            if isinstance(e, SandboxRestored) and e.source == survivor_src
+        }
+        for sandbox_id, trajectory_id in ready.items():
+            t = got[trajectory_id]  # the same attempt: it was not restarted
+            if t.recovery.sandbox_failures == 0:
+                continue  # it ended before its next environment step needed the sandbox
+            assert sandbox_id in moved, f"{sandbox_id} was not restored on {survivor}"
+            assert t.recovery.restores >= 1 and t.recovery.restarts_from_scratch == 0
+    finally:
+        await nc.close()
