@@ -23,19 +23,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common import subjects
 from common.errors import Unauthorized
+from common.seeds import SEED_SUFFIX as SEED_SUFFIX
+from common.seeds import new_seed, public_key_of, seed_file, write_private
+from common.seeds import read_seed as read_seed
 
 IDENTITIES_FILE = "identities.json"
 """The auth directory's manifest: name, role, scope and public key of every identity (no
 secrets)."""
 
-SEED_SUFFIX = ".nk"
 
 ROLES = (
     "supervisor",
@@ -50,11 +51,14 @@ ROLES = (
     "reward",
     "client",
     "operator",
+    "engine-host",
 )
 """Every role. ``host``: the supervisor of a host that joins a deployment (``--role
 env-host``), which declares nothing; ``client``: a user's program or CLI (submit work, read
 status and events); ``operator``: the node owner's CLI (also sandboxes and ``down``);
-``reward``: a reward service (any language) answering ``belayer.reward.<name>``."""
+``reward``: a reward service (any language) answering ``belayer.reward.<name>``;
+``engine-host``: the supervisor, weight store and KV arena of a host that joins a deployment
+with rollout engines (``--role engine-host``), scoped to that host's name."""
 
 P = subjects.PREFIX
 _INBOX_ALL = "_INBOX.>"
@@ -190,14 +194,42 @@ def _host_grant() -> tuple[list[str], list[str]]:
     return ([subjects.env("list")], [])
 
 
+_WEIGHT_OBJECTS_STREAM = f"OBJ_{subjects.BUCKET_WEIGHT_OBJECTS}"
+
+
 def _weights_grant() -> tuple[list[str], list[str]]:
-    """Writes and reads the weight version; answers weight lookups and pushes."""
+    """Writes and reads the weight version, exports versions into the weight object store
+    (creates it, puts and deletes objects); answers weight lookups, pushes and exports."""
     return (
         [
             *_kv_write(subjects.BUCKET_WEIGHT_VERSION),
             *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
+            f"$JS.API.STREAM.CREATE.{_WEIGHT_OBJECTS_STREAM}",
+            f"$JS.API.STREAM.PURGE.{_WEIGHT_OBJECTS_STREAM}",
+            f"$O.{subjects.BUCKET_WEIGHT_OBJECTS}.>",
+            *_stream_read(_WEIGHT_OBJECTS_STREAM),
         ],
-        [subjects.weights_get(), subjects.weights_push()],
+        [subjects.weights_get(), subjects.weights_push(), subjects.weights_export()],
+    )
+
+
+def _engine_host_grant(host: str) -> tuple[list[str], list[str]]:
+    """An engine host's supervisor, weight store and KV arena (``--role engine-host``): asks
+    the node's store to export versions and reads them from the weight object store, reads
+    the weight version and the engine epochs, asks the router about its engines (and reports
+    a dead worker), probes its own host's store and arena; answers its own host's weight and
+    arena requests, hears every event."""
+    return (
+        [
+            subjects.weights_export(),
+            *_stream_read(_WEIGHT_OBJECTS_STREAM),
+            *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
+            *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
+            subjects.router_status(),
+            subjects.router_engine_failed(),
+            f"{P}.host.{host}.>",
+        ],
+        [f"{P}.host.{host}.>", subjects.EVENTS_ALL],
     )
 
 
@@ -248,6 +280,9 @@ def _engine_grant(engine: str) -> tuple[list[str], list[str]]:
             subjects.kv_get(),
             subjects.kv_flush(),
             subjects.weights_get(),
+            f"{P}.host.*.kv.get",
+            f"{P}.host.*.kv.flush",
+            f"{P}.host.*.weights.get",
             *_kv_write(subjects.BUCKET_ENGINE_EPOCHS, engine),
             *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
             *_kv_read(subjects.BUCKET_WEIGHT_VERSION),
@@ -333,6 +368,8 @@ def _service_grant(role: str, scope: str) -> tuple[list[str], list[str]]:
     """(publish, subscribe) of a service role, beyond ``_SERVICE_BASE`` and the inbox."""
     if role == "engine":
         return _engine_grant(scope or "*")
+    if role == "engine-host":
+        return _engine_host_grant(scope or "*")
     return _GRANTS[role]()
 
 
@@ -402,68 +439,20 @@ def inbox_prefix(public_key: str) -> str:
     return f"_INBOX.{public_key}"
 
 
-# --- seeds and files ----------------------------------------------------------------------
-def new_seed() -> bytes:
-    """A fresh user nkey seed (``SU…``)."""
-    import nkeys
-
-    return bytes(nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER))
-
-
-def public_key_of(seed: bytes) -> str:
-    """The public key (``U…``) of a seed; ``Unauthorized`` if it is not one."""
-    import nkeys
-
-    try:
-        kp = nkeys.from_seed(bytearray(seed.strip()))
-    except Exception:  # nkeys raises assorted errors for a bad seed: never echo the content
-        raise Unauthorized("the credentials file does not hold an nkey seed") from None
-    try:
-        return str(kp.public_key.decode())
-    finally:
-        kp.wipe()
-
-
-def read_seed(path: str | Path) -> bytes:
-    """The seed in ``path``; ``Unauthorized`` naming the file (never its content) if it is
-    missing, unreadable, too open to others or not a seed."""
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise Unauthorized(f"credentials file {p} does not exist") from None
-    except OSError as exc:
-        raise Unauthorized(f"cannot read credentials file {p}: {exc.strerror}") from None
-    if len(data) > 4096:
-        raise Unauthorized(f"credentials file {p} is not an nkey seed file")
-    try:
-        public_key_of(data)
-    except Unauthorized:
-        raise Unauthorized(f"credentials file {p} does not hold an nkey seed") from None
-    return data.strip()
-
-
-def seed_file(auth_dir: Path, name: str) -> Path:
-    return auth_dir / f"{name}{SEED_SUFFIX}"
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically, readable by its owner only (0600)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
 def node_identities(engine_ids: list[str] | tuple[str, ...]) -> list[tuple[str, str, str]]:
     """(name, role, scope) of every identity a node uses: one per service role, one per engine
     (its main worker and shadow), the user's client and the operator."""
-    out = [(r, r, "") for r in ROLES if r not in ("engine", "host")]
+    out = [(r, r, "") for r in ROLES if r not in ("engine", "host", "engine-host")]
+    out += [(f"engine-{subjects.check_token(e, 'engine id')}", "engine", e) for e in engine_ids]
+    return out
+
+
+def engine_host_identities(host: str, engine_ids: list[str]) -> list[tuple[str, str, str]]:
+    """(name, role, scope) of the identities of engine host ``host``: its supervisor
+    (``host``), weight store and KV arena (each role ``engine-host``, scope ``host``), and
+    one per engine."""
+    subjects.check_token(host, "host name")
+    out = [(name, "engine-host", host) for name in ("host", "weights", "kv")]
     out += [(f"engine-{subjects.check_token(e, 'engine id')}", "engine", e) for e in engine_ids]
     return out
 
@@ -482,10 +471,10 @@ def ensure_identities(auth_dir: Path, wanted: list[tuple[str, str, str]]) -> lis
         if have is not None and have.role == role and have.scope == scope and path.exists():
             continue
         seed = new_seed()
-        _write_private(path, seed)
+        write_private(path, seed)
         known[name] = Identity(name=name, role=role, public_key=public_key_of(seed), scope=scope)
     manifest = [asdict(i) for i in sorted(known.values(), key=lambda i: i.name)]
-    _write_private(auth_dir / IDENTITIES_FILE, json.dumps(manifest, indent=2).encode())
+    write_private(auth_dir / IDENTITIES_FILE, json.dumps(manifest, indent=2).encode())
     return sorted(known.values(), key=lambda i: i.name)
 
 
@@ -564,6 +553,7 @@ def markdown_table() -> str:
             subjects.STREAM_EVENTS,
             subjects.STREAM_TRAJECTORIES,
             subjects.STREAM_DEADLETTER,
+            _WEIGHT_OBJECTS_STREAM,
         ]
         buckets = [
             subjects.BUCKET_WEIGHT_VERSION,

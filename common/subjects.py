@@ -22,9 +22,22 @@ def check_token(value: str, what: str = "id") -> str:
 
 
 # --- weight store -------------------------------------------------------------------------
-def weights_get() -> str:
-    """Request: the manifest of the current (or a given) weight version."""
-    return f"{PREFIX}.weights.get"
+def host_prefix(host: str) -> str:
+    """Prefix of the subjects one engine host's own weight store and KV arena serve (its
+    workers ask them, not the node's): ``belayer.host.<host>``."""
+    return f"{PREFIX}.host.{check_token(host, 'host name')}"
+
+
+def weights_get(host: str = "") -> str:
+    """Request: the manifest of the current (or a given) weight version (``host``: that
+    engine host's local weight store)."""
+    return f"{host_prefix(host)}.weights.get" if host else f"{PREFIX}.weights.get"
+
+
+def weights_export() -> str:
+    """Request: the node's weight store puts a version into the ``BUCKET_WEIGHT_OBJECTS``
+    object store (once) and answers its manifest; engine hosts mirror it from there."""
+    return f"{PREFIX}.weights.export"
 
 
 def weights_push() -> str:
@@ -38,14 +51,14 @@ def weights_release() -> str:
 
 
 # --- KV arena -----------------------------------------------------------------------------
-def kv_get() -> str:
-    """Request: the arena descriptor of one engine."""
-    return f"{PREFIX}.kv.get"
+def kv_get(host: str = "") -> str:
+    """Request: the arena descriptor of one engine (``host``: that engine host's arena)."""
+    return f"{host_prefix(host)}.kv.get" if host else f"{PREFIX}.kv.get"
 
 
-def kv_flush() -> str:
-    """Request: zero an engine's arena (handover step 3)."""
-    return f"{PREFIX}.kv.flush"
+def kv_flush(host: str = "") -> str:
+    """Request: zero an engine's arena (handover step 3; ``host``: that engine host's)."""
+    return f"{host_prefix(host)}.kv.flush" if host else f"{PREFIX}.kv.flush"
 
 
 # --- rollout workers / router -------------------------------------------------------------
@@ -217,6 +230,22 @@ BUCKET_REQUESTS = "request_status"
 BUCKET_SANDBOX_PREFIX = "sandbox_prefix"
 BUCKET_ROLLOUTS = "rollouts"
 BUCKET_TRAJECTORY_PREFIX = "trajectory_prefix"
+
+BUCKET_WEIGHT_OBJECTS = "weight_objects"
+"""JetStream Object Store of exported weight versions (object ``weight_object(N)``) and the
+model's small files (``model_file_object``): what an engine host mirrors."""
+
+
+def model_file_object(name: str) -> str:
+    """Name of one of the model's small files (``config.json``, the tokenizer's) in
+    ``BUCKET_WEIGHT_OBJECTS``: engines and KV arenas read them beside the weights."""
+    return f"model/{name}"
+
+
+def weight_object(version: int) -> str:
+    """Name of one version's flat buffer in ``BUCKET_WEIGHT_OBJECTS``."""
+    return f"v{int(version)}"
+
 
 BUCKET_ENV_HOSTS = "env_hosts"
 """Environment hosts' registrations (key: host; value: its capacity and live sandboxes)."""

@@ -11,6 +11,7 @@ import typer
 
 from common.auth import (
     authorization_conf,
+    engine_host_identities,
     ensure_identities,
     node_identities,
     read_seed,
@@ -21,7 +22,7 @@ from common.errors import BelayerError
 from common.subjects import check_token
 from services.cli.shared import fail, one_line
 from services.supervisor.client import node_identity_names
-from services.supervisor.config import SupervisorConfig
+from services.supervisor.config import SupervisorConfig, host_engine_ids, parse_engine_host
 
 auth_app = typer.Typer(
     help="Identities (NATS nkeys) and permissions for a deployment across hosts.",
@@ -43,7 +44,7 @@ def preflight(config: SupervisorConfig) -> None:
             creds_dir = Path(config.creds_dir)
             for name in node_identity_names(config):
                 read_seed(seed_file(creds_dir, name))
-            own = seed_file(creds_dir, "host" if config.role == "env-host" else "supervisor")
+            own = seed_file(creds_dir, "supervisor" if config.role == "node" else "host")
         if config.nats_url:
             bus = dataclasses.replace(config.bus, creds=str(own) if own else "")
             asyncio.run(_probe(config.nats_url, bus))
@@ -63,6 +64,12 @@ def init(
     env_hosts: list[str] = typer.Option(
         [], "--env-host", help="Name of a host that runs only sandboxes (repeatable)."
     ),
+    engine_hosts: list[str] = typer.Option(
+        [],
+        "--engine-host",
+        help="NAME:N: a host that runs N rollout engines (NAME-e0 …) for the node (repeatable; "
+        "give the node the same --engine-host).",
+    ),
 ) -> None:
     """Write the identities of a deployment: ``OUT/node/`` (every service of the node that
     runs the router, engines and controller, plus ``client`` and ``operator``), ``OUT/<host>/``
@@ -74,12 +81,18 @@ def init(
             check_token(host, "host name")
         if "node" in env_hosts:
             raise ValueError("'node' is the node's own directory: name the host otherwise")
+        hosts = [parse_engine_host(spec) for spec in engine_hosts]
+        if {h for h, _ in hosts} & set(env_hosts) or len({h for h, _ in hosts}) < len(hosts):
+            raise ValueError("every host needs its own name")
         engine_ids = [f"e{i}" for i in range(engines)]
         identities = ensure_identities(out / "node", node_identities(engine_ids))
         for host in env_hosts:
             identities += ensure_identities(
                 out / host, [("host", "host", ""), ("environment", "environment", "")]
             )
+        for host, count in hosts:
+            ids = host_engine_ids(host, count)
+            identities += ensure_identities(out / host, engine_host_identities(host, ids))
     except (ValueError, BelayerError) as exc:
         fail(one_line(str(exc)), 2)
     conf = out / "auth.conf"

@@ -25,7 +25,7 @@ from services.cli.auth import preflight
 from services.cli.shared import fail, print_json, run, with_bus
 from services.rl.node import NodeFailed, docker_usable, launch, shut_down
 from services.rl.run import run_paths
-from services.supervisor.config import SupervisorConfig
+from services.supervisor.config import SupervisorConfig, parse_engine_host
 from services.worker.config import WorkerConfig
 from workloads import plugins
 from workloads.registry import load_workload
@@ -74,8 +74,20 @@ UP_CREDS_DIR = typer.Option(
 UP_ROLE = typer.Option(
     NODE_DEFAULTS.role,
     "--role",
-    help="node (every service) or env-host (only the environment service, joining a "
-    "deployment with --join).",
+    help="node (every service), env-host (only the environment service) or engine-host "
+    "(--engines rollout engines with this host's own weight store and KV arena); a host "
+    "joins a deployment with --join.",
+)
+UP_HOST_NAME = typer.Option(
+    NODE_DEFAULTS.host_name,
+    "--host-name",
+    help="--role engine-host: this host's name, as the node's --engine-host NAME:N gives it.",
+)
+UP_ENGINE_HOST = typer.Option(
+    None,
+    "--engine-host",
+    help="NAME:N: an engine host that may join this node with N engines (NAME-e0 …), routed "
+    "by its router; a local NATS makes its identities under <run dir>/auth/NAME (repeatable).",
 )
 UP_TLS_CERT = typer.Option(
     None,
@@ -196,6 +208,8 @@ def up(
     nats_url: str = UP_NATS_URL,
     creds_dir: Path | None = UP_CREDS_DIR,
     role: str = UP_ROLE,
+    host_name: str = UP_HOST_NAME,
+    engine_host: list[str] | None = UP_ENGINE_HOST,
     tls_cert: Path | None = UP_TLS_CERT,
     tls_key: Path | None = UP_TLS_KEY,
     tls_ca: Path | None = UP_TLS_CA,
@@ -217,7 +231,7 @@ def up(
     reward_function: list[str] | None = UP_REWARD_FUNCTION,
 ) -> None:
     """Start a Belayer node: NATS (JetStream), weight store, KV arena, router, workers."""
-    check_up_args(recovery, role, nats_url)
+    check_up_args(recovery, role, nats_url, host_name)
     paths = run_paths(run_dir)
     node = read_node(paths)
     if node is not None and process_alive(node.supervisor_pid):
@@ -239,7 +253,13 @@ def up(
             True if role == "env-host" else docker_usable() if environment is None else environment
         ),
         creds_dir=str(creds_dir.resolve()) if creds_dir else "",
-        role="env-host" if role == "env-host" else "node",
+        role="env-host"
+        if role == "env-host"
+        else "engine-host"
+        if role == "engine-host"
+        else "node",
+        host_name=host_name,
+        engine_hosts=check_engine_hosts(engine_host or []),
         bus=bus,
         handover_timeout_s=handover_timeout,
         metrics_port=metrics_port,
@@ -286,14 +306,28 @@ def preload(flag: str, specs: list[str], load: Callable[[str], object]) -> tuple
     return tuple(dict.fromkeys(specs))
 
 
-def check_up_args(recovery: str, role: str, nats_url: str) -> None:
+def check_up_args(recovery: str, role: str, nats_url: str, host_name: str = "") -> None:
     """The choices of ``belayer up`` that typer does not check: one line, exit 2."""
     if recovery not in ("belayer", "baseline"):
         fail("--recovery must be 'belayer' or 'baseline'", 2)
-    if role not in ("node", "env-host"):
-        fail("--role must be 'node' or 'env-host'", 2)
-    if role == "env-host" and not nats_url:
-        fail("--role env-host joins an existing deployment: give --join URL", 2)
+    if role not in ("node", "env-host", "engine-host"):
+        fail("--role must be 'node', 'env-host' or 'engine-host'", 2)
+    if role != "node" and not nats_url:
+        fail(f"--role {role} joins an existing deployment: give --join URL", 2)
+    if role == "engine-host" and not host_name:
+        fail("--role engine-host needs --host-name (the node's --engine-host NAME:N)", 2)
+    if role == "engine-host" and recovery != "belayer":
+        fail("--role engine-host runs --recovery belayer (its shadows map its own store)", 2)
+
+
+def check_engine_hosts(specs: list[str]) -> tuple[str, ...]:
+    """``--engine-host NAME:N`` each checked: one line, exit 2."""
+    for spec in specs:
+        try:
+            parse_engine_host(spec)
+        except ValueError as exc:
+            fail(f"--engine-host {spec!r}: {exc}", 2)
+    return tuple(specs)
 
 
 def bus_config(

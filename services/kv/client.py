@@ -20,10 +20,13 @@ if TYPE_CHECKING:
 __all__ = ["KvArenaConfig", "fetch_arena", "flush_arena", "map_arena"]
 
 
-async def fetch_arena(nc: NATS, engine_id: str, timeout: float = 5.0) -> ArenaDesc:
-    """The arena descriptor of ``engine_id``; ``NotFound`` for an unknown engine."""
+async def fetch_arena(
+    nc: NATS, engine_id: str, timeout: float = 5.0, *, host: str = ""
+) -> ArenaDesc:
+    """The arena descriptor of ``engine_id`` (``host``: from that engine host's arena
+    service); ``NotFound`` for an unknown engine."""
     reply: ArenaDesc = await request(
-        nc, subjects.kv_get(), KvGet(engine_id=engine_id), ArenaDesc, timeout=timeout
+        nc, subjects.kv_get(host), KvGet(engine_id=engine_id), ArenaDesc, timeout=timeout
     )
     return reply
 
@@ -41,12 +44,14 @@ def map_arena(desc: ArenaDesc) -> torch.Tensor:
     return buf.view(dtype).view(desc.shape)
 
 
-async def flush_arena(nc: NATS, engine_id: str, epoch: int, timeout: float = 2.0) -> ArenaDesc:
+async def flush_arena(
+    nc: NATS, engine_id: str, epoch: int, timeout: float = 2.0, *, host: str = ""
+) -> ArenaDesc:
     """Zero the engine's arena before a new worker uses it; returns the descriptor with the
     bumped ``generation``. ``Conflict`` when a newer epoch already flushed it."""
     reply: ArenaDesc = await request(
         nc,
-        subjects.kv_flush(),
+        subjects.kv_flush(host),
         KvFlush(engine_id=engine_id, epoch=epoch),
         ArenaDesc,
         timeout=timeout,

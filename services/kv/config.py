@@ -25,6 +25,9 @@ class KvArenaConfig(ServiceConfig):
     """Tokens per KV block."""
     dtype: str | None = None
     """Element dtype of the arena (``float32``, ``bfloat16``…); default: the model's."""
+    host: str = ""
+    """Engine-host mode: serve this engine host's arenas on ``belayer.host.<host>.kv.*``
+    (its workers ask there, not the node's arena service)."""
 
     def __post_init__(self) -> None:
         if not self.engine_ids:

@@ -52,8 +52,9 @@ class KvService(Service[KvArenaConfig]):
                 arena.epoch, _ = await current_epoch(self.js, arena.engine_id)
                 self.log.info("arena_epoch_adopted", engine_id=arena.engine_id, epoch=arena.epoch)
         handlers = _Handlers(self.config, self.pool, self.js, self.log)
-        await self.server.serve(subjects.kv_get(), KvGet, handlers.get)
-        await self.server.serve(subjects.kv_flush(), KvFlush, handlers.flush)
+        host = self.config.host
+        await self.server.serve(subjects.kv_get(host), KvGet, handlers.get)
+        await self.server.serve(subjects.kv_flush(host), KvFlush, handlers.flush)
 
     async def close(self) -> None:
         removed = self.pool.close()

@@ -13,7 +13,7 @@ from common.bus import request
 from common.config import SHM_DIR, shm_prefix
 from schemas.base import Ok
 from schemas.node import StopNode, SupervisorStatus, SupervisorStatusRequest
-from services.supervisor.config import SupervisorConfig
+from services.supervisor.config import SupervisorConfig, host_engine_ids
 
 __all__ = [
     "SupervisorConfig",
@@ -46,6 +46,9 @@ def node_identity_names(config: SupervisorConfig) -> list[str]:
     """The identities a node's processes connect as (``<creds dir>/<name>.nk`` each)."""
     if config.role == "env-host":
         return ["host", "environment"]
+    if config.role == "engine-host":
+        ids = host_engine_ids(config.host_name, config.engines)
+        return ["host", "weights", "kv", *(f"engine-{e}" for e in ids)]
     names = ["supervisor", "weights", "kv", "router", "controller"]
     names += [f"engine-e{i}" for i in range(config.engines)]
     names += ["environment"] if config.environment else []

@@ -10,6 +10,7 @@ from typing import Literal
 
 from common.auth import BusConfig
 from common.config import RunPaths
+from common.subjects import check_token
 from services.controller.client import ControllerConfig
 from services.environment.client import EnvConfig
 from services.kv.client import KvArenaConfig
@@ -44,9 +45,18 @@ class SupervisorConfig:
     one taken is in ``node.json`` as ``metrics_url``); -1: off."""
     metrics_addr: str = "127.0.0.1"
     """The address the metrics endpoint listens on."""
-    role: Literal["node", "env-host"] = "node"
+    role: Literal["node", "env-host", "engine-host"] = "node"
     """``node``: every service; ``env-host``: only the environment service, on a host that
-    joins an existing deployment (``nats_url``), whose controller it serves."""
+    joins an existing deployment (``nats_url``), whose controller it serves; ``engine-host``:
+    rollout engines (workers and shadows) on a host that joins a deployment, with this host's
+    own weight store (mirroring the node's versions) and KV arena."""
+    host_name: str = ""
+    """``engine-host``: this host's name; its engines are ``<host_name>-e0`` … and must be
+    declared by the node (``engine_hosts``)."""
+    engine_hosts: tuple[str, ...] = ()
+    """``node``: engine hosts that may join it, each ``NAME:N`` (N engines, ``NAME-e0`` …):
+    its router routes to their engines too; a local nats-server gets their identities under
+    ``<run dir>/auth/<NAME>``."""
     model_dir: str = ""
     """Hugging Face style model directory (empty: a tiny random model under the run dir)."""
     engines: int = 1
@@ -90,13 +100,24 @@ class SupervisorConfig:
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
-        if self.role == "env-host" and not self.nats_url:
-            raise ValueError("role env-host joins an existing deployment: give nats_url")
+        if self.role != "node" and not self.nats_url:
+            raise ValueError(f"role {self.role} joins an existing deployment: give nats_url")
+        if self.role == "engine-host":
+            check_token(self.host_name, "host name")
+            if self.router.recovery != "belayer":
+                raise ValueError("an engine host runs belayer recovery (its shadows map its store)")
+        for spec in self.engine_hosts:
+            parse_engine_host(spec)
         if self.worker.limits not in (self.router.limits, WorkerConfig().limits):
             raise ValueError(
                 "the node's limits are set once, on the router (--router-limits-…); "
                 "the supervisor forwards them to every worker"
             )
+
+    @property
+    def remote_engine_ids(self) -> list[str]:
+        """The engines of every declared engine host (``engine_hosts``)."""
+        return [e for spec in self.engine_hosts for e in host_engine_ids(*parse_engine_host(spec))]
 
     @property
     def recovery(self) -> Literal["belayer", "baseline"]:
@@ -107,3 +128,23 @@ class SupervisorConfig:
     def log_file(self) -> Path:
         """The supervisor's own JSON log."""
         return RunPaths(Path(self.run_dir).resolve()).logs / "supervisor.jsonl"
+
+
+def host_engine_ids(host: str, engines: int) -> list[str]:
+    """The engine ids of engine host ``host``: ``<host>-e0`` …"""
+    return [f"{check_token(host, 'host name')}-e{i}" for i in range(engines)]
+
+
+def parse_engine_host(spec: str) -> tuple[str, int]:
+    """``NAME:N`` → (name, N); ``ValueError`` with one clear line otherwise."""
+    name, _, count = spec.partition(":")
+    check_token(name, "engine host name")
+    if name == "node":
+        raise ValueError("'node' is the node's own name: name the engine host otherwise")
+    try:
+        n = int(count) if count else 1
+    except ValueError:
+        raise ValueError(f"engine host {spec!r}: expected NAME:N (N engines)") from None
+    if n < 1:
+        raise ValueError(f"engine host {spec!r}: at least one engine")
+    return name, n

@@ -22,7 +22,9 @@ from nats.aio.msg import Msg
 from common import events, subjects
 from common.auth import (
     BusConfig,
+    Identity,
     authorization_conf,
+    engine_host_identities,
     ensure_identities,
     node_identities,
     read_seed,
@@ -46,7 +48,7 @@ from services.environment.client import node_label, remove_node_sandboxes
 from services.router.client import router_status
 from services.supervisor.backoff import Backoff
 from services.supervisor.client import node_identity_names, remove_shm_files
-from services.supervisor.config import SupervisorConfig
+from services.supervisor.config import SupervisorConfig, host_engine_ids, parse_engine_host
 from services.supervisor.engines import Engines
 from services.supervisor.metrics import MetricsEndpoint
 from services.supervisor.procs import Child
@@ -62,7 +64,10 @@ log = get_logger(service="supervisor")
 
 
 def ensure_model(config: SupervisorConfig, paths: RunPaths) -> Path:
-    """The configured model directory, or a tiny random Qwen3 made once under the run dir."""
+    """The configured model directory, or a tiny random Qwen3 made once under the run dir; on
+    an engine host, where its weight store mirrors the node's model (``config.json``)."""
+    if config.role == "engine-host":
+        return (paths.models / "mirror").resolve()
     if config.model_dir:
         return Path(config.model_dir).resolve()
     tiny = paths.models / "tiny"
@@ -91,7 +96,11 @@ class Supervisor(Service[SupervisorConfig]):
         self.children: dict[str, Child] = {}
         self.ready = False
         self.model_dir = Path()
-        self.engine_ids = [f"e{i}" for i in range(config.engines)]
+        self.engine_ids = (
+            host_engine_ids(config.host_name, config.engines)
+            if config.role == "engine-host"
+            else [f"e{i}" for i in range(config.engines)]
+        )
         self.watchers: list[asyncio.Task[None]] = []
         self.engines = Engines(self)
         self.metrics: MetricsEndpoint | None = None
@@ -142,6 +151,7 @@ class Supervisor(Service[SupervisorConfig]):
             heartbeat_file=str(self.paths.heartbeat_file(engine_id)),
             log_file=str(self._log_file(f"{kind}-{engine_id}")),
             cold_load_dir=str(self.model_dir) if cold else "",
+            host=self.config.host_name if self.config.role == "engine-host" else "",
             limits=self.config.router.limits,  # one set of limits: the router's
         )
         return self._py("services.worker", config)
@@ -171,6 +181,7 @@ class Supervisor(Service[SupervisorConfig]):
             identities = await asyncio.to_thread(
                 ensure_identities, self.creds_dir, node_identities(self.engine_ids)
             )
+            identities += await asyncio.to_thread(engine_host_auth, self.config, self.creds_dir)
             bus = self.config.bus
             tls = TlsFiles(bus.tls_cert, bus.tls_key, bus.tls_ca) if bus.tls_cert else None
             self.nats = await asyncio.to_thread(
@@ -183,7 +194,7 @@ class Supervisor(Service[SupervisorConfig]):
             self.nats_url = self.nats.url
         # Every identity this node uses must be readable before anything starts (one clear
         # error instead of services failing one by one).
-        own = "host" if self.config.role == "env-host" else "supervisor"
+        own = "supervisor" if self.config.role == "node" else "host"
         if self.creds_dir:
             for name in self.identities():
                 read_seed(seed_file(self.creds_dir, name))
@@ -196,6 +207,9 @@ class Supervisor(Service[SupervisorConfig]):
         server = self.server
         if c.role == "env-host":
             await self._setup_env_host()
+            return
+        if c.role == "engine-host":
+            await self._setup_engine_host()
             return
         await server.serve(subjects.supervisor_status(), SupervisorStatusRequest, self._on_status)
         await server.serve(subjects.supervisor_stop(), StopNode, self._on_stop)
@@ -216,7 +230,8 @@ class Supervisor(Service[SupervisorConfig]):
             ),
             self._start_and_wait(
                 self.child("router", self._py("services.router", dataclasses.replace(
-                    c.router, model_dir=str(model), engine_ids=tuple(self.engine_ids),
+                    c.router, model_dir=str(model),
+                    engine_ids=(*self.engine_ids, *c.remote_engine_ids),
                     log_file=str(self._log_file("router"))))),
                 lambda nc: router_status(nc, timeout=1),
             ),
@@ -265,6 +280,37 @@ class Supervisor(Service[SupervisorConfig]):
         self.ready = True
         self._write_node()
         log.info("env_host_ready", nats_url=redact(self.nats_url), run_id=self.run_id)
+
+    async def _setup_engine_host(self) -> None:
+        """A host that joined a deployment to run rollout engines: its own weight store (a
+        mirror of the node's versions) and KV arena on ``belayer.host.<host>.*``, then a
+        worker and a shadow per engine, registered with the deployment's router. Like an
+        env host it serves no ``supervisor.*`` subject."""
+        c, host, model = self.config, self.config.host_name, self.model_dir
+        await self._start_and_wait(
+            self.child("weights", self._py("services.weights", dataclasses.replace(
+                c.weights, run_id=self.run_id, model_dir=model, host=host,
+                log_file=str(self._log_file("weights"))))),
+            lambda nc: request(nc, subjects.weights_get(host), WeightsGet(), WeightManifest, timeout=1),
+        )  # fmt: skip
+        await self._start_and_wait(
+            self.child("kv", self._py("services.kv", dataclasses.replace(
+                c.kv, run_id=self.run_id, model_dir=model, engine_ids=tuple(self.engine_ids),
+                host=host, log_file=str(self._log_file("kv"))))),
+            lambda nc: request(nc, subjects.kv_get(host), KvGet(engine_id=self.engine_ids[0]), ArenaDesc, timeout=1),
+        )  # fmt: skip
+        await self.engines.start_all()
+        await self._wait_engines()
+        self.watchers = [
+            asyncio.create_task(self.watch(child), name=f"watch_{child.name}")
+            for child in self.children.values()
+            if not child.name.startswith(("worker-", "shadow-"))
+        ]
+        self.engines.watch_all()
+        await self.engines.subscribe()
+        self.ready = True
+        self._write_node()
+        log.info("engine_host_ready", nats_url=redact(self.nats_url), engines=self.engine_ids)
 
     async def _start_environment(self) -> None:
         """The environment service of this host, started and answering ``env.list``. In a
@@ -469,3 +515,14 @@ async def run(
 ) -> None:
     """Run the node until ``stop`` or a ``supervisor.stop`` request (see ``Supervisor``)."""
     await run_service(Supervisor(config), stop=stop, ready=ready)
+
+
+def engine_host_auth(config: SupervisorConfig, auth_dir: Path) -> list[Identity]:
+    """The identities of every declared engine host, each under ``<auth_dir>/<name>`` (the
+    directory that host's ``belayer up --creds-dir`` is given)."""
+    out: list[Identity] = []
+    for spec in config.engine_hosts:
+        name, engines = parse_engine_host(spec)
+        ids = host_engine_ids(name, engines)
+        out += ensure_identities(auth_dir / name, engine_host_identities(name, ids))
+    return out

@@ -50,12 +50,14 @@ PUSH_FILE_PREFIX = "wpush-"
 
 
 async def fetch_manifest(
-    nc: NATS, version: int | None = None, timeout: float = 5.0
+    nc: NATS, version: int | None = None, timeout: float = 5.0, *, host: str = ""
 ) -> WeightManifest:
-    """The manifest of ``version`` (default: the current one). Raises ``NotFound`` for a
-    version the store does not keep, ``BusUnavailable`` when no store answers."""
+    """The manifest of ``version`` (default: the current one) from the node's store, or with
+    ``host`` from that engine host's mirror. Raises ``NotFound`` for a version the store does
+    not keep, ``BusUnavailable`` when no store answers."""
+    subject = subjects.weights_get(host)
     reply: WeightManifest = await request(
-        nc, subjects.weights_get(), WeightsGet(version=version), WeightManifest, timeout=timeout
+        nc, subject, WeightsGet(version=version), WeightManifest, timeout=timeout
     )
     return reply
 

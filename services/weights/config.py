@@ -20,6 +20,12 @@ class WeightStoreConfig(ServiceConfig):
     """Newest versions kept in memory; older ones are unlinked after each push (readers
     that already mapped them keep their memory; new readers get ``NotFound``)."""
 
+    host: str = ""
+    """Engine-host mode: the name of the engine host this store serves. It then loads no
+    model directory: it mirrors the node's versions over the bus (``weights.export``, the
+    ``weight_objects`` Object Store) into this host's shared memory and serves them on
+    ``belayer.host.<host>.weights.get``; ``model_dir`` is where it writes ``config.json``."""
+
     def __post_init__(self) -> None:
         if self.keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {self.keep_versions}")

@@ -23,6 +23,7 @@ from schemas.events import WeightsUpdated
 from schemas.weights import WeightManifest, WeightsGet, WeightsPush
 from services.weights.client import CURRENT_KEY
 from services.weights.config import WeightStoreConfig
+from services.weights.objects import Exporter
 from services.weights.store import WeightStore
 
 SERVICE = "weights"
@@ -47,6 +48,8 @@ class WeightsService(Service[WeightStoreConfig]):
         handlers = _Handlers(self.config, self.store, pointer, self.js, self.log)
         await self.server.serve(subjects.weights_get(), WeightsGet, handlers.get)
         await self.server.serve(subjects.weights_push(), WeightsPush, handlers.push)
+        exporter = Exporter(self.js, self.store, self.config.bus.replicas, self.log)
+        await self.server.serve(subjects.weights_export(), WeightsGet, exporter.export)
         # Publish the pointer only once weights.get answers: whoever sees it can fetch it.
         await pointer.advance(manifest)
         self.log.info("weights_loaded", version=manifest.version)
@@ -59,7 +62,13 @@ class WeightsService(Service[WeightStoreConfig]):
 async def run(
     config: WeightStoreConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
 ) -> None:
-    """Serve the weight store until ``stop`` (see ``WeightsService``)."""
+    """Serve the weight store until ``stop`` (see ``WeightsService``; with ``config.host``,
+    an engine host's mirror, ``MirrorService``)."""
+    if config.host:
+        from services.weights.mirror import MirrorService
+
+        await run_service(MirrorService(config), stop=stop, ready=ready)
+        return
     await run_service(WeightsService(config), stop=stop, ready=ready)
 
 

@@ -98,7 +98,7 @@ class WeightStore:
         load_model_config(self.model_dir)  # refuse unsupported architectures before copying
         state = load_safetensors(self.model_dir)
         layout = core.plan_layout(state)
-        path = self._path(number)
+        path = self.path(number)
         buf = shm.create(path, layout.size)
         try:
             core.pack(state, layout, buf)
@@ -148,7 +148,7 @@ class WeightStore:
         core.validate_push(cur.tensors, push.tensors)
         src = shm.attach(push.handle)
         number = self.current + 1
-        path = self._path(number)
+        path = self.path(number)
         dst = shm.create(path, cur.handle.size)
         try:
             digest = self._copy(push, src, cur, dst)
@@ -199,7 +199,8 @@ class WeightStore:
         return removed
 
     # --- helpers ------------------------------------------------------------------------
-    def _path(self, number: int) -> Path:
+    def path(self, number: int) -> Path:
+        """The shm file of version ``number``."""
         return shm_path(self.run_id, f"{FILE_PREFIX}{number}")
 
     def _manifest(

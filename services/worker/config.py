@@ -42,6 +42,9 @@ class WorkerConfig(ServiceConfig):
     Longer than any single engine step, so a long prefill is never mistaken for a hang."""
     bus_check_timeout_s: float = 0.5
     """Shadow: how long the weight store and KV arena get to answer the handover health check."""
+    host: str = ""
+    """Engine-host mode: this worker runs on that engine host and maps its local weight
+    store and KV arena (``belayer.host.<host>.*``); empty: the node's."""
     limits: ServingLimits = field(default_factory=ServingLimits)
     """Request limits and the queue bound (the supervisor forwards the router's): a submit
     beyond them is refused, whoever sent it."""

@@ -66,6 +66,9 @@ from services.worker.config import WorkerConfig
 from services.worker.engine.llm_engine import LLMEngine
 from services.worker.runtime import Abort, EngineLoop, Snapshot, Submit, SwapWeights
 
+MIRROR_TIMEOUT_S = 120.0
+"""How long an engine host's weight store may take to mirror a version a worker asks for."""
+
 
 class Worker:
     """What a rollout worker process does with its engine — prepare, claim, serve, follow the
@@ -94,13 +97,13 @@ class Worker:
     # --- phase 1: prepare (slow; a shadow does it ahead of time) -----------------------------
     async def prepare(self) -> None:
         t0 = time.perf_counter()
-        manifest = await fetch_manifest(self.nc, timeout=10.0)
+        manifest = await fetch_manifest(self.nc, timeout=10.0, host=self.config.host)
         if self.config.cold_load_dir:
             # Baseline: a cold restart reads the weights from disk, as engines do today.
             params = load_safetensors(self.config.cold_load_dir)
         else:
             params = map_weights(manifest)
-        arena_desc = await fetch_arena(self.nc, self.engine_id, timeout=10.0)
+        arena_desc = await fetch_arena(self.nc, self.engine_id, timeout=10.0, host=self.config.host)
         kv_cache = map_arena(arena_desc)
         t_attach = time.perf_counter()
         model_config = load_model_config(manifest.model_dir)
@@ -135,7 +138,9 @@ class Worker:
         self.epoch = await claim_epoch(self.js, self.engine_id, expected=expected_epoch)
         self.role = "main"
         self.log = self.log.bind(epoch=self.epoch, role="main")
-        await flush_arena(self.nc, self.engine_id, self.epoch, timeout=flush_timeout)
+        await flush_arena(
+            self.nc, self.engine_id, self.epoch, timeout=flush_timeout, host=self.config.host
+        )
         return self.epoch
 
     async def serve_engine(self, *, on_ready: Callable[[], None] | None = None) -> None:
@@ -213,15 +218,24 @@ class Worker:
                 await self.refresh_weights(current.version)
 
         await self.nc.subscribe(events.subject(WeightsUpdated), cb=on_event)
-        # A push may have landed while this worker prepared.
-        latest = await fetch_manifest(self.nc, timeout=5.0)
-        if latest.version > self.weight_version:
-            await self.refresh_weights(latest.version)
+        # A push may have landed while this worker prepared (on an engine host: the node's
+        # current version, which its local store mirrors when asked for it).
+        if self.config.host:
+            node_current = await current_manifest(self.js)
+            latest_version = node_current.version if node_current is not None else 0
+        else:
+            latest_version = (await fetch_manifest(self.nc, timeout=5.0)).version
+        if latest_version > self.weight_version:
+            await self.refresh_weights(latest_version)
 
     async def refresh_weights(self, version: int) -> None:
         assert self.engine is not None
         try:
-            manifest = await fetch_manifest(self.nc, version=version, timeout=5.0)
+            # An engine host's store first mirrors a version it lacks: it may take longer.
+            timeout = MIRROR_TIMEOUT_S if self.config.host else 5.0
+            manifest = await fetch_manifest(
+                self.nc, version=version, timeout=timeout, host=self.config.host
+            )
             params = map_weights(manifest)
         except BelayerError as exc:  # e.g. already garbage-collected: a newer one follows
             self.log.warning("weights_refresh_failed", version=version, error=str(exc))

@@ -204,8 +204,9 @@ class Shadow:
         old worker is killed so it never writes the arena again. Returns when it passed."""
         nc, timeout = self.worker.nc, self.config.bus_check_timeout_s
         forward_s = self.worker.health_check()
-        await fetch_manifest(nc, timeout=timeout)
-        await fetch_arena(nc, self.engine_id, timeout=timeout)
+        host = self.config.host
+        await fetch_manifest(nc, timeout=timeout, host=host)
+        await fetch_arena(nc, self.engine_id, timeout=timeout, host=host)
         killed = kill_residual(old_pid)
         t_health = time.time()
         await self.event(
