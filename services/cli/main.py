@@ -192,12 +192,32 @@ def bench_engine(
     new_tokens: int = typer.Option(128, help="New tokens per request."),
     repeats: int = typer.Option(3, min=1, help="Runs per batch size (the median is reported)."),
     threads: int = typer.Option(1, min=1, help="torch threads for the run."),
+    vs_hf: bool = typer.Option(
+        False,
+        "--vs-hf",
+        help="Against Hugging Face transformers generate on the same model and threads "
+        "(interleaved; ratios of CPU-time tokens/s).",
+    ),
 ) -> None:
     """Decode tokens/s of the engine alone, in-process (no bus), at batch 1 and 8.
 
     16-token prompts, greedy, past EOS, prefill included; median of `--repeats` runs. The
     targets are judged on the tiny model only (without `--model`). Seconds on the tiny model.
+    With `--vs-hf`: HF transformers `generate`, the engine's fast mode and its deterministic
+    mode interleaved, with the ratios judged against ≥ 2× HF at batch 1, ≥ 1.5× at batch 8
+    (deterministic mode) and deterministic ≥ 90 % of fast at batch 8, on any model.
     """
+    if vs_hf:
+        from bench.engine_hf import main as hf_main
+
+        _run_bench(
+            lambda path: hf_main(
+                path, model, new_tokens=new_tokens, repeats=repeats, num_threads=threads
+            ),
+            out,
+            as_json,
+        )
+        return
     from bench.engine import main as bench_main
 
     _run_bench(

@@ -1,0 +1,253 @@
+"""``belayer bench engine --vs-hf``: the engine against Hugging Face transformers ``generate``.
+
+The same model directory, the same torch thread count, greedy, the same prompts (16 tokens,
+:func:`bench.engine.prompts`), ``new_tokens`` each past EOS (``min_new_tokens`` for HF,
+``ignore_eos`` for the engine), prefill included. Each repeat runs, per batch size, HF, the
+engine in fast mode and the engine in deterministic mode (the default) back to back, so a
+slow spell of a shared machine hits all three; the ratios are over those pairs of runs.
+
+Tokens/s are reported by wall clock and by the process's CPU time (one thread: CPU time is
+what the run itself cost, robust to other processes sharing the cores); the targets are judged
+on CPU time. Also reported: whether each engine mode's greedy tokens equal HF's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.engine import BATCHES, PROMPT_LEN, TINY_MODEL, prompts
+from bench.report import (
+    Row,
+    Target,
+    loadavg,
+    machine_info,
+    print_table,
+    progress,
+    target_text,
+    targets_json,
+    timestamp,
+    write_json,
+)
+from bench.stats import Interval, ci_text, intervals_json, judge_all, paired_ratio
+from model.config import load_model_config
+from model.loader import load_safetensors
+from model.qwen3 import kv_cache_shape
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.llm_engine import LLMEngine
+from services.worker.engine.sequence import SamplingParams
+
+RUNNERS = ("hf", "fast", "deterministic")
+"""HF ``generate``, then the engine with ``EngineConfig.deterministic`` off and on."""
+
+TARGETS: dict[str, Target] = {
+    "det_vs_hf_b1": (">=", 2.0),
+    "det_vs_hf_b8": (">=", 1.5),
+    "det_vs_fast_b8": (">=", 0.9),
+}
+"""Deterministic mode's tokens/s over HF's at batch 1 and 8, and over fast mode's at batch 8
+(CPU time, one thread; the tiny model and SmolLM2-135M alike)."""
+
+
+def _engine(model_dir: Path, new_tokens: int, deterministic: bool) -> LLMEngine:
+    model_config = load_model_config(model_dir)
+    max_batch = max(BATCHES)
+    config = EngineConfig(
+        max_num_seqs=max(16, max_batch),
+        block_size=16,
+        num_blocks=max_batch * (-(-(PROMPT_LEN + new_tokens) // 16)) + 1,
+        max_model_len=PROMPT_LEN + new_tokens + 1,
+        max_num_batched_tokens=max(4096, PROMPT_LEN * max_batch),
+        deterministic=deterministic,
+    )
+    kv_cache = torch.zeros(
+        kv_cache_shape(model_config, config.num_blocks, config.block_size),
+        dtype=model_config.dtype,
+    )
+    engine = LLMEngine(model_config, load_safetensors(model_dir), kv_cache, config)
+    engine.warmup()
+    return engine
+
+
+class _Runners:
+    """HF's model and the two engines, built once; ``run`` times one batch of one of them."""
+
+    def __init__(self, model_dir: Path, new_tokens: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.new_tokens = new_tokens
+        config = load_model_config(model_dir)
+        self.vocab = config.vocab_size
+        self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=config.dtype).eval()
+        self.engines = {
+            "fast": _engine(model_dir, new_tokens, False),
+            "deterministic": _engine(model_dir, new_tokens, True),
+        }
+        self.sampling = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+
+    def run(self, runner: str, batch: int) -> tuple[float, float, list[list[int]]]:
+        """(wall s, CPU s, generated tokens per prompt) of one batch."""
+        batch_prompts = prompts(batch, self.vocab)
+        wall, cpu = time.perf_counter(), time.process_time()
+        if runner == "hf":
+            ids = torch.tensor(batch_prompts)
+            with torch.inference_mode():
+                out = self.hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=self.new_tokens,
+                    min_new_tokens=self.new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            tokens = out[:, ids.shape[1] :].tolist()
+        else:
+            results = self.engines[runner].generate(batch_prompts, self.sampling)
+            tokens = [r.token_ids for r in results]
+        return time.perf_counter() - wall, time.process_time() - cpu, tokens
+
+
+def measure(model_dir: Path, new_tokens: int, repeats: int, num_threads: int = 1) -> dict[str, Any]:
+    """Interleaved runs of the three runners at each batch size; tokens/s per run (wall and
+    CPU) and whether each engine mode's tokens equalled HF's in every run."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        runners = _Runners(model_dir, new_tokens)
+        for r in RUNNERS:  # first-call costs out of the way
+            runners.run(r, 1)
+        wall: dict[str, dict[int, list[float]]] = {r: {b: [] for b in BATCHES} for r in RUNNERS}
+        cpu: dict[str, dict[int, list[float]]] = {r: {b: [] for b in BATCHES} for r in RUNNERS}
+        same = {r: True for r in RUNNERS[1:]}
+        for rep in range(repeats):
+            for b in BATCHES:
+                hf_tokens: list[list[int]] = []
+                for r in RUNNERS:
+                    w, c, tokens = runners.run(r, b)
+                    wall[r][b].append(b * new_tokens / w)
+                    cpu[r][b].append(b * new_tokens / c)
+                    if r == "hf":
+                        hf_tokens = tokens
+                    else:
+                        same[r] = same[r] and tokens == hf_tokens
+                progress(
+                    "engine",
+                    f"vs HF run {rep + 1}/{repeats}, batch {b} (CPU tok/s): "
+                    + ", ".join(f"{r} {cpu[r][b][-1]:.0f}" for r in RUNNERS),
+                )
+    finally:
+        torch.set_num_threads(previous)
+    return {"wall": wall, "cpu": cpu, "greedy_equal_to_hf": same}
+
+
+_PAIRS = {
+    "fast_vs_hf": ("fast", "hf"),
+    "det_vs_hf": ("deterministic", "hf"),
+    "det_vs_fast": ("deterministic", "fast"),
+}
+
+
+def _ratios(
+    runs: dict[str, dict[int, list[float]]],
+) -> tuple[dict[str, float | None], dict[str, Interval | None]]:
+    """Median over median of each pair of runners per batch size, and its interval over the
+    interleaved pairs of runs (none from a single repeat)."""
+    values: dict[str, float | None] = {}
+    intervals: dict[str, Interval | None] = {}
+    for b in BATCHES:
+        for name, (num, den) in _PAIRS.items():
+            key = f"{name}_b{b}"
+            values[key] = statistics.median(runs[num][b]) / statistics.median(runs[den][b])
+            intervals[key] = paired_ratio(runs[num][b], runs[den][b])
+    return values, intervals
+
+
+def rows(result: dict[str, Any]) -> list[Row]:
+    """Tokens/s of each runner, then the ratios (CPU time) with their targets."""
+    out = []
+    for r in RUNNERS:
+        for b in BATCHES:
+            key = str(b)
+            out.append(
+                Row(
+                    f"{r}, batch {b}",
+                    f"{result['cpu_tok_s'][r][key]:.0f} tok/s CPU, "
+                    f"{result['wall_tok_s'][r][key]:.0f} wall",
+                )
+            )
+    for key, value in result["ratios"].items():
+        target = TARGETS.get(key)
+        shown = "n/a" if value is None else f"{value:.2f}×"
+        shown += ci_text(result["intervals"].get(key), lambda x: f"{x:.2f}")
+        out.append(
+            Row(
+                key,
+                shown,
+                target_text(target, "×") if target else "",
+                result["verdicts"].get(key, ""),
+            )
+        )
+    return out
+
+
+def main(
+    json_path: Path,
+    model_dir: Path | None = None,
+    *,
+    new_tokens: int = 128,
+    repeats: int = 3,
+    num_threads: int = 1,
+) -> dict[str, Any]:
+    """Measure, print the table, write ``json_path``. Without ``model_dir`` a tiny model is
+    written to a temporary directory."""
+    machine = machine_info()
+    progress("engine", f"vs HF: {machine['cpu_count']} CPUs, torch {machine['torch']}")
+    with tempfile.TemporaryDirectory(prefix="belayer-bench-engine-hf-") as tmp:
+        tiny = model_dir is None
+        if model_dir is None:
+            from model.tiny import init_tiny_model
+
+            model_dir = init_tiny_model(Path(tmp) / "model")
+        measured = measure(model_dir, new_tokens, repeats, num_threads)
+    med = {
+        kind: {
+            r: {str(b): statistics.median(v) for b, v in measured[kind][r].items()} for r in RUNNERS
+        }
+        for kind in ("wall", "cpu")
+    }
+    ratios, intervals = _ratios(measured["cpu"])
+    wall_ratios = _ratios(measured["wall"])[0]
+    result: dict[str, Any] = {
+        "bench": "engine-vs-hf",
+        "timestamp": timestamp(),
+        "unix_time": time.time(),
+        "model": TINY_MODEL if tiny else Path(model_dir).name,
+        "new_tokens": new_tokens,
+        "prompt_tokens": PROMPT_LEN,
+        "repeats": repeats,
+        "num_threads": num_threads,
+        "cpu_tok_s": med["cpu"],
+        "wall_tok_s": med["wall"],
+        "ratios": ratios,
+        "wall_ratios": wall_ratios,
+        "greedy_equal_to_hf": measured["greedy_equal_to_hf"],
+        "runs": {
+            kind: {r: {str(b): v for b, v in runs.items()} for r, runs in measured[kind].items()}
+            for kind in ("wall", "cpu")
+        },
+        "targets": targets_json(TARGETS),
+        "intervals": intervals_json(intervals),
+        "verdicts": judge_all(TARGETS, ratios, intervals),
+        "machine": {**machine, "loadavg_after": loadavg()},
+    }
+    print_table(
+        "belayer bench engine --vs-hf (CPU-time medians; ratios over interleaved pairs)",
+        rows(result),
+    )
+    progress("engine", f"wrote {write_json(json_path, result)}")
+    return result
