@@ -95,3 +95,24 @@ def test_one_thread_restores_the_thread_count() -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize(("k", "n"), [(256, 768), (768, 256), (256, 4096)])
+def test_padding_to_the_probed_bucket_gives_the_bits_of_sixteen_rows(k: int, n: int) -> None:
+    """``min_rows`` only saves work: every bucket from it pads to the bits of 16 rows, for
+    the three products of the deterministic forward."""
+    floor = bi.min_rows("linear", k, n)
+    assert floor in bi.ROW_BUCKETS
+    w, x = randn(n, k), randn(bi.MIN_GEMM_ROWS, k)
+    sixteen = F.linear(x, w)
+    for m in range(1, bi.MIN_GEMM_ROWS):
+        rows = bi.bucket(m, floor)
+        assert rows >= max(m, floor) and rows in bi.ROW_BUCKETS
+        padded = torch.cat([x[:m], x.new_zeros(rows - m, k)])
+        assert torch.equal(F.linear(padded, w)[:m], sixteen[:m]), m
+        assert torch.equal(bi.linear(x[:m], w), sixteen[:m]), m
+    q, keys = randn(1, bi.MIN_GEMM_ROWS, 64), randn(1, bi.ATTENTION_CHUNK, 64)
+    scores = torch.matmul(q, keys.transpose(1, 2))
+    rows = bi.padded_rows("qk", 64, bi.ATTENTION_CHUNK, 2)
+    assert torch.equal(torch.matmul(q[:, :rows], keys.transpose(1, 2))[:, :2], scores[:, :2])
+    assert bi.bucket(bi.MIN_GEMM_ROWS + 3, floor) == bi.MIN_GEMM_ROWS + 3
