@@ -27,16 +27,17 @@ import pytest
 
 from common import subjects
 from common.auth import BusConfig
-from common.bus import connect
+from common.bus import connect, request
 from common.codec import decode
 from common.natsserver import NatsServer, start_nats_server
+from schemas.env import EnvRestore, EnvRestored
 from schemas.events import AnyEvent, CheckpointReady, SandboxRestored, TrajectoryFinished
 from schemas.rollout import RolloutRequest
 from schemas.serving import SamplingParams
 from services.controller.client import submit, trajectories, wait
 from services.environment.client import PlacedEnvClient
 from services.environment.docker_ops import LABEL_NODE
-from tests.integration.env_helpers import require_docker
+from tests.integration.env_helpers import require_docker, running_env
 from tests.integration.node_helpers import Node, cli, run_id_processes, stop_node
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -218,3 +219,48 @@ async def test_an_env_host_dies_and_its_sandboxes_continue_on_the_other(
             assert t.recovery.restores >= 1 and t.recovery.restarts_from_scratch == 0
     finally:
         await nc.close()
+
+
+async def test_a_criu_checkpoint_moves_to_another_host_through_the_object_store(
+    nc: Any, js: Any, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Two environment services (their own run and checkpoint directories): a sandbox with a
+    running process, checkpointed by CRIU on its host, is taken over by the other host from
+    the object store — the process runs on, the files are the checkpoint's."""
+    url = nats_server.url
+    async with (
+        running_env(nc, url, tmp_path / "a", checkpoint_store=True) as a,
+        running_env(nc, url, tmp_path / "b", checkpoint_store=True) as b,
+    ):
+        client = PlacedEnvClient(nc, timeout=60)
+        for _ in range(100):  # bounded: both registrations are written at start-up
+            if len(await client.hosts(now=True)) == 2:
+                break
+            await asyncio.sleep(0.1)
+        sid = (await client.create(sandbox_id="move-me", trajectory_id="mv")).sandbox_id
+        dst = b if client.where[sid] == a.config.node else a
+        counter = "i=0; while true; do i=$((i+1)); echo $i > /root/n; sleep 0.05; done"
+        await client.exec(sid, f"echo kept > /root/f; (sh -c '{counter}' >/dev/null 2>&1 &)")
+        info = await client.checkpoint(sid, 1, "mv")
+        assert info.method != "layer"  # the counter runs: CRIU dumped it
+        await client.exec(sid, "echo later > /root/f")  # not in the checkpoint
+        moved = await request(
+            nc, subjects.env_host(dst.config.node, "restore"),
+            EnvRestore(sandbox_id=sid, checkpoint_id=info.checkpoint_id, from_store=True,
+                       trajectory_id="mv"),
+            EnvRestored, timeout=120,
+        )  # fmt: skip
+        assert moved.checkpoint_id == info.checkpoint_id and moved.method != "layer"
+        assert (dst.config.checkpoint_root / sid / info.checkpoint_id / "manifest.json").is_file()
+        other = PlacedEnvClient(nc, timeout=60)
+        other.where[sid] = dst.config.node
+        assert (await other.exec(sid, "cat /root/f")).stdout.strip() == "kept"
+        first = int((await other.exec(sid, "cat /root/n")).stdout)
+        for _ in range(100):  # bounded: the restored counter keeps counting
+            now = int((await other.exec(sid, "cat /root/n")).stdout)
+            if now > first:
+                break
+            await asyncio.sleep(0.05)
+        assert now > first >= 1
+        await other.destroy(sid)
+        await client.destroy(sid)  # the source host's copy (its host did not really die)
