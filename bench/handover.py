@@ -1,6 +1,7 @@
 """``belayer bench handover``: what a rollout-worker failure costs, Belayer vs the baseline.
 
-On a real 1-engine node (tiny model), for each failure: a streaming greedy request is running,
+On a real 1-engine node (the tiny model, or ``--model DIR``: a pretrained one, with shorter
+requests and fewer rounds, ``PRETRAINED``), for each failure: a streaming greedy request is running,
 the main worker gets SIGKILL, and we time from the kill to
 
 (a) detection — ``t_detect`` of the shadow's ``handover_detected`` (belayer), the router's
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,21 +73,37 @@ if TYPE_CHECKING:
     from common.events import EventTail
 
 ENGINE = "e0"
-STREAM_TOKENS = 400
-"""Tokens of the request that is interrupted (long enough to outlive a baseline recovery's
-start, short enough to keep the run brief)."""
-KILL_AFTER = 24
-"""Tokens the client holds when the worker is killed."""
-BATCH = 8
-THROUGHPUT_TOKENS = 128
-THROUGHPUT_REPEATS = 3
-AB_TOKENS = 384
-"""Tokens per request in the shadow on/off comparison: long batches average out scheduling noise."""
-AB_PAIRS = 7
 IDLE_WINDOW_S = 5.0
-SAMPLED_ROUNDS = 5
-"""Sampled requests put through a SIGKILL per engine mode."""
-SAMPLED_TOKENS = 160
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How long the requests are and how many rounds each measurement takes."""
+
+    stream_tokens: int = 400
+    """Tokens of the request that is interrupted (long enough to outlive a baseline recovery's
+    start, short enough to keep the run brief)."""
+    kill_after: int = 24
+    """Tokens the client holds when the worker is killed."""
+    throughput_tokens: int = 128
+    throughput_repeats: int = 3
+    ab_tokens: int = 384
+    """Tokens per request in the shadow on/off comparison (long batches: less noise)."""
+    ab_pairs: int = 7
+    sampled_rounds: int = 5
+    """Sampled requests put through a SIGKILL per engine mode."""
+    sampled_tokens: int = 160
+
+
+TINY = Sizes()  # the tiny model's: a few minutes
+PRETRAINED = Sizes(
+    stream_tokens=64, kill_after=16, throughput_tokens=32, throughput_repeats=2, ab_tokens=8,
+    ab_pairs=3, sampled_rounds=2, sampled_tokens=48,
+)  # fmt: skip
+"""``--model DIR``'s sizes: a pretrained model decodes some thirty times slower a token than
+the tiny one on two CPU cores (SmolLM2-135M: docs/real-model.md), so shorter requests and fewer
+rounds keep the run to minutes."""
+BATCH = 8
 _TICK = os.sysconf("SC_CLK_TCK")
 
 TARGETS: dict[str, Target] = {
@@ -158,29 +176,31 @@ async def batch_tok_s(nc: Any, n: int) -> float:
     return sum(len(r.token_ids) for r in done) / (time.perf_counter() - t0)
 
 
-async def throughput(nc: Any) -> dict[str, Any]:
+async def throughput(nc: Any, sizes: Sizes) -> dict[str, Any]:
     """Batch 8 of greedy requests, tokens/s from submit to the last result; median of runs."""
     await batch_tok_s(nc, 8)  # warm-up
-    runs = [await batch_tok_s(nc, THROUGHPUT_TOKENS) for _ in range(THROUGHPUT_REPEATS)]
+    runs = [await batch_tok_s(nc, sizes.throughput_tokens) for _ in range(sizes.throughput_repeats)]
     return {"tok_s": statistics.median(runs), "runs": runs}
 
 
-async def shadow_ab(nc: Any, pairs: int = AB_PAIRS) -> dict[str, Any]:
+async def shadow_ab(nc: Any, sizes: Sizes) -> dict[str, Any]:
     """The shadow's cost on the same node, interleaved: batches with the shadow running vs
     SIGSTOPped (a stopped process uses no CPU: as if there were no shadow). Separate nodes
-    measured minutes apart differ by more than the effect itself on this 2-core machine."""
-    pid = await shadow_pid(nc)
+    measured minutes apart differ by more than the effect itself on this 2-core machine. A
+    shadow paused past NATS's write deadline (10 s) can be replaced: keep pauses short."""
     with_s: list[float] = []
     without: list[float] = []
-    for i in range(pairs):
+    for i in range(sizes.ab_pairs):
+        pid = await shadow_pid(nc)
         for paused in (False, True) if i % 2 == 0 else (True, False):
             if paused:
                 os.kill(pid, signal.SIGSTOP)
             try:
-                tok_s = await batch_tok_s(nc, AB_TOKENS)
+                tok_s = await batch_tok_s(nc, sizes.ab_tokens)
             finally:
                 if paused:
-                    os.kill(pid, signal.SIGCONT)
+                    with contextlib.suppress(ProcessLookupError):  # replaced meanwhile
+                        os.kill(pid, signal.SIGCONT)
             (without if paused else with_s).append(tok_s)
     # Per-pair ratios cancel slow drifts of the machine; their median resists outliers.
     ratios = [w / wo for w, wo in zip(with_s, without, strict=True)]
@@ -216,7 +236,7 @@ async def shadow_idle_cpu(nc: Any) -> dict[str, Any]:
 
 
 async def one_failure(
-    nc: Any, events: EventTail, reference: list[int], i: int, *, baseline: bool
+    nc: Any, events: EventTail, reference: list[int], i: int, *, baseline: bool, sizes: Sizes
 ) -> dict[str, Any]:
     """Kill the main worker while a request streams; time detection, ready, first token."""
     from schemas import events as ev
@@ -230,11 +250,11 @@ async def one_failure(
 
     def on_delta(d: Any) -> None:
         times.extend([time.time()] * len(d.token_ids))
-        if len(times) >= KILL_AFTER:
+        if len(times) >= sizes.kill_after:
             held.set()
 
     task = asyncio.create_task(
-        generate(nc, request(f"ho-{uuid.uuid4().hex[:8]}", STREAM_TOKENS), on_delta=on_delta,
+        generate(nc, request(f"ho-{uuid.uuid4().hex[:8]}", sizes.stream_tokens), on_delta=on_delta,
                  timeout=180)
     )  # fmt: skip
     await asyncio.wait_for(held.wait(), 60)
@@ -258,7 +278,7 @@ async def one_failure(
         "first_token_s": (after_kill[0] - t_kill) if after_kill else None,
         "held_tokens": held_tokens,
         "regenerated_tokens": held_tokens if baseline else 0,
-        "correct": result.token_ids == reference and len(times) == STREAM_TOKENS,
+        "correct": result.token_ids == reference and len(times) == sizes.stream_tokens,
         "resumes": result.resumes,
     }
     progress(
@@ -269,14 +289,14 @@ async def one_failure(
     return row
 
 
-async def one_sampled_resume(nc: Any, events: EventTail, i: int) -> dict[str, Any]:
+async def one_sampled_resume(nc: Any, events: EventTail, i: int, sizes: Sizes) -> dict[str, Any]:
     """One seeded sampled request streaming next to a longer greedy neighbour, the main worker
-    SIGKILLed once the client holds ``KILL_AFTER`` tokens, against the request run alone."""
+    SIGKILLed once the client holds ``sizes.kill_after`` tokens, against the request run alone."""
     from schemas import events as ev
     from services.router.client import generate
 
-    tag, seed = uuid.uuid4().hex[:8], 1000 + i
-    reference = await generate(nc, request(f"sr-ref-{tag}", SAMPLED_TOKENS, i, seed), timeout=120)
+    tag, seed, n = uuid.uuid4().hex[:8], 1000 + i, sizes.sampled_tokens
+    reference = await generate(nc, request(f"sr-ref-{tag}", n, i, seed), timeout=120)
     await events.wait_for(ev.ShadowReady, after=last_handover(events), timeout=60)
     pid = await main_pid(nc)
     count = 0
@@ -285,14 +305,14 @@ async def one_sampled_resume(nc: Any, events: EventTail, i: int) -> dict[str, An
     def on_delta(d: Any) -> None:
         nonlocal count
         count += len(d.token_ids)
-        if count >= KILL_AFTER:
+        if count >= sizes.kill_after:
             held.set()
 
     neighbour = asyncio.create_task(
-        generate(nc, request(f"sr-n-{tag}", SAMPLED_TOKENS + 40, i + 50), timeout=180)
+        generate(nc, request(f"sr-n-{tag}", n + 40, i + 50), timeout=180)
     )
     task = asyncio.create_task(
-        generate(nc, request(f"sr-{tag}", SAMPLED_TOKENS, i, seed), on_delta=on_delta, timeout=180)
+        generate(nc, request(f"sr-{tag}", n, i, seed), on_delta=on_delta, timeout=180)
     )
     await asyncio.wait_for(held.wait(), 60)
     t_kill = time.time()
@@ -311,11 +331,11 @@ async def one_sampled_resume(nc: Any, events: EventTail, i: int) -> dict[str, An
     }
 
 
-async def sampled_resumes(nc: Any, events: EventTail, rounds: int) -> dict[str, Any]:
+async def sampled_resumes(nc: Any, events: EventTail, sizes: Sizes) -> dict[str, Any]:
     """``rounds`` of :func:`one_sampled_resume`: how many end exactly as the request alone."""
-    rows = []
+    rows, rounds = [], sizes.sampled_rounds
     for i in range(rounds):
-        row = await one_sampled_resume(nc, events, i)
+        row = await one_sampled_resume(nc, events, i, sizes)
         diff = row["first_diff"]
         progress(
             f"  sampled resume {i + 1}/{rounds}: tokens exact {row['exact']}, "
@@ -330,7 +350,7 @@ async def sampled_resumes(nc: Any, events: EventTail, rounds: int) -> dict[str, 
             "rounds": rows}  # fmt: skip
 
 
-async def measure_sampled(url: str, rounds: int, run_dir: Path) -> dict[str, Any]:
+async def measure_sampled(url: str, sizes: Sizes, run_dir: Path) -> dict[str, Any]:
     """Sampled-resume exactness alone (the ``--no-deterministic`` node)."""
     from common.bus import connect
     from common.events import EventTail
@@ -340,7 +360,7 @@ async def measure_sampled(url: str, rounds: int, run_dir: Path) -> dict[str, Any
     try:
         events = await EventTail(nc).start()
         await events.wait_for(ev.ShadowReady, after=0, timeout=60)
-        return await sampled_resumes(nc, events, rounds)
+        return await sampled_resumes(nc, events, sizes)
     finally:
         await nc.drain()
 
@@ -353,7 +373,9 @@ def _client_bus(url: str, run_dir: Path) -> Any:
     return resolve_bus(url, paths=RunPaths(run_dir))[1]
 
 
-async def measure(url: str, failures: int, *, baseline: bool, run_dir: Path) -> dict[str, Any]:
+async def measure(
+    url: str, failures: int, *, baseline: bool, run_dir: Path, sizes: Sizes
+) -> dict[str, Any]:
     from common.bus import connect
     from common.events import EventTail
     from schemas import events as ev
@@ -365,7 +387,7 @@ async def measure(url: str, failures: int, *, baseline: bool, run_dir: Path) -> 
         if not baseline:
             await events.wait_for(ev.ShadowReady, after=0, timeout=60)
         progress(f"{'baseline' if baseline else 'belayer'}: failure-free throughput, batch {BATCH}")
-        tp = await throughput(nc)
+        tp = await throughput(nc, sizes)
         progress(f"  {tp['tok_s']:.0f} tok/s (runs {[round(x) for x in tp['runs']]})")
         idle = ab = None
         if not baseline:
@@ -373,18 +395,19 @@ async def measure(url: str, failures: int, *, baseline: bool, run_dir: Path) -> 
             idle = await shadow_idle_cpu(nc)
             progress(f"  {idle['share'] * 100:.2f} % of one core")
             progress("belayer: throughput with the shadow running vs paused, interleaved")
-            ab = await shadow_ab(nc)
+            ab = await shadow_ab(nc, sizes)
             progress(f"  overhead {ab['overhead'] * 100:.1f} %")
         reference = (
-            await generate(nc, request("ho-reference", STREAM_TOKENS), timeout=120)
+            await generate(nc, request("ho-reference", sizes.stream_tokens), timeout=120)
         ).token_ids
         rows = [
-            await one_failure(nc, events, reference, i, baseline=baseline) for i in range(failures)
+            await one_failure(nc, events, reference, i, baseline=baseline, sizes=sizes)
+            for i in range(failures)
         ]
         sampled = None
         if not baseline:
-            progress(f"belayer: {SAMPLED_ROUNDS} sampled resumes, --deterministic")
-            sampled = await sampled_resumes(nc, events, SAMPLED_ROUNDS)
+            progress(f"belayer: {sizes.sampled_rounds} sampled resumes, --deterministic")
+            sampled = await sampled_resumes(nc, events, sizes)
         return {"throughput": tp, "idle_shadow": idle, "shadow_ab": ab, "failures": rows,
                 "sampled_resumes": sampled}  # fmt: skip
     finally:
@@ -488,24 +511,30 @@ def report(result: dict[str, Any]) -> list[Row]:
     return rows
 
 
-def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> dict[str, Any]:
-    """Run both modes (a few minutes), print the table, write ``json_path``."""
+def main(
+    json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0, model: Path | None = None
+) -> dict[str, Any]:
+    """Run both modes (a few minutes), print the table, write ``json_path``; on the tiny model,
+    or on ``model`` (a model directory: ``PRETRAINED`` sizes)."""
     from model.tiny import init_tiny_model
 
+    sizes = TINY if model is None else PRETRAINED
     machine = machine_info()
     progress(f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
     baseline_failures = max(1, min(3, failures))
     result: dict[str, Any] = {
         "bench": "handover",
         "timestamp": timestamp(),
-        "stream_tokens": STREAM_TOKENS,
-        "kill_after_tokens": KILL_AFTER,
+        "model": "tiny" if model is None else model.resolve().name,
+        "stream_tokens": sizes.stream_tokens,
+        "kill_after_tokens": sizes.kill_after,
+        "sizes": asdict(sizes),
         "heartbeat_s": heartbeat_s,
         "machine": machine,
         "targets": targets_json(TARGETS),
     }
     with tempfile.TemporaryDirectory(prefix="belayer-bench-handover-") as tmp:
-        model_dir = init_tiny_model(Path(tmp) / "model")
+        model_dir = init_tiny_model(Path(tmp) / "model") if model is None else model.resolve()
         for mode, n in (("belayer", failures), ("baseline", baseline_failures)):
             run_dir = Path(tmp) / mode
             try:
@@ -515,7 +544,13 @@ def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> di
                     extra += ["--heartbeat-interval", str(heartbeat_s)]
                 node = up(run_dir, model_dir, *extra)
                 measured = asyncio.run(
-                    measure(node["nats_url"], n, baseline=mode == "baseline", run_dir=run_dir)
+                    measure(
+                        node["nats_url"],
+                        n,
+                        baseline=mode == "baseline",
+                        run_dir=run_dir,
+                        sizes=sizes,
+                    )
                 )
             finally:
                 progress(f"stopping the {mode} node: belayer down")
@@ -527,8 +562,8 @@ def main(json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0) -> di
         try:
             progress("starting a belayer node with --no-deterministic (1 engine)")
             node = up(run_dir, model_dir, "--recovery", "belayer", "--no-deterministic")
-            progress(f"belayer: {SAMPLED_ROUNDS} sampled resumes, --no-deterministic")
-            sampled = asyncio.run(measure_sampled(node["nats_url"], SAMPLED_ROUNDS, run_dir))
+            progress(f"belayer: {sizes.sampled_rounds} sampled resumes, --no-deterministic")
+            sampled = asyncio.run(measure_sampled(node["nats_url"], sizes, run_dir))
         finally:
             progress("stopping the --no-deterministic node: belayer down")
             with contextlib.suppress(Exception):

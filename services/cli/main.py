@@ -165,20 +165,36 @@ def bench_handover(
     heartbeat_s: float = typer.Option(
         5.0, "--heartbeat", help="Baseline: the router's remote heartbeat interval (seconds)."
     ),
+    model: Path | None = typer.Option(
+        None,
+        "--model",
+        help="Model directory, e.g. an imported SmolLM2 (default: a tiny model made for the "
+        "run); shorter requests and fewer rounds.",
+    ),
 ) -> None:
     """SIGKILL → detection / new worker ready / first resumed token, belayer vs baseline.
 
-    On a real 1-engine node (tiny model), a streaming request runs and the main worker is
-    killed, `--failures` times with shadows (belayer) and up to 3 times in baseline mode
-    (remote heartbeat, cold restart): time to detect, to a new worker ready and to the first
-    resumed token; tokens regenerated; every resumed request checked against an uninterrupted
-    run. Also the shadow's throughput cost (running vs paused, interleaved) and its idle CPU.
-    A few minutes.
+    On a real 1-engine node (tiny model, or `--model DIR`), a streaming request runs and the
+    main worker is killed, `--failures` times with shadows (belayer) and up to 3 times in
+    baseline mode (remote heartbeat, cold restart): time to detect, to a new worker ready and
+    to the first resumed token; tokens regenerated; every resumed request checked against an
+    uninterrupted run. Also the shadow's throughput cost (running vs paused, interleaved) and
+    its idle CPU. A few minutes (on the tiny model).
     """
     from bench.handover import main as bench_main
 
+    if model is not None:
+        from common.errors import InvalidRequest
+        from services.rl.options import check_model_dir
+
+        try:
+            check_model_dir(model.resolve())
+        except InvalidRequest as exc:
+            fail(str(exc), 2)
     _run_bench(
-        lambda path: bench_main(path, failures=failures, heartbeat_s=heartbeat_s), out, as_json
+        lambda path: bench_main(path, failures=failures, heartbeat_s=heartbeat_s, model=model),
+        out,
+        as_json,
     )
 
 
