@@ -33,9 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import soak_check as sc
+from bench import soak_faults as sf
 from bench import soak_node as sn
-from bench.report import Row, machine_info, print_table, timestamp, write_json
+from bench import soak_work as sw
 from bench.report import progress as report_progress
+from bench.report import write_json
+from bench.soak_report import report
 from common import subjects
 from common.bus import connect
 from common.codec import decode
@@ -57,9 +60,10 @@ WORDS = (
 ).split()
 REQUEST_TIMEOUT_S = 180.0
 """A request not finished this long after its submission counts as lost."""
-RECOVER_TIMEOUT_S = 60.0
-"""A node not whole again this long after a fault did not recover."""
 REFERENCE_CONCURRENCY = 8
+WORKLOADS = ("serve", "math", "swe")
+"""serve: generate requests; math, swe: also rollouts through the controller (swe: and a
+sandbox lane, the sandbox faults' target)."""
 
 
 def progress(message: str) -> None:
@@ -212,42 +216,6 @@ async def watch_epochs(nc: Any, engines: tuple[str, ...], history: History) -> N
         await asyncio.sleep(0.1)  # a bounded poll of the bucket, not synchronisation
 
 
-async def inject_all(
-    nc: Any, target: sn.Target, opts: SoakOptions, kinds: tuple[str, ...], history: History
-) -> list[sc.Fault]:
-    """The schedule: fault i no sooner than i × duration / faults, the node whole before it."""
-    t0 = time.monotonic()
-    interval = opts.duration_s / max(1, opts.faults)
-    out = []
-    plan = schedule(kinds, opts.faults, target.engines, opts.seed)
-    for i, (kind, engine) in enumerate(plan):
-        await asyncio.sleep(max(0.0, t0 + i * interval - time.monotonic()))  # the pacing
-        if await target.wait_whole(nc, timeout=RECOVER_TIMEOUT_S) is None:
-            progress(f"fault {i + 1}: the node is not whole; injecting anyway")
-        inj = await target.inject(nc, kind, engine)
-        back = await target.wait_back(nc, inj, timeout=RECOVER_TIMEOUT_S)
-        whole = await target.wait_whole(nc, gone=inj.pid, timeout=RECOVER_TIMEOUT_S)
-        fault = sc.Fault(
-            kind=kind, t=inj.t, target=inj.target, pid=inj.pid, recovered_t=whole, back_t=back,
-            detail="" if whole else f"not whole {RECOVER_TIMEOUT_S:g} s after the fault",
-        )  # fmt: skip
-        history.write(fault)
-        out.append(fault)
-        if whole is None and (v := await sn.view(nc)) is not None and v.retired:
-            progress(
-                f"engine {', '.join(v.retired)} retired as unhealthy (a node of your own needs "
-                "`belayer up --failure-window 0`): no more faults"
-            )
-            break
-        took = (
-            f"back in {back - inj.t:.2f} s, whole in {whole - inj.t:.2f} s"
-            if back and whole
-            else "NOT recovered"
-        )
-        progress(f"fault {i + 1}/{opts.faults}: {kind} {inj.target} (pid {inj.pid}): {took}")
-    return out
-
-
 async def references(nc: Any, history: History) -> None:
     """Every request again, alone in its slot of a fault-free node, non-streaming."""
     sem = asyncio.Semaphore(REFERENCE_CONCURRENCY)
@@ -265,6 +233,33 @@ async def references(nc: Any, history: History) -> None:
     await asyncio.gather(*(one(s) for s in list(history.submitted)))
 
 
+async def _prepare(
+    nc: Any, node: NodeInfo, opts: SoakOptions, events: Any
+) -> tuple[sn.Target, tuple[str, ...]]:
+    """The target (the node as found) and the kinds to inject; refuses kinds it does not take."""
+    v = await sn.view(nc)
+    if v is None:
+        raise BelayerError("the node's supervisor or router does not answer")
+    names = frozenset(n for n, (_pid, alive) in v.procs.items() if alive)
+    if opts.workload != "serve" and "controller" not in names:
+        raise InvalidRequest(f"--workload {opts.workload}: the node runs no controller")
+    if opts.workload == "swe" and "environment" not in names:
+        raise InvalidRequest(
+            "--workload swe: the node runs no environment service (belayer up --env)"
+        )
+    available = sn.kinds_for(set(names), node.recovery, sandboxes=opts.workload == "swe")
+    kinds = opts.kinds or available
+    if missing := [k for k in kinds if k not in available]:
+        raise InvalidRequest(
+            f"this node takes no {', '.join(missing)} (it takes {', '.join(available)})"
+        )
+    target = sn.Target(
+        names=names, engines=tuple(sorted(v.engines)), shadows=node.recovery == "belayer",
+        events=events,
+    )  # fmt: skip
+    return target, kinds
+
+
 async def soak_node(
     node: NodeInfo, paths: RunPaths, opts: SoakOptions, history: History
 ) -> dict[str, Any]:
@@ -274,20 +269,8 @@ async def soak_node(
     events = await EventTail(nc).start()
     target: sn.Target | None = None
     try:
-        v = await sn.view(nc)
-        if v is None:
-            raise BelayerError("the node's supervisor or router does not answer")
-        engines = tuple(sorted(v.engines))
-        names = frozenset(n for n, (_pid, alive) in v.procs.items() if alive)
-        available = sn.kinds_for(set(names), node.recovery)
-        kinds = opts.kinds or available
-        if missing := [k for k in kinds if k not in available]:
-            raise InvalidRequest(
-                f"this node takes no {', '.join(missing)} (it takes {', '.join(available)})"
-            )
-        target = sn.Target(
-            names=names, engines=engines, shadows=node.recovery == "belayer", events=events
-        )
+        target, kinds = await _prepare(nc, node, opts, events)
+        engines = target.engines
         progress(f"node {node.run_id}: engines {', '.join(engines)}; faults: {', '.join(kinds)}")
         shm_before = sn.shm_files(node.run_id)
         for e in engines:  # the epochs as they stand, before any fault
@@ -297,28 +280,39 @@ async def soak_node(
                 )
             )
         sub = await watch_batches(nc, history)
-        epochs = asyncio.create_task(watch_epochs(nc, engines, history))
+        viewer = sf.Viewer(nc)
         stop = asyncio.Event()
         tag = uuid.uuid4().hex[:6]
+        box = sw.SandboxLane(nc, paths.root, history) if opts.workload == "swe" else None
+        background = [asyncio.create_task(watch_epochs(nc, engines, history)),
+                      asyncio.create_task(viewer.run())]  # fmt: skip
         lanes = [
             asyncio.create_task(lane(nc, i, tag, opts.seed, stop, history))
             for i in range(opts.concurrency)
         ]
+        work = [asyncio.create_task(sw.rollout_lane(nc, opts.workload, tag, opts.seed, stop, history))
+                for _ in range(1 if opts.workload != "serve" else 0)]  # fmt: skip
+        if box is not None:
+            work.append(asyncio.create_task(box.run(stop)))
         t0 = time.time()
         try:
-            faults = await inject_all(nc, target, opts, kinds, history)
+            plan = list(schedule(kinds, opts.faults, engines, opts.seed))
+            faults = await sf.Schedule(target, viewer, box, history).run(plan, opts.duration_s)
             await asyncio.sleep(
                 max(0.0, t0 + opts.duration_s - time.time())
             )  # the load runs its time
             stop.set()
             sent = sum(await asyncio.gather(*lanes))  # each lane finishes its request
+            done = await asyncio.gather(*work)
         finally:
-            for task in (*lanes, epochs):  # interrupted: nothing of the soak keeps running
+            for task in (*lanes, *work, *background):  # interrupted: nothing keeps running
                 task.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         load_s = time.time() - t0
-        progress(f"{sent} requests in {load_s:.0f} s; fault-free references of each")
+        progress(
+            f"{sent} requests, {done[0] if done and opts.workload != 'serve' else 0} rollouts in {load_s:.0f} s; fault-free references of each request"
+        )
         await references(nc, history)
         return {"run_id": node.run_id, "engines": list(engines), "kinds": list(kinds), "requests": sent,
                 "load_s": load_s, "faults_injected": len(faults), "shm_before": sorted(shm_before)}  # fmt: skip
@@ -338,7 +332,7 @@ def soak_config(paths: RunPaths, opts: SoakOptions) -> SupervisorConfig:
         d,
         run_dir=str(paths.root),
         engines=opts.engines,
-        environment=False,
+        environment=opts.workload == "swe",
         training=False,
         router=dataclasses.replace(d.router, failure_window_s=0.0),
     )
@@ -383,11 +377,8 @@ def _leftovers(
 
 def check_options(opts: SoakOptions) -> None:
     """What no node is needed to refuse (``InvalidRequest``: one line, exit 2)."""
-    if opts.workload != "serve":
-        raise InvalidRequest(
-            f"--workload {opts.workload}: only the serve workload is implemented so far "
-            "(math and swe rollouts are not driven yet)"
-        )
+    if opts.workload not in WORKLOADS:
+        raise InvalidRequest(f"--workload {opts.workload}: unknown (one of {', '.join(WORKLOADS)})")
     if unknown := [k for k in opts.kinds if k not in sn.ALL_KINDS]:
         raise InvalidRequest(
             f"unknown fault kind {', '.join(unknown)} (kinds: {', '.join(sn.ALL_KINDS)})"
@@ -460,78 +451,3 @@ def recheck(history: Path, opts: SoakOptions) -> dict[str, Any]:
     result = report(dataclasses.replace(opts, history=history), records, {})
     progress(f"wrote {write_json(opts.out, result)}")
     return result
-
-
-def report(opts: SoakOptions, records: list[sc.Record], info: dict[str, Any]) -> dict[str, Any]:
-    """Check the history, print the table per fault kind and the verdict; the JSON result."""
-    violations = sc.check(records)
-    rows = sc.fault_table(records)
-    slow = [w for w in sc.request_waits(records) if w.wait_s > sc.SLOW_S]
-    finished = [r for r in records if isinstance(r, sc.Finished)]
-    kinds = info.get("kinds", [])
-    not_fired = [k for k in kinds if k not in {r.kind for r in rows}]
-    verdict = "PASS" if not violations and not not_fired and finished else "FAIL"
-    result: dict[str, Any] = {
-        "bench": "soak",
-        "timestamp": timestamp(),
-        "options": {
-            k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(opts).items()
-        },
-        "node": {k: v for k, v in info.items() if k != "shm_before"},
-        "machine": machine_info(),
-        "requests": len([r for r in records if isinstance(r, sc.Submitted)]),
-        "finished": len(finished),
-        "tokens": sum(len(r.tokens) for r in finished),
-        "faults": [dataclasses.asdict(r) for r in rows],
-        "kinds_not_fired": not_fired,
-        "slow_requests": [dataclasses.asdict(w) for w in slow],
-        "violations": [dataclasses.asdict(v) for v in violations],
-        "verdict": verdict,
-        "history": str(opts.history_path),
-    }
-    print_kinds(rows)
-    by: dict[str, int] = {}
-    for v in violations:
-        by[v.invariant] = by.get(v.invariant, 0) + 1
-    summary = [
-        Row("requests (finished)", f"{result['requests']} ({result['finished']})"),
-        Row("tokens delivered", str(result["tokens"])),
-        Row(f"requests waiting > {sc.SLOW_S:g} s after a fault (flagged)", str(len(slow))),
-        *(Row(f"violations: {name}", str(by.get(name, 0)), "0", "PASS" if not by.get(name) else "MISS")
-          for name in sc.INVARIANTS),
-        Row("fault kinds that did not fire", ", ".join(not_fired) or "none", "none",
-            "PASS" if not not_fired else "MISS"),
-        Row("verdict", verdict, "", verdict if verdict == "PASS" else "MISS"),
-    ]  # fmt: skip
-    print_table("belayer soak", summary)
-    for v in violations[:20]:
-        progress(f"violation {v.invariant} [{v.subject}]: {v.detail}")
-    return result
-
-
-def _s(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.2f}"
-
-
-def print_kinds(rows: list[sc.KindRow]) -> None:
-    """The table per fault kind (rich) on stdout."""
-    import sys
-
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"faults (slow: a stream waited > {sc.SLOW_S:g} s for its next token)")
-    heads = ("kind", "n", "recovered", "back p50 s", "back p99 s", "whole p50 s",
-             "whole p99 s", "hit", "slow", "max wait s")  # fmt: skip
-    for col in heads:
-        table.add_column(
-            col, justify="left" if col == "kind" else "right", no_wrap=col in ("kind", "recovered")
-        )
-    for r in rows:
-        table.add_row(
-            r.kind, str(r.count), str(r.recovered), _s(r.back_p50_s), _s(r.back_p99_s),
-            _s(r.recover_p50_s), _s(r.recover_p99_s), str(r.requests_hit), str(r.slow),
-            _s(r.wait_max_s),
-        )  # fmt: skip
-    width = max(100, shutil.get_terminal_size((100, 24)).columns)  # ten columns: not squeezed
-    Console(file=sys.stdout, width=width).print(table)

@@ -16,7 +16,12 @@ records back and returns each violation of:
 - ``epochs``: an engine's epoch only grows;
 - ``split_brain``: no two worker pids streamed for one engine in one epoch;
 - ``recovered``: the node was whole again after every fault;
-- ``leftovers``: no process, ``/dev/shm`` file or container of the node is left at the end.
+- ``leftovers``: no process, ``/dev/shm`` file or container of the node is left at the end;
+- ``trajectories``: every rollout ended done, and every slot of it was published exactly once
+  (once: no slot twice; not zero: none lost);
+- ``sandbox``: a restored sandbox holds what its checkpoint held, and no checkpoint the
+  environment service acknowledged was lost (the restored prefix is at least the last one
+  acknowledged before the failure).
 
 ``fault_table`` summarises the faults per kind: count, recovered, time until the faulted part
 worked again and until the node was whole again (p50/p99), and the streaming requests that waited longer than ``SLOW_S`` for
@@ -34,6 +39,7 @@ import msgspec
 
 INVARIANTS = (
     "finished_once", "reference", "stream", "epochs", "split_brain", "recovered", "leftovers",
+    "trajectories", "sandbox",
 )  # fmt: skip
 """Every invariant ``check`` reports, in the order of the docstring."""
 SLOW_S = 2.0
@@ -129,8 +135,71 @@ class Leftovers(msgspec.Struct, tag="leftovers", kw_only=True):
     containers: list[str] = []
 
 
+class RolloutSubmitted(msgspec.Struct, tag="rollout", kw_only=True):
+    """A rollout the soak submitted through the controller (``slots``: trajectories it has)."""
+
+    rid: str
+    t: float
+    workload: str
+    slots: int
+
+
+class TrajectorySeen(msgspec.Struct, tag="trajectory", kw_only=True):
+    """A trajectory as read from TRAJECTORIES after its rollout was done (one per message)."""
+
+    rollout: str
+    trajectory_id: str
+    slot: int
+    attempt: int
+    t: float
+
+
+class RolloutEnded(msgspec.Struct, tag="rollout_end", kw_only=True):
+    """The rollout was done (or ``error``: the soak could not follow it to the end)."""
+
+    rid: str
+    t: float
+    completed: int = 0
+    slots_failed: int = 0
+    error: str = ""
+
+
+class CheckpointAcked(msgspec.Struct, tag="checkpoint", kw_only=True):
+    """The environment service acknowledged checkpoint ``prefix`` of the sandbox lane."""
+
+    sandbox: str
+    prefix: int
+    checkpoint_id: str
+    t: float
+
+
+class SandboxBack(msgspec.Struct, tag="sandbox_back", kw_only=True):
+    """The sandbox lane worked again after a failure: restored to ``prefix`` (0: a fresh
+    sandbox), whose file reads ``content``; ``acked``: the last prefix acknowledged before."""
+
+    sandbox: str
+    prefix: int
+    content: str
+    acked: int
+    t: float
+    error: str = ""
+
+
 Record = (
-    Submitted | Delta | Finished | Errored | Reference | Fault | EpochSeen | BatchSeen | Leftovers
+    Submitted
+    | Delta
+    | Finished
+    | Errored
+    | Reference
+    | Fault
+    | EpochSeen
+    | BatchSeen
+    | Leftovers
+    | RolloutSubmitted
+    | TrajectorySeen
+    | RolloutEnded
+    | CheckpointAcked
+    | SandboxBack
 )
 
 _ENCODER = msgspec.json.Encoder()
@@ -271,12 +340,54 @@ def _check_engines(records: list[Record]) -> Iterator[Violation]:
             )  # fmt: skip
 
 
+def _check_rollouts(records: list[Record]) -> Iterator[Violation]:
+    subs = {r.rid: r for r in records if isinstance(r, RolloutSubmitted)}
+    ends = {r.rid: r for r in records if isinstance(r, RolloutEnded)}
+    slots: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for t in records:
+        if isinstance(t, TrajectorySeen):
+            slots[t.rollout][t.slot].append(t.trajectory_id)
+    for rid in sorted(set(slots) - set(subs)):
+        yield Violation("trajectories", rid, "trajectories of a rollout never submitted")
+    for rid, sub in sorted(subs.items()):
+        end = ends.get(rid)
+        if end is None or end.error:
+            yield Violation("trajectories", rid, f"not done: {end.error if end else 'no end'}")
+            continue
+        seen = slots.get(rid, {})
+        for slot, tids in sorted(seen.items()):
+            if len(tids) > 1 or not 0 <= slot < sub.slots:
+                yield Violation(
+                    "trajectories", rid, f"slot {slot} published {len(tids)} times: {tids}"
+                )
+        if lost := sorted(set(range(sub.slots)) - set(seen)):
+            yield Violation("trajectories", rid, f"slots {lost} never published")
+
+
+def _check_sandbox(records: list[Record]) -> Iterator[Violation]:
+    for b in records:
+        if not isinstance(b, SandboxBack):
+            continue
+        if b.prefix < b.acked:
+            yield Violation(
+                "sandbox", b.sandbox,
+                f"restored to prefix {b.prefix}, but {b.acked} was acknowledged ({b.error})",
+            )  # fmt: skip
+        if b.prefix and b.content != str(b.prefix):
+            yield Violation(
+                "sandbox", b.sandbox,
+                f"restored to prefix {b.prefix}, its file reads {b.content!r}",
+            )  # fmt: skip
+
+
 def check(records: list[Record]) -> list[Violation]:
     """Every violation in the history ``records`` (empty: the soak passed)."""
     out: list[Violation] = []
     for rid, req in sorted(_requests(records).items()):
         out += _check_request(rid, req)
     out += _check_engines(records)
+    out += _check_rollouts(records)
+    out += _check_sandbox(records)
     for f in records:
         if isinstance(f, Fault) and f.recovered_t is None:
             out.append(

@@ -9,7 +9,6 @@ heartbeat go stale and takes over (and SIGKILLs it); every other fault is a SIGK
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -35,14 +34,20 @@ SERVICE_KINDS = {
     "environment-kill": "environment",
 }
 """Faults aimed at a supervised service (the supervisor restarts it) → its process name."""
-ALL_KINDS = (*WORKER_KINDS, *SERVICE_KINDS)
+SANDBOX_KINDS = ("sandbox-kill", "sandbox-pause", "checkpoint-interrupt")
+"""Faults aimed at the soak's sandbox lane (``bench/soak_work.py``): ``docker kill`` and
+``docker pause`` of its container, the environment service SIGKILLed mid-checkpoint."""
+ALL_KINDS = (*WORKER_KINDS, *SERVICE_KINDS, *SANDBOX_KINDS)
 
 
-def kinds_for(procs: set[str], recovery: str) -> tuple[str, ...]:
+def kinds_for(procs: set[str], recovery: str, sandboxes: bool = False) -> tuple[str, ...]:
     """The kinds a node of these processes takes: the service kinds of the services it runs;
-    the shadow kinds only with shadows (belayer recovery)."""
+    the shadow kinds only with shadows (belayer recovery); the sandbox kinds with a sandbox
+    lane (the swe workload, on a node running the environment service)."""
     out = [k for k in WORKER_KINDS if recovery == "belayer" or k == "worker-kill"]
     out += [k for k, name in SERVICE_KINDS.items() if name in procs]
+    if sandboxes and "environment" in procs:
+        out += SANDBOX_KINDS
     return tuple(out)
 
 
@@ -85,8 +90,7 @@ async def view(nc: Any) -> NodeView | None:
 
 @dataclass
 class Target:
-    """Aims faults and tells when the node is whole: every process of ``names`` alive, every
-    engine up under the supervisor's main worker, every shadow warm (its ``shadow_ready``)."""
+    """Aims faults at the node's processes (what is whole after one: ``bench/soak_faults.py``)."""
 
     names: frozenset[str]
     """Every supervised process the node runs at the start."""
@@ -100,31 +104,6 @@ class Target:
     def shadow_warm(self, pid: int) -> bool:
         return any(e.pid == pid for e in self.events.matching(ev.ShadowReady))
 
-    def is_whole(self, v: NodeView, gone: int = 0) -> bool:
-        if gone and pid_alive(gone):
-            return False
-        for name in self.names:
-            pid, alive = v.procs.get(name, (0, False))
-            if not alive or not pid or pid == gone:
-                return False
-        for e in self.engines:
-            up, pid = v.engines.get(e, (False, 0))
-            if not up or pid != v.procs.get(f"worker-{e}", (0, False))[0]:
-                return False
-            if self.shadows and not self.shadow_warm(v.procs[f"shadow-{e}"][0]):
-                return False
-        return True
-
-    async def wait_whole(self, nc: Any, *, gone: int = 0, timeout: float) -> float | None:
-        """Unix time the node was first seen whole (and ``gone`` dead); None past ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            v = await view(nc)
-            if v is not None and self.is_whole(v, gone):
-                return time.time()
-            await asyncio.sleep(0.05)  # bounded poll of the node's state
-        return None
-
     @staticmethod
     def is_back(v: NodeView, inj: Injected) -> bool:
         """The faulted part works again: the engine up under another worker (worker kinds),
@@ -135,16 +114,6 @@ class Target:
         name = f"shadow-{inj.target}" if inj.kind == "shadow-kill" else inj.target
         pid, alive = v.procs.get(name, (0, False))
         return alive and pid not in (0, inj.pid)
-
-    async def wait_back(self, nc: Any, inj: Injected, *, timeout: float) -> float | None:
-        """Unix time the faulted part was first seen working again; None past ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            v = await view(nc)
-            if v is not None and self.is_back(v, inj):
-                return time.time()
-            await asyncio.sleep(0.02)  # bounded poll of the node's state
-        return None
 
     async def inject(self, nc: Any, kind: str, engine: str) -> Injected:
         """Do ``kind`` to its process (``engine``: the engine a worker kind aims at)."""

@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 _KINDS_HELP = (
     "Comma-separated fault kinds (default: every kind the node takes): "
     + ", ".join(ALL_KINDS)
-    + ". worker-hang is a SIGSTOP of the main worker, the others SIGKILL their process."
+    + ". worker-hang is a SIGSTOP of the main worker; sandbox-kill and sandbox-pause are docker "
+    "kill and pause of the soak's sandbox, checkpoint-interrupt a SIGKILL of the environment "
+    "service mid-checkpoint (those three with --workload swe); the others SIGKILL their process."
 )
 
 
@@ -32,7 +34,11 @@ def soak(
     kinds: str = typer.Option("", "--kinds", help=_KINDS_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed of the fault schedule and of the load."),
     workload: str = typer.Option(
-        "serve", "--workload", help="serve: generate requests (math and swe: not yet)."
+        "serve",
+        "--workload",
+        help="serve: generate requests; math: also math rollouts through the controller; swe: "
+        "also swe rollouts (Docker sandboxes) and a sandbox lane, checkpointed and restored, "
+        "for the sandbox faults (the node the soak starts then runs the environment service).",
     ),
     engines: int = typer.Option(
         1, "--engines", min=1, max=8, help="Engines of a node the soak starts."
@@ -70,14 +76,18 @@ def soak(
     320 tokens, run back to back while a seeded schedule SIGKILLs (or, for
     worker-hang, SIGSTOPs) the node's processes: main workers, shadows, the
     router, the weight store, the KV arena, the controller (the trainer and
-    the environment service where they run). After each fault the soak waits
-    until the node is whole again: its time to recover.
+    the environment service where they run); with --workload swe also the
+    soak's sandbox (docker kill, docker pause) and a checkpoint mid-write.
+    Faults on different parts overlap; a part is faulted only when whole
+    again, and each fault's time to recover is measured.
 
     Then every request runs again without faults, and the history (JSONL) is
     checked: each request finished exactly once, with the tokens of its
     fault-free reference; its stream had no gap and no repeat; engine epochs
-    only grew; no two workers streamed for one engine in one epoch; nothing
-    was left over (processes, /dev/shm files, containers).
+    only grew; no two workers streamed for one engine in one epoch; every
+    rollout's slots were published exactly once; a restored sandbox held an
+    acknowledged checkpoint's state; nothing was left over (processes,
+    /dev/shm files, containers).
 
     Prints a table per fault kind and the verdict; exit 1 on FAIL. A node of
     your own should run with --failure-window 0 (else a second worker fault

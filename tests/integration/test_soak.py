@@ -1,9 +1,11 @@
 """``belayer soak`` end to end, as a user runs it: the command starts its own node (no node runs
-from its run directory), loads it, injects every fault kind of the serve workload on real
-processes, checks every request's history and stops the node. The verdict must be PASS with 0
-violations and every kind fired and recovered; what the checker judged is read back from the
-history, and the node's leftovers are looked for here as well. A SIGTERM in the middle of a
-soak stops it and the node it started, leaving nothing behind."""
+from its run directory), loads it (generate requests and math rollouts through the
+controller), injects every process fault kind on real processes, checks every request's and
+trajectory's history and stops the node. The verdict must be PASS with 0 violations and every
+kind fired and recovered; what the checker judged is read back from the history, and the
+node's leftovers are looked for here as well. The swe workload adds a sandbox lane on real
+Docker + CRIU and its faults: a sandbox killed, paused, a checkpoint interrupted mid-write. A
+SIGTERM in the middle of a soak stops it and the node it started, leaving nothing behind."""
 
 from __future__ import annotations
 
@@ -19,8 +21,20 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak_check import Fault, Reference, Submitted, load
+from bench.soak_check import (
+    CheckpointAcked,
+    Fault,
+    Reference,
+    RolloutEnded,
+    RolloutSubmitted,
+    SandboxBack,
+    Submitted,
+    TrajectorySeen,
+    load,
+)
 from common.config import SHM_DIR, shm_prefix
+from services.environment.client import node_label
+from tests.integration.env_helpers import require_docker
 from tests.integration.node_helpers import BELAYER, run_id_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -48,9 +62,11 @@ def assert_nothing_left(run_id: str, tmp_path: Path) -> None:
     assert not list(tmp_path.glob("belayer-soak-*")), "the soak's node directory was left"
 
 
-def test_a_short_soak_passes_with_every_fault_kind(tmp_path: Path) -> None:
+def run_soak(tmp_path: Path, kinds: tuple[str, ...], *extra: str) -> dict:
+    """``belayer soak --json`` with one fault of each of ``kinds``: it passed, each fault
+    recovered; the result."""
     out = tmp_path / "soak.json"
-    args = ["soak", "--faults", str(len(KINDS)), "--duration", "35", "--kinds", ",".join(KINDS)]
+    args = ["soak", "--faults", str(len(kinds)), "--kinds", ",".join(kinds), *extra]
     args += ["--seed", "1", "--out", str(out), "--json"]
     proc = subprocess.run(
         [*BELAYER, *args], env=soak_env(tmp_path), capture_output=True, text=True, timeout=280
@@ -60,11 +76,28 @@ def test_a_short_soak_passes_with_every_fault_kind(tmp_path: Path) -> None:
     assert result == json.loads(out.read_text())
     assert result["verdict"] == "PASS" and result["violations"] == []
     rows = {r["kind"]: r for r in result["faults"]}
-    assert set(rows) == set(KINDS) and not result["kinds_not_fired"]
+    assert set(rows) == set(kinds) and not result["kinds_not_fired"]
     for kind, row in rows.items():
         assert row["count"] == 1 and row["recovered"] == 1, (kind, row)
         assert row["back_p50_s"] is not None and row["back_p50_s"] <= row["recover_p50_s"]
     assert result["finished"] == result["requests"] > 0
+    return result
+
+
+def assert_rollouts(records: list) -> None:
+    """Every rollout the soak submitted ended, each slot published exactly once."""
+    subs = [r for r in records if isinstance(r, RolloutSubmitted)]
+    ends = {r.rid: r for r in records if isinstance(r, RolloutEnded)}
+    assert subs and all(ends[s.rid].error == "" for s in subs)
+    for s in subs:
+        slots = sorted(
+            t.slot for t in records if isinstance(t, TrajectorySeen) and t.rollout == s.rid
+        )
+        assert s.slots > 0 and slots == list(range(s.slots)), (s.rid, slots)
+
+
+def test_a_short_soak_passes_with_every_fault_kind(tmp_path: Path) -> None:
+    result = run_soak(tmp_path, KINDS, "--duration", "35", "--workload", "math")
 
     # The history holds what was judged: the mixed load, each request's reference, each fault.
     records = load(Path(result["history"]))
@@ -75,6 +108,7 @@ def test_a_short_soak_passes_with_every_fault_kind(tmp_path: Path) -> None:
     refs = {r.rid for r in records if isinstance(r, Reference) and not r.error}
     assert refs == {s.rid for s in subs}
     assert sorted(f.kind for f in records if isinstance(f, Fault)) == sorted(KINDS)
+    assert_rollouts(records)
     assert_nothing_left(result["node"]["run_id"], tmp_path)
 
     # The kept history checks again on its own; one token changed in it is caught.
@@ -92,6 +126,34 @@ def test_a_short_soak_passes_with_every_fault_kind(tmp_path: Path) -> None:
     assert failed.returncode == 1
     found = {(v["invariant"], v["subject"]) for v in json.loads(failed.stdout)["violations"]}
     assert ("reference", rec["rid"]) in found
+
+
+@pytest.mark.docker
+def test_sandbox_faults_of_the_swe_workload_are_recovered(tmp_path: Path) -> None:
+    """The sandbox lane's sandbox killed and paused, its checkpoint interrupted mid-write: each
+    time it came back holding an acknowledged checkpoint's state; the swe rollouts through the
+    controller published every slot once; no container is left."""
+    docker_client = require_docker()
+    kinds = ("sandbox-kill", "sandbox-pause", "checkpoint-interrupt")
+    result = run_soak(
+        tmp_path, kinds, "--duration", "15", "--workload", "swe", "--concurrency", "2"
+    )
+    records = load(Path(result["history"]))
+    faults = {f.kind: f for f in records if isinstance(f, Fault)}
+    assert faults["checkpoint-interrupt"].target == "environment (mid-write)"
+    backs = [b for b in records if isinstance(b, SandboxBack)]
+    assert len(backs) >= len(kinds)
+    for b in backs:  # restored to what was acknowledged, and the file is that checkpoint's
+        assert b.prefix >= b.acked and (b.prefix == 0 or b.content == str(b.prefix)), b
+    acked = [c for c in records if isinstance(c, CheckpointAcked)]
+    assert acked and max(c.t for c in acked) > max(f.t for f in faults.values())
+    assert_rollouts(records)
+    run_id = result["node"]["run_id"]
+    assert_nothing_left(run_id, tmp_path)
+    left = docker_client.containers.list(
+        all=True, filters={"label": f"belayer.node={node_label(run_id)}"}
+    )
+    assert not left, "sandbox containers left behind"
 
 
 def recheck(history: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,266 @@
+"""``belayer soak``'s workloads beyond generate requests, and the sandbox faults.
+
+- **Rollouts** (``--workload math|swe``): one lane submits rollouts back to back through the
+  controller client (``services/controller/client.py``, which rides through controller
+  restarts), waits for each, and reads every trajectory it published from TRAJECTORIES: each
+  one goes to the history, so the checker can tell a slot published twice or never.
+- **A sandbox lane** (``--workload swe``): one sandbox of the environment service, driven the
+  way the controller drives one: write the action number into a file, checkpoint it, again; on
+  any failure, restore the sandbox's ready checkpoint and read the file back. Every checkpoint
+  the service acknowledged and every restore (with the file's content) goes to the history:
+  an acknowledged checkpoint must never be lost, and a restored sandbox must hold exactly what
+  its checkpoint held.
+- **Sandbox faults** on that lane's sandbox: ``sandbox-kill`` (``docker kill`` of its
+  container), ``sandbox-pause`` (``docker pause``: it hangs), ``checkpoint-interrupt`` (the
+  environment service SIGKILLed while a checkpoint directory is being written).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import soak_check as sc
+from bench.soak_node import SANDBOX_KINDS as SANDBOX_KINDS
+from common.errors import BelayerError, BusUnavailable
+from schemas.rollout import RolloutRequest
+from schemas.serving import SamplingParams
+from services.controller.client import submit, trajectories, wait
+from services.environment.client import EnvClient
+
+ROLLOUT_TIMEOUT_S = 600.0
+"""A rollout not done this long after its submission counts as lost."""
+MID_WRITE_TIMEOUT_S = 30.0
+"""How long ``checkpoint-interrupt`` waits for a checkpoint to be in progress."""
+SANDBOX_FILE = "/root/soak-prefix"
+
+
+def rollout_request(workload: str, rid: str, seed: int) -> RolloutRequest:
+    """A small rollout: 2 tasks × 2 samples, short responses (swe: 2 turns)."""
+    return RolloutRequest(
+        workload=workload, rollout_id=rid, tasks=2, n=2, seed=seed,
+        sampling=SamplingParams(temperature=1.0, max_tokens=48),
+        max_turns=2, policy="never", deadline_s=300.0,
+    )  # fmt: skip
+
+
+async def rollout_lane(
+    nc: Any, workload: str, tag: str, seed: int, stop: asyncio.Event, history: Any
+) -> int:
+    """Rollouts back to back until ``stop``; how many it submitted."""
+    i = 0
+    while not stop.is_set():
+        rid = f"soak-{tag}-r{i}"
+        i += 1
+        try:
+            accepted = await submit(nc, rollout_request(workload, rid, seed * 1000 + i))
+        except BelayerError as exc:
+            history.write(sc.RolloutSubmitted(rid=rid, t=time.time(), workload=workload, slots=0))
+            history.write(sc.RolloutEnded(rid=rid, t=time.time(), error=f"submit: {exc}"))
+            continue
+        history.write(
+            sc.RolloutSubmitted(
+                rid=rid, t=time.time(), workload=workload, slots=accepted.trajectories
+            )
+        )
+        try:
+            result = await wait(nc, rid, timeout=ROLLOUT_TIMEOUT_S)
+            records = await trajectories(nc, rid, timeout=30.0)
+        except BelayerError as exc:
+            history.write(sc.RolloutEnded(rid=rid, t=time.time(), error=f"{exc.code}: {exc}"))
+            continue
+        for t in records:
+            history.write(
+                sc.TrajectorySeen(
+                    rollout=rid, trajectory_id=t.trajectory_id, slot=t.slot,
+                    attempt=t.attempt, t=time.time(),
+                )
+            )  # fmt: skip
+        s = result.summary
+        history.write(
+            sc.RolloutEnded(
+                rid=rid, t=time.time(), completed=s.trajectories_completed,
+                slots_failed=s.slots_failed,
+            )
+        )  # fmt: skip
+    return i
+
+
+class SandboxLane:
+    """One sandbox, checkpointed after every "action"; restored after every failure."""
+
+    def __init__(self, nc: Any, run_dir: Path, history: Any) -> None:
+        self.env = EnvClient(nc, timeout=30.0)
+        self._kicked = asyncio.Event()
+        self.gate = asyncio.Lock()
+        """Held during each call to the environment service (``sandbox-pause`` waits for it:
+        a ``docker pause`` landing while ``runc exec`` starts in the container wedges it)."""
+        self.checkpoints = run_dir / "env" / "checkpoints"
+        self.history = history
+        self.sandbox_id = ""
+        self.container_id = ""
+        self.prefix = 0
+        self.last_ok_t = 0.0
+        """When the lane last got a checkpoint acknowledged."""
+        self.last_back_t = 0.0
+        """When the lane last worked again after a failure (restored, or a fresh sandbox)."""
+
+    def kick(self) -> None:
+        """The environment service was restarted: a call in flight to the old one gets no
+        reply; stop waiting for it (the lane restores, as after any failure)."""
+        self._kicked.set()
+
+    async def _call(self, aw: Any) -> Any:
+        """``aw``, or ``BusUnavailable`` as soon as the lane is kicked."""
+        async with self.gate:
+            op = asyncio.ensure_future(aw)
+            kicked = asyncio.ensure_future(self._kicked.wait())
+            try:
+                await asyncio.wait({op, kicked}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                kicked.cancel()
+                if not op.done():
+                    op.cancel()
+        if self._kicked.is_set():
+            self._kicked.clear()
+            if not op.done() or op.cancelled() or op.exception() is not None:
+                raise BusUnavailable("the environment service restarted during the call")
+        return op.result()
+
+    async def _start(self) -> None:
+        created = await self._call(self.env.create(trajectory_id="soak-sandbox-lane"))
+        self.sandbox_id, self.container_id = created.sandbox_id, created.container_id
+        self.prefix = 0
+
+    async def _step(self) -> None:
+        k = self.prefix + 1
+        await self._call(self.env.exec(self.sandbox_id, f"echo {k} > {SANDBOX_FILE}", timeout_s=20))
+        info = await self._call(
+            self.env.checkpoint(self.sandbox_id, k, trajectory_id="soak-sandbox-lane")
+        )
+        self.prefix = k
+        self.last_ok_t = time.time()
+        self.history.write(
+            sc.CheckpointAcked(
+                sandbox=self.sandbox_id, prefix=k, checkpoint_id=info.checkpoint_id,
+                t=self.last_ok_t,
+            )
+        )  # fmt: skip
+
+    async def _recover(self, error: str) -> None:
+        """Restore the ready checkpoint (or start a fresh sandbox when none is ready yet) and
+        read the file back; retried until it works (the service may be restarting)."""
+        while True:
+            try:
+                if self.prefix == 0:
+                    with contextlib.suppress(BelayerError):
+                        await self._call(self.env.destroy(self.sandbox_id))
+                    await self._start()
+                    restored, content = 0, ""
+                else:
+                    r = await self._call(self.env.restore(self.sandbox_id))
+                    self.container_id, restored = r.container_id, r.prefix
+                    out = await self._call(
+                        self.env.exec(self.sandbox_id, f"cat {SANDBOX_FILE}", timeout_s=20)
+                    )
+                    content = out.stdout.strip()
+                self.last_back_t = time.time()
+                self.history.write(
+                    sc.SandboxBack(
+                        sandbox=self.sandbox_id, prefix=restored, content=content,
+                        acked=self.prefix, t=self.last_back_t, error=error[:300],
+                    )
+                )  # fmt: skip
+                self.prefix = max(self.prefix, restored)
+                return
+            except BelayerError as exc:
+                error = f"{error[:200]}; then {exc.code}: {exc}"[:300]
+                await asyncio.sleep(0.2)  # the service restarting: a bounded retry pause
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Steps until ``stop``; the checkpoints acknowledged. The sandbox is destroyed at the end."""
+        while True:
+            try:
+                await self._start()
+                break
+            except BelayerError:
+                if stop.is_set():
+                    return 0
+                await asyncio.sleep(0.5)  # the service not up yet: a bounded retry pause
+        steps = 0
+        try:
+            while not stop.is_set():
+                try:
+                    await self._step()
+                    steps += 1
+                except BelayerError as exc:
+                    await self._recover(f"{exc.code}: {exc}")
+        finally:
+            with contextlib.suppress(BelayerError, asyncio.CancelledError):
+                await asyncio.wait_for(self.env.destroy(self.sandbox_id), 30.0)
+        return steps
+
+    def well_since(self, t: float) -> bool:
+        """The lane worked again after ``t`` and a checkpoint was acknowledged since."""
+        return self.last_back_t > t and self.last_ok_t > self.last_back_t
+
+    def back_since(self, t: float) -> float | None:
+        return self.last_back_t if self.last_back_t > t else None
+
+    def writing(self) -> bool:
+        """A checkpoint of the lane's sandbox is being written (its temporary directory)."""
+        base = self.checkpoints / self.sandbox_id
+        with contextlib.suppress(OSError):
+            return any(p.name.startswith(".tmp-") for p in base.iterdir())
+        return False
+
+
+def docker_fault(kind: str, container_id: str) -> None:
+    """``docker kill`` (waits until it is down) or ``docker pause`` of the container."""
+    import docker
+    import docker.errors
+
+    try:
+        client = docker.DockerClient(version="auto", timeout=15)
+        try:
+            container = client.containers.get(container_id)
+            if kind == "sandbox-pause":
+                container.pause()
+                return
+            container.kill()
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:  # docker kill returns before the exit
+                container.reload()
+                if container.status != "running":
+                    return
+                time.sleep(0.02)  # bounded poll of dockerd for the container's exit
+        finally:
+            client.close()
+    except docker.errors.DockerException as exc:
+        raise BelayerError(f"{kind} of {container_id[:12]} failed: {exc}") from None
+
+
+async def sandbox_fault(kind: str, lane: SandboxLane, env_pid: int) -> tuple[str, int]:
+    """Do ``kind`` to the lane's sandbox; (target, pid): the pid SIGKILLed (0 for a container).
+    ``checkpoint-interrupt`` waits (bounded) for a checkpoint in progress, then SIGKILLs the
+    environment service (``env_pid``)."""
+    if kind == "checkpoint-interrupt":
+        deadline = time.monotonic() + MID_WRITE_TIMEOUT_S
+        while True:
+            if lane.writing() or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.002)  # bounded poll of the checkpoint directory
+        mid = lane.writing()
+        os.kill(env_pid, signal.SIGKILL)
+        return ("environment (mid-write)" if mid else "environment (no write seen)"), env_pid
+    if kind == "sandbox-pause":
+        async with lane.gate:  # between two calls of the lane (see ``SandboxLane.gate``)
+            await asyncio.to_thread(docker_fault, kind, lane.container_id)
+    else:
+        await asyncio.to_thread(docker_fault, kind, lane.container_id)
+    return f"sandbox {lane.sandbox_id} ({lane.container_id[:12]})", 0

@@ -1,0 +1,76 @@
+"""The soak's rollout and sandbox invariants (``bench/soak_check.py``) on histories built by
+hand, and which parts of a node each fault kind touches (``bench/soak_faults.py``)."""
+
+from __future__ import annotations
+
+from bench.soak_check import (
+    CheckpointAcked,
+    Record,
+    RolloutEnded,
+    RolloutSubmitted,
+    SandboxBack,
+    TrajectorySeen,
+    check,
+)
+from bench.soak_faults import parts_of
+from bench.soak_node import ALL_KINDS, SANDBOX_KINDS, kinds_for
+
+
+def rollout(rid: str = "r0", slots: int = 2, seen: tuple[int, ...] = (0, 1)) -> list[Record]:
+    out: list[Record] = [RolloutSubmitted(rid=rid, t=0.0, workload="math", slots=slots)]
+    out += [
+        TrajectorySeen(rollout=rid, trajectory_id=f"{rid}-s{s}-a{i}", slot=s, attempt=i, t=1.0)
+        for i, s in enumerate(seen)
+    ]
+    out.append(RolloutEnded(rid=rid, t=2.0, completed=len(set(seen))))
+    return out
+
+
+def violations(records: list[Record]) -> list[tuple[str, str]]:
+    return [(v.invariant, v.detail) for v in check(records)]
+
+
+def test_every_slot_published_exactly_once_passes() -> None:
+    assert violations(rollout()) == []
+
+
+def test_a_slot_published_twice_or_never_is_caught() -> None:
+    (twice,) = violations(rollout(seen=(0, 1, 1)))
+    assert twice[0] == "trajectories" and "slot 1 published 2 times" in twice[1]
+    (lost,) = violations(rollout(seen=(0,)))
+    assert lost[0] == "trajectories" and "[1] never published" in lost[1]
+
+
+def test_a_rollout_not_followed_to_its_end_is_caught() -> None:
+    records = [*rollout()[:-1], RolloutEnded(rid="r0", t=2.0, error="timeout: not done")]
+    (v,) = violations(records)
+    assert v[0] == "trajectories" and "timeout" in v[1]
+    (orphan,) = violations(rollout()[1:])
+    assert "never submitted" in orphan[1]
+
+
+def test_a_restore_must_hold_an_acknowledged_checkpoint() -> None:
+    ok: list[Record] = [
+        CheckpointAcked(sandbox="sb", prefix=3, checkpoint_id="c3", t=1.0),
+        SandboxBack(sandbox="sb", prefix=3, content="3", acked=3, t=2.0),
+        SandboxBack(sandbox="sb", prefix=4, content="4", acked=3, t=3.0),  # in flight: kept
+        SandboxBack(sandbox="sb", prefix=0, content="", acked=0, t=4.0),  # a fresh sandbox
+    ]
+    assert violations(ok) == []
+    lost = SandboxBack(sandbox="sb", prefix=2, content="2", acked=3, t=2.0)
+    wrong = SandboxBack(sandbox="sb", prefix=3, content="2", acked=3, t=2.0)
+    assert [v[0] for v in violations([lost, wrong])] == ["sandbox", "sandbox"]
+
+
+def test_sandbox_kinds_only_with_a_sandbox_lane_and_parts_per_kind() -> None:
+    procs = {"router", "weights", "kv", "controller", "environment"}
+    assert not set(SANDBOX_KINDS) & set(kinds_for(procs, "belayer"))
+    assert set(SANDBOX_KINDS) <= set(kinds_for(procs, "belayer", sandboxes=True))
+    assert not set(SANDBOX_KINDS) & set(kinds_for(procs - {"environment"}, "belayer", True))
+    engines = ("e0", "e1")
+    assert parts_of("worker-kill", "e1", engines) == {"engine:e1"}
+    assert parts_of("router-kill", "e0", engines) == {"router", "engine:e0", "engine:e1"}
+    assert parts_of("controller-kill", "e0", engines) == {"controller"}
+    for kind in (*SANDBOX_KINDS, "environment-kill"):
+        assert parts_of(kind, "e0", engines) == {"environment"}
+    assert set(ALL_KINDS) >= {"sandbox-kill", "sandbox-pause", "checkpoint-interrupt"}
