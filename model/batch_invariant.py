@@ -188,7 +188,7 @@ def gather_index(slots: Tensor, kv_heads: int, num_slots: int) -> Tensor:
     s, length = slots.shape
     c = ATTENTION_CHUNK
     per_chunk = slots.view(s, length // c, c).transpose(0, 1)  # [chunks, S, C]
-    heads = torch.arange(kv_heads)[None, None, :, None]
+    heads = torch.arange(kv_heads, device=slots.device)[None, None, :, None]
     rows = (per_chunk[:, :, None, :] * kv_heads + heads).reshape(-1)
     return torch.cat([rows, rows + num_slots * kv_heads])
 
@@ -214,7 +214,7 @@ def attend(q: Tensor, q_pos: Tensor, kv: Tensor, cache: dict[str, Tensor] | None
     chunks = kv.shape[1]
     hidden = cache.get(f"hidden-{rows}-{chunks}") if cache is not None else None
     if hidden is None:
-        key_pos = torch.arange(chunks * c).view(chunks, 1, 1, 1, c)
+        key_pos = torch.arange(chunks * c, device=q.device).view(chunks, 1, 1, 1, c)
         hidden = key_pos > pos[None, :, None, :, None]  # [chunks, S, 1, rows, C]
         if cache is not None:
             cache[f"hidden-{rows}-{chunks}"] = hidden

@@ -88,7 +88,7 @@ class AttentionMetadata:
         """Metadata for one token per sequence; ``context_lens`` counts that token too."""
         span = block_tables.shape[1] * block_size
         # Built once per step, shared by every layer.
-        mask = torch.arange(span) < context_lens[:, None]
+        mask = torch.arange(span, device=context_lens.device) < context_lens[:, None]
         return cls(
             is_prefill=False,
             slot_mapping=slot_mapping,
@@ -113,7 +113,7 @@ class AttentionMetadata:
         assert self.block_tables is not None and self.context_lens is not None
         bs, width = self.block_size, self.block_tables.shape[1]
         length = bi.chunks_for(int(self.context_lens.max())) * bi.ATTENTION_CHUNK
-        pos = torch.arange(length)
+        pos = torch.arange(length, device=self.block_tables.device)
         # Positions past a table's end point at its last block: read, then masked out.
         slots = self.block_tables[:, (pos // bs).clamp(max=width - 1)] * bs + pos % bs
         return [slots]
@@ -291,7 +291,7 @@ class Qwen3Attention(nn.Module):
         # Rows of KV head h: query heads h*g .. h*g+g-1 of every token, token-major.
         rows = q.view(n, self.num_kv_heads, g, self.head_dim).permute(1, 0, 2, 3)
         rows = rows.reshape(1, self.num_kv_heads, n * g, self.head_dim)
-        pos = torch.arange(n).repeat_interleave(g)[None]
+        pos = torch.arange(n, device=q.device).repeat_interleave(g)[None]
         out = bi.attend(rows, pos, bi.chunk_kv(kv, 1))
         out = out.view(self.num_kv_heads, n, g, self.head_dim).permute(1, 0, 2, 3)
         return out.reshape(n, self.num_heads, self.head_dim)
@@ -547,8 +547,9 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     cos, sin_rot = _rope_tables(cfg)
-    model.register_buffer("rope_cos", cos, persistent=False)
-    model.register_buffer("rope_sin", sin_rot, persistent=False)
+    device = model.model.embed_tokens.weight.device  # the weights' (cpu, or cuda on a GPU)
+    model.register_buffer("rope_cos", cos.to(device), persistent=False)
+    model.register_buffer("rope_sin", sin_rot.to(device), persistent=False)
     model.deterministic = deterministic
     return model.eval()
 

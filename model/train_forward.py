@@ -43,15 +43,23 @@ from model.qwen3 import Qwen3ForCausalLM, build_model, logprobs_at_temperature
 
 
 def build_trainable_model(
-    cfg: ModelConfig, tensors: dict[str, Tensor], *, deterministic: bool = False
+    cfg: ModelConfig,
+    tensors: dict[str, Tensor],
+    *,
+    deterministic: bool = False,
+    device: str = "cpu",
 ) -> Qwen3ForCausalLM:
     """The model over owned copies of ``tensors`` (HF names), trainable and in train mode.
 
     Same validation as :func:`~model.qwen3.build_model` (``ValueError`` on a missing,
     unexpected or misshapen tensor); tied embeddings stay tied. ``deterministic``: the
-    batch-invariant forward, bitwise equal to a deterministic engine's.
+    batch-invariant forward, bitwise equal to a deterministic engine's. ``device``: where the
+    copies live (``cpu``, or ``cuda`` for a trainer on a GPU).
     """
-    owned = {name: t.detach().clone() for name, t in tensors.items()}
+    if device == "cpu":
+        owned = {name: t.detach().clone() for name, t in tensors.items()}
+    else:
+        owned = {name: t.detach().to(device, copy=True) for name, t in tensors.items()}
     model = build_model(cfg, owned, deterministic=deterministic)
     model.requires_grad_(True)
     return model.train()
@@ -136,7 +144,9 @@ def token_logprobs(
         raise ValueError(f"temperature must be > 0, got {temperature} (greedy: use 1.0)")
     hidden = dense_hidden(model, input_ids, attention_mask)[:, :-1]
     logits = model.compute_logits(hidden)
-    logprobs = logprobs_at_temperature(logits, torch.full(logits.shape[:-1], temperature))
+    logprobs = logprobs_at_temperature(
+        logits, torch.full(logits.shape[:-1], temperature, device=logits.device)
+    )
     chosen = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     if attention_mask is None:
         return chosen

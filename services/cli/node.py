@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import msgspec
 import typer
@@ -138,6 +138,18 @@ UP_TOKEN_LOG_CHUNK = typer.Option(
     min=1,
     help="k: tokens per durable token-log chunk.",
 )
+UP_DEVICE = typer.Option(
+    NODE_DEFAULTS.worker.device,
+    "--device",
+    help="Where the engines and the trainer compute: cpu, cuda (refused without a CUDA device; "
+    "with the belayer engine add --no-deterministic) or auto (cuda when there is one).",
+)
+UP_ENGINE_BACKEND = typer.Option(
+    NODE_DEFAULTS.worker.engine_backend,
+    "--engine-backend",
+    help="The engine behind each worker: belayer, or sglang (GPU nodes: --device cuda and the "
+    "sglang package).",
+)
 UP_MAX_NUM_SEQS = typer.Option(
     NODE_DEFAULTS.worker.engine.max_num_seqs,
     "--max-num-seqs",
@@ -220,6 +232,8 @@ def up(
     environment: bool | None = UP_ENVIRONMENT,
     token_log_chunk: int = UP_TOKEN_LOG_CHUNK,
     max_num_seqs: int = UP_MAX_NUM_SEQS,
+    device: str = UP_DEVICE,
+    engine_backend: str = UP_ENGINE_BACKEND,
     deterministic: bool = UP_DETERMINISTIC,
     failure_window: float = UP_FAILURE_WINDOW,
     heartbeat_interval: float = UP_HEARTBEAT_INTERVAL,
@@ -231,7 +245,7 @@ def up(
     reward_function: list[str] | None = UP_REWARD_FUNCTION,
 ) -> None:
     """Start a Belayer node: NATS (JetStream), weight store, KV arena, router, workers."""
-    check_up_args(recovery, role, nats_url, host_name)
+    check_up_args(recovery, role, nats_url, host_name, device, engine_backend)
     paths = run_paths(run_dir)
     node = read_node(paths)
     if node is not None and process_alive(node.supervisor_pid):
@@ -248,16 +262,12 @@ def up(
         model_dir=str(Path(model).resolve()) if model else "",
         engines=engines,
         training=training,
-        trainer=dataclasses.replace(NODE_DEFAULTS.trainer, procs=trainer_procs),
+        trainer=dataclasses.replace(NODE_DEFAULTS.trainer, procs=trainer_procs, device=device),  # type: ignore[arg-type]
         environment=(
             True if role == "env-host" else docker_usable() if environment is None else environment
         ),
         creds_dir=str(creds_dir.resolve()) if creds_dir else "",
-        role="env-host"
-        if role == "env-host"
-        else "engine-host"
-        if role == "engine-host"
-        else "node",
+        role=node_role(role),
         host_name=host_name,
         engine_hosts=check_engine_hosts(engine_host or []),
         bus=bus,
@@ -271,7 +281,7 @@ def up(
             failure_window_s=failure_window,
             heartbeat_interval_s=heartbeat_interval,
         ),
-        worker=worker_config(hang_threshold, max_num_seqs, deterministic),
+        worker=worker_config(hang_threshold, max_num_seqs, deterministic, device, engine_backend),
         controller=dataclasses.replace(
             NODE_DEFAULTS.controller, workload_plugins=plugin_specs, reward_functions=reward_specs
         ),
@@ -306,8 +316,16 @@ def preload(flag: str, specs: list[str], load: Callable[[str], object]) -> tuple
     return tuple(dict.fromkeys(specs))
 
 
-def check_up_args(recovery: str, role: str, nats_url: str, host_name: str = "") -> None:
+def check_up_args(
+    recovery: str,
+    role: str,
+    nats_url: str,
+    host_name: str = "",
+    device: str = "cpu",
+    engine_backend: str = "belayer",
+) -> None:
     """The choices of ``belayer up`` that typer does not check: one line, exit 2."""
+    check_device_args(device, engine_backend)
     if recovery not in ("belayer", "baseline"):
         fail("--recovery must be 'belayer' or 'baseline'", 2)
     if role not in ("node", "env-host", "engine-host"):
@@ -346,12 +364,44 @@ def bus_config(
         fail(str(exc), 2)
 
 
-def worker_config(hang_threshold: float, max_num_seqs: int, deterministic: bool) -> WorkerConfig:
-    """The node's workers: the defaults with ``belayer up``'s worker and engine options."""
+def check_device_args(device: str, engine_backend: str) -> None:
+    """``--device`` and ``--engine-backend``: one line, exit 2, for a bad choice or one this
+    machine cannot run (torch is imported only when a GPU is asked for)."""
+    from common.device import DEVICE_CHOICES, resolve_device
+    from services.worker.engine.backend import BACKENDS, check_backend
+
+    if device not in DEVICE_CHOICES:
+        fail(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {device!r}", 2)
+    if engine_backend not in BACKENDS:
+        fail(f"--engine-backend must be one of {', '.join(BACKENDS)}, got {engine_backend!r}", 2)
+    if device == "cpu" and engine_backend == "belayer":
+        return
+    try:
+        check_backend(engine_backend, resolve_device(device))
+    except ValueError as exc:
+        fail(str(exc), 2)
+
+
+def node_role(role: str) -> Literal["node", "env-host", "engine-host"]:
+    """``--role`` (checked by :func:`check_up_args`) as the supervisor's type."""
+    return "env-host" if role == "env-host" else "engine-host" if role == "engine-host" else "node"
+
+
+def worker_config(
+    hang_threshold: float,
+    max_num_seqs: int,
+    deterministic: bool,
+    device: str = "cpu",
+    engine_backend: str = "belayer",
+) -> WorkerConfig:
+    """The node's workers: the defaults with ``belayer up``'s worker and engine options
+    (``device`` and ``engine_backend`` checked by :func:`check_device_args`)."""
     d = NODE_DEFAULTS.worker
     return dataclasses.replace(
         d,
         hang_threshold_s=hang_threshold,
+        device=device,  # type: ignore[arg-type]
+        engine_backend=engine_backend,  # type: ignore[arg-type]
         engine=dataclasses.replace(
             d.engine, max_num_seqs=max_num_seqs, deterministic=deterministic
         ),

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from common.device import DeviceChoice, resolve_device
+from common.errors import FatalError
 from common.service import ServiceConfig
 from common.training_config import OptimConfig
 
@@ -86,6 +88,10 @@ class TrainerConfig(ServiceConfig):
     """Data-parallel ranks of the update (``torch.distributed``, gloo on CPU): this process is
     rank 0 and starts the others; each computes its share of every micro-batch, gradients are
     summed, rank 0 checkpoints and pushes. 1: one process."""
+    device: DeviceChoice = "cpu"
+    """Where the update computes: ``cpu``; ``cuda`` (refused at start without a CUDA device;
+    one process, not deterministic: the data-parallel ranks and the batch-invariant training
+    forward are CPU-only here); ``auto`` (``cuda`` when torch sees one)."""
     pad_token_id: int = 0
     """Token id used for padding (masked out; any id works)."""
     consumer: str = "trainer"
@@ -125,6 +131,20 @@ class TrainerConfig(ServiceConfig):
             raise ValueError("logprob_diff_bound and ack_wait_s must be > 0")
         if self.temperature < 0 or self.hold_before_checkpoint_s < 0:
             raise ValueError("temperature and hold_before_checkpoint_s must be >= 0")
+
+    def resolved_device(self) -> str:
+        """``cpu`` or ``cuda`` for ``device`` (imports torch for ``auto``/``cuda``);
+        ``FatalError`` (one line) where this trainer cannot run on it."""
+        try:
+            device = resolve_device(self.device)
+        except ValueError as exc:
+            raise FatalError(str(exc)) from None
+        if device == "cuda" and (self.procs > 1 or self.deterministic):
+            raise FatalError(
+                "the trainer on cuda runs as one process without the deterministic forward "
+                f"(got procs={self.procs}, deterministic={self.deterministic}); use --device cpu"
+            )
+        return device
 
     @property
     def batch_size(self) -> int:

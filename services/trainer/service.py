@@ -137,6 +137,7 @@ class TrainerService(Service[TrainerConfig]):
     # --- start ----------------------------------------------------------------------------
     async def open(self) -> None:
         torch.set_num_threads(self.config.threads)
+        self.device = self.config.resolved_device()  # cpu, or cuda (one line if unusable)
         self.dir.mkdir(parents=True, exist_ok=True)
 
     async def setup(self) -> None:
@@ -181,7 +182,7 @@ class TrainerService(Service[TrainerConfig]):
             tensors = map_weights(manifest)
             state = await asyncio.to_thread(
                 new_state, cfg, tensors, manifest.version, c.optim,
-                deterministic=c.deterministic, with_reference=c.grpo.beta > 0,
+                deterministic=c.deterministic, with_reference=c.grpo.beta > 0, device=self.device,
             )  # fmt: skip
             if c.grpo.beta > 0:
                 await asyncio.to_thread(save_reference, ref_path, state)
@@ -206,8 +207,9 @@ class TrainerService(Service[TrainerConfig]):
         if c.grpo.beta > 0:
             self.reference = await asyncio.to_thread(load_weights_file, ref_path)
         state, _ = await asyncio.to_thread(
-            load_state, path, cfg, c.optim, deterministic=c.deterministic, reference=self.reference
-        )
+            load_state, path, cfg, c.optim, deterministic=c.deterministic,
+            reference=self.reference, device=self.device,
+        )  # fmt: skip
         self.state = state
         self.checkpoint_step = step
         self.durable = set(state.trained)

@@ -106,20 +106,22 @@ def new_state(
     *,
     deterministic: bool = False,
     with_reference: bool = False,
+    device: str = "cpu",
 ) -> TrainState:
-    """A fresh state over copies of ``tensors`` (weight version ``version``)."""
-    model = build_trainable_model(cfg, tensors, deterministic=deterministic)
+    """A fresh state over copies of ``tensors`` (weight version ``version``) on ``device``
+    (``cpu``, or ``cuda``: the model, its optimizer state and each micro-batch live there)."""
+    model = build_trainable_model(cfg, tensors, deterministic=deterministic, device=device)
     opt = make_optimizer(model, optim)
-    ref = reference_model(cfg, tensors, deterministic) if with_reference else None
+    ref = reference_model(cfg, tensors, deterministic, device) if with_reference else None
     return TrainState(
         model, opt, make_scheduler(opt, optim), step=0, version=version, ref_model=ref
     )
 
 
 def reference_model(
-    cfg: ModelConfig, tensors: dict[str, Tensor], deterministic: bool
+    cfg: ModelConfig, tensors: dict[str, Tensor], deterministic: bool, device: str = "cpu"
 ) -> Qwen3ForCausalLM:
-    owned = {k: v.detach().clone() for k, v in tensors.items()}
+    owned = {k: v.detach().to(device, copy=True) for k, v in tensors.items()}
     return build_model(cfg, owned, deterministic=deterministic)
 
 
@@ -148,6 +150,17 @@ def collate(samples: Sequence[Sample], rows: list[int], adv: Tensor, pad_id: int
     if len(temps) != 1:
         raise ValueError(f"one micro-batch mixes temperatures {sorted(temps)}")
     return _Micro(rows, ids, attn, mask, logp, versions, adv[rows], temps.pop())
+
+
+def _to_model(m: _Micro, model: Qwen3ForCausalLM) -> _Micro:
+    """``m``'s tensors on ``model``'s device (the same object on the CPU)."""
+    dev = model.model.embed_tokens.weight.device
+    if m.input_ids.device == dev:
+        return m
+    return _Micro(
+        m.rows, m.input_ids.to(dev), m.attention_mask.to(dev), m.mask.to(dev),
+        m.rollout_logp.to(dev), m.versions.to(dev), m.advantages.to(dev), m.temperature,
+    )  # fmt: skip
 
 
 def _scored_temperature(t: float) -> float:
@@ -191,9 +204,10 @@ def recompute(
         model = state.model if v == state.version else (generating(v) if generating else None)
         if model is None:
             continue
-        lp = token_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperature)
+        on = _to_model(micro, model)  # an older version's model may live on another device
+        lp = token_logprobs(model, on.input_ids, on.attention_mask, micro.temperature)
         sel = micro.versions == v
-        old = torch.where(sel, lp.float(), old)
+        old = torch.where(sel, lp.float().to(old.device), old)
         checked |= sel
     return old, checked
 
@@ -215,7 +229,7 @@ def _behaviour_logprobs(
     diffs: list[Tensor] = []
     unchecked = 0
     for mini in plan:
-        micros = [collate(samples, rows, adv, pad_id) for rows in mini]
+        micros = [_to_model(collate(samples, rows, adv, pad_id), state.model) for rows in mini]
         for m in micros:
             m.old_logp, checked = recompute(state, m, generating)
             real = m.mask.bool()
@@ -364,7 +378,7 @@ def find_poison(
     out: dict[str, str] = {}
     for i, s in enumerate(samples):
         try:
-            m = collate(samples, [i], adv, pad_id)
+            m = _to_model(collate(samples, [i], adv, pad_id), state.model)
             old, _ = recompute(state, m, generating)
             logp = token_logprobs(state.model, m.input_ids, m.attention_mask, m.temperature)
             loss = grpo_loss(
@@ -400,15 +414,16 @@ def load_state(
     *,
     deterministic: bool = False,
     reference: dict[str, Tensor] | None = None,
+    device: str = "cpu",
 ) -> tuple[TrainState, dict[str, Any]]:
-    """The state a checkpoint holds (RNG state restored too), and its meta."""
+    """The state a checkpoint holds (RNG state restored too), and its meta; on ``device``."""
     tensors = load_weights(path)
-    state = new_state(cfg, tensors, 0, optim, deterministic=deterministic)
+    state = new_state(cfg, tensors, 0, optim, deterministic=deterministic, device=device)
     meta = load_checkpoint(path, state.optimizer, state.scheduler)
     state.step, state.version = int(meta["step"]), int(meta["version"])
     state.trained = list(meta["trained"])
     if reference is not None:
-        state.ref_model = reference_model(cfg, reference, deterministic)
+        state.ref_model = reference_model(cfg, reference, deterministic, device)
     return state, meta
 
 

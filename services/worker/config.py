@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from common.device import DeviceChoice
 from common.limits import ServingLimits
 from common.service import ServiceConfig
+from services.worker.engine.backend import EngineBackendName
 from services.worker.engine.config import EngineConfig
 
 
@@ -25,8 +27,13 @@ class WorkerConfig(ServiceConfig):
     below the hang threshold). New work wakes the loop at once."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Scheduler limits; ``num_blocks``/``block_size`` are taken from the KV arena."""
-    device: str = "cpu"
-    """Device label reported to the router."""
+    device: DeviceChoice = "cpu"
+    """Where the engine computes: ``cpu``; ``cuda`` (refused at start without a CUDA device;
+    the ``belayer`` backend then needs ``--no-engine-deterministic``); ``auto`` (``cuda`` when
+    torch sees one). The resolved device is what the worker reports to the router."""
+    engine_backend: EngineBackendName = "belayer"
+    """The engine behind the worker: ``belayer`` (Belayer's own, CPU or GPU) or ``sglang``
+    (SGLang's offline engine, GPU nodes only; needs the ``sglang`` package and ``cuda``)."""
     register_timeout_s: float = 30.0
     """How long to keep trying to register with the router at start."""
     torch_threads: int = 1

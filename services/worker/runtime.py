@@ -20,7 +20,8 @@ from torch import Tensor
 
 from common.logging import get_logger
 from schemas.serving import EngineRequest, HeldRequest, SeqDelta
-from services.worker.engine.llm_engine import LLMEngine, StepOutput
+from services.worker.engine.backend import EngineBackend
+from services.worker.engine.llm_engine import StepOutput
 from services.worker.engine.sequence import SamplingParams as EngineSampling
 
 log = get_logger(component="engine_loop")
@@ -97,7 +98,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineBackend,
         *,
         on_batch: Callable[[int, list[SeqDelta]], None],
         heartbeat_file: Path | None,

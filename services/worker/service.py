@@ -30,11 +30,13 @@ from nats.js import JetStreamContext
 from common import events, subjects
 from common.bus import Server, request
 from common.codec import decode, encode
+from common.device import resolve_device
 from common.epoch import claim_epoch
 from common.errors import (
     BelayerError,
     Conflict,
     EngineUnavailable,
+    FatalError,
     InvalidRequest,
     Timeout,
 )
@@ -62,8 +64,9 @@ from schemas.serving import (
 )
 from services.kv.client import fetch_arena, flush_arena, map_arena
 from services.weights.client import current_manifest, fetch_manifest, map_weights
+from services.worker.backends import build_engine
 from services.worker.config import WorkerConfig
-from services.worker.engine.llm_engine import LLMEngine
+from services.worker.engine.backend import EngineBackend, check_backend
 from services.worker.runtime import Abort, EngineLoop, Snapshot, Submit, SwapWeights
 
 MIRROR_TIMEOUT_S = 120.0
@@ -85,7 +88,9 @@ class Worker:
         self.pid = os.getpid()
         self.epoch = 0
         self.weight_version = 0
-        self.engine: LLMEngine | None = None
+        self.engine: EngineBackend | None = None
+        self.device = "cpu"
+        """The resolved ``config.device`` (``cpu`` or ``cuda``)."""
         self.loop: EngineLoop | None = None
         self.server = server
         self.timings: dict[str, float] = {}
@@ -96,6 +101,11 @@ class Worker:
 
     # --- phase 1: prepare (slow; a shadow does it ahead of time) -----------------------------
     async def prepare(self) -> None:
+        try:  # a device or backend this machine lacks: one line, before anything is mapped
+            self.device = resolve_device(self.config.device)
+            check_backend(self.config.engine_backend, self.device)
+        except ValueError as exc:
+            raise FatalError(str(exc)) from None
         t0 = time.perf_counter()
         manifest = await fetch_manifest(self.nc, timeout=10.0, host=self.config.host)
         if self.config.cold_load_dir:
@@ -113,7 +123,18 @@ class Worker:
             block_size=arena_desc.block_size,
             num_blocks=arena_desc.num_blocks,
         )
-        self.engine = LLMEngine(model_config, params, kv_cache, engine_config)
+        try:
+            self.engine = build_engine(
+                self.config.engine_backend,
+                model_config,
+                params,
+                kv_cache,
+                engine_config,
+                device=self.device,
+                model_dir=manifest.model_dir,
+            )
+        except ValueError as exc:  # e.g. deterministic mode asked of the engine on cuda
+            raise FatalError(str(exc)) from None
         self.engine.warmup()
         self.weight_version = manifest.version
         t_ready = time.perf_counter()
@@ -278,7 +299,7 @@ class Worker:
             engine_id=self.engine_id,
             epoch=self.epoch,
             pid=self.pid,
-            device=self.config.device,
+            device=self.device,
             weight_version=self.weight_version,
             max_num_seqs=self.config.engine.max_num_seqs,
         )

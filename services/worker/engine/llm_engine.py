@@ -9,6 +9,13 @@ With ``EngineConfig.deterministic`` the model runs its batch-invariant forward
 machine; every draw of the sampler is a pure function of ``(seed, token index)``, and a request
 without a seed gets one of its own when it is added, so no request's samples depend on
 another's.
+
+``device`` (``cpu`` or ``cuda``, resolved by :func:`common.device.resolve_device`): on the CPU
+the weights and the cache are used in place; on ``cuda`` the engine copies the weights to the
+GPU and keeps a KV cache of the same geometry there, its own (a handover resumes from tokens,
+not from the previous worker's KV memory: the arena is flushed on every claim). The
+batch-invariant kernels are the CPU's; ``cuda`` needs ``deterministic=False`` (on GPUs that
+guarantee is SGLang's ``--enable-deterministic-inference``: the ``sglang`` backend).
 """
 
 from __future__ import annotations
@@ -65,15 +72,25 @@ class LLMEngine:
         *,
         eos_token_ids: tuple[int, ...] | None = None,
         sampler_seed: int | None = None,
+        device: str = "cpu",
     ) -> None:
         """``params`` are HF-named weights; ``kv_cache`` has
         :func:`~model.qwen3.kv_cache_shape` for ``config``'s geometry and starts
         finite (zeros). ``eos_token_ids`` defaults to the model config's; ``sampler_seed``
-        seeds the random stream of requests that carry no seed.
+        seeds the random stream of requests that carry no seed. ``device``: see the module doc.
         """
         self.model_config = model_config
         self.config = config = config or EngineConfig()
         _check_kv_cache(model_config, config, kv_cache)
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            if config.deterministic:
+                raise ValueError(
+                    f"deterministic mode runs on the CPU only in the belayer engine; on "
+                    f"{device} turn it off (--no-engine-deterministic) or use the sglang backend"
+                )
+            params = _on_device(params, self.device)
+            kv_cache = torch.zeros_like(kv_cache, device=self.device)
         if config.max_model_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={config.max_model_len} exceeds the model's "
@@ -91,6 +108,7 @@ class LLMEngine:
     def load_weights(self, params: dict[str, Tensor]) -> None:
         """Switch to another weight version (zero copy: ``params`` are mapped views). Call it
         between steps; running requests continue on the new weights from their next token."""
+        params = _on_device(params, self.device)
         model = build_model(self.model_config, params, deterministic=self.config.deterministic)
         self.model = model
         self.runner.model = model
@@ -182,6 +200,7 @@ class LLMEngine:
         scratch = torch.zeros(
             kv_cache_shape(self.model_config, 3 * per_seq, cfg.block_size),
             dtype=self.model_config.dtype,
+            device=self.device,
         )
         vocab = self.model_config.vocab_size
         prompts = [[(7 * j + 3 * i + 1) % vocab for j in range(n)] for i in (0, 1)]
@@ -225,6 +244,11 @@ class LLMEngine:
                 result.logprobs.extend(out.new_logprobs)
                 result.finish_reason = out.finish_reason
         return [results[rid] for rid in ids]
+
+
+def _on_device(params: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """``params`` on ``device``: the same tensors where they already are, else copies."""
+    return {k: v if v.device == device else v.to(device) for k, v in params.items()}
 
 
 def _check_kv_cache(model_config: ModelConfig, config: EngineConfig, kv_cache: Tensor) -> None:

@@ -1,4 +1,8 @@
-"""Turn a scheduled batch into model inputs, run the model, return next-token logits."""
+"""Turn a scheduled batch into model inputs, run the model, return next-token logits.
+
+The inputs are built on the CPU and moved to the KV cache's device (a no-op on the CPU); the
+logits come back on the CPU, where the sampler draws (its seeded draws are then the same
+whichever device ran the model)."""
 
 from __future__ import annotations
 
@@ -25,16 +29,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run_on(self, kv_cache: Tensor, seqs: list[Sequence], is_prefill: bool) -> Tensor:
         """Like :meth:`run` but on another cache of the same geometry (warm-up scratch)."""
+        dev = kv_cache.device
         if is_prefill:
-            input_ids, positions, attn, last = self._prepare_prefill(seqs)
+            input_ids, positions, attn, last = self._prepare_prefill(seqs, dev)
             hidden = self.model(input_ids, positions, attn, kv_cache)[last]
         else:
-            input_ids, positions, attn = self._prepare_decode(seqs)
+            input_ids, positions, attn = self._prepare_decode(seqs, dev)
             hidden = self.model(input_ids, positions, attn, kv_cache)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return logits if dev.type == "cpu" else logits.cpu()
 
     def _prepare_prefill(
-        self, seqs: list[Sequence]
+        self, seqs: list[Sequence], dev: torch.device
     ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         bs = self.block_size
         input_ids: list[int] = []
@@ -51,10 +57,17 @@ class ModelRunner:
                 slots.extend(range(start, start + min(bs, n - i * bs)))
             seq_lens.append(n)
             last.append(len(input_ids) - 1)
-        attn = AttentionMetadata.prefill(torch.tensor(slots), seq_lens)
-        return torch.tensor(input_ids), torch.tensor(positions), attn, torch.tensor(last)
+        attn = AttentionMetadata.prefill(torch.tensor(slots, device=dev), seq_lens)
+        return (
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            attn,
+            torch.tensor(last, device=dev),
+        )
 
-    def _prepare_decode(self, seqs: list[Sequence]) -> tuple[Tensor, Tensor, AttentionMetadata]:
+    def _prepare_decode(
+        self, seqs: list[Sequence], dev: torch.device
+    ) -> tuple[Tensor, Tensor, AttentionMetadata]:
         bs = self.block_size
         input_ids = [seq.last_token for seq in seqs]
         positions = [seq.num_tokens - 1 for seq in seqs]
@@ -64,8 +77,11 @@ class ModelRunner:
         max_blocks = max(len(seq.block_table) for seq in seqs)
         # Padding points at block 0: it is read but masked out, never written.
         tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
-        context_lens = torch.tensor(positions) + 1
+        context_lens = torch.tensor(positions, device=dev) + 1
         attn = AttentionMetadata.decode(
-            torch.tensor(slots), torch.tensor(tables), context_lens, self.block_size
+            torch.tensor(slots, device=dev),
+            torch.tensor(tables, device=dev),
+            context_lens,
+            self.block_size,
         )
-        return torch.tensor(input_ids), torch.tensor(positions), attn
+        return torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), attn
