@@ -31,8 +31,8 @@ from common.bus import connect, request
 from common.codec import decode
 from common.natsserver import NatsServer, start_nats_server
 from schemas.env import EnvRestore, EnvRestored
-from schemas.events import AnyEvent, CheckpointReady, SandboxRestored, TrajectoryFinished
-from schemas.rollout import RolloutRequest
+from schemas.events import AnyEvent, CheckpointReady, SandboxRestored
+from schemas.rollout import RolloutRequest, TrajectoryState
 from schemas.serving import SamplingParams
 from services.controller.client import submit, trajectories, wait
 from services.environment.client import PlacedEnvClient
@@ -140,29 +140,50 @@ def kill_host(host: Node) -> int:
     return len(gone)
 
 
-class Events:
-    """Every event of the deployment while the test runs (core subscription)."""
+class Watch:
+    """Every event of the deployment (core subscription) and every durable trajectory state
+    the controller writes (KV ``trajectory_prefix``) while the test runs."""
 
     def __init__(self) -> None:
         self.seen: list[Any] = []
+        self.states: dict[str, TrajectoryState] = {}
         self.changed = asyncio.Event()
+        self._watcher: Any = None
+        self._pump: asyncio.Task[None] | None = None
 
-    async def start(self, nc: Any) -> Events:
+    async def start(self, nc: Any) -> Watch:
         async def cb(msg: Any) -> None:
             with contextlib.suppress(Exception):
                 self.seen.append(decode(msg.data, AnyEvent))
                 self.changed.set()
 
         await nc.subscribe(subjects.EVENTS_ALL, cb=cb)
+        kv = await nc.jetstream().key_value(subjects.BUCKET_TRAJECTORY_PREFIX)
+        self._watcher = await kv.watchall(include_history=False)
+        self._pump = asyncio.create_task(self.pump())
         return self
 
-    async def until(self, pred: Any, timeout: float) -> Any:
+    async def pump(self) -> None:
+        async for entry in self._watcher:
+            if entry is not None and entry.value:
+                st = decode(entry.value, TrajectoryState)
+                self.states[st.trajectory_id] = st
+                self.changed.set()
+
+    async def stop(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            await self._watcher.stop()
+
+    async def until(self, find: Any, timeout: float) -> Any:
+        """The first non-empty ``find()``, looked for again on every new event or state."""
+
         async def loop() -> Any:
             while True:
-                hit = next((e for e in self.seen if pred(e)), None)
-                if hit is not None:
-                    return hit
                 self.changed.clear()
+                hit = find()
+                if hit:
+                    return hit
                 await self.changed.wait()
 
         return await asyncio.wait_for(loop(), timeout)
@@ -173,28 +194,35 @@ async def test_an_env_host_dies_and_its_sandboxes_continue_on_the_other(
 ) -> None:
     d = deployment
     nc = await connect(d.server.url, name="t", bus=d.bus("operator"))
+    watch = await Watch().start(nc)
     try:
-        events = await Events().start(nc)
         request = RolloutRequest(
             workload="swe", rollout_id="envhosts", task_ids=TASKS, n=2, policy="always",
             sampling=SamplingParams(temperature=1.0, max_tokens=128), seed=11,
         )  # fmt: skip
         accepted = await submit(nc, request)
         labels = {f"environment:node-{h.run_id}": name for name, h in d.hosts.items()}
-        # Both hosts take sandboxes (placement by free capacity spreads them).
-        first = await events.until(
-            lambda e: isinstance(e, CheckpointReady) and e.source in labels, timeout=180
-        )
-        victim = labels[first.source]
+
+        def host_of() -> dict[str, str]:
+            """Sandbox → the env host whose ready checkpoint the controller recorded."""
+            source = {
+                e.checkpoint.sandbox_id: labels[e.source]
+                for e in watch.seen
+                if isinstance(e, CheckpointReady) and e.source in labels
+            }
+            return {
+                st.sandbox_id: source[st.sandbox_id]
+                for st in watch.states.values()
+                if st.status == "running" and st.ready and st.sandbox_id in source
+            }
+
+        # The first host to hold a sandbox whose ready checkpoint the controller recorded dies.
+        victim = next(iter((await watch.until(host_of, timeout=180)).values()))
         survivor = next(n for n in d.hosts if n != victim)
-        finished = {e.trajectory_id for e in events.seen if isinstance(e, TrajectoryFinished)}
-        ready = {
-            e.checkpoint.sandbox_id: e.checkpoint.trajectory_id
-            for e in events.seen
-            if isinstance(e, CheckpointReady) and e.source == first.source
-            and e.checkpoint.trajectory_id not in finished
+        ready = {  # sandbox → trajectory, of the dead host's sandboxes with a recorded C_k
+            sid: tid for sid, tid in ((st.sandbox_id, t) for t, st in watch.states.items())
+            if host_of().get(sid) == victim
         }  # fmt: skip
-        assert ready, "the victim had no running trajectory with a ready checkpoint"
         placed = {h.host: h.sandboxes for h in await PlacedEnvClient(nc).hosts(now=True)}
         assert sorted(placed) == sorted(f"node-{h.run_id}" for h in d.hosts.values())
         assert all(n >= 1 for n in placed.values()), f"not placed across hosts: {placed}"
@@ -208,7 +236,7 @@ async def test_an_env_host_dies_and_its_sandboxes_continue_on_the_other(
         survivor_src = f"environment:node-{d.hosts[survivor].run_id}"
         moved = {
             e.sandbox_id
-            for e in events.seen
+            for e in watch.seen
             if isinstance(e, SandboxRestored) and e.source == survivor_src
         }
         for sandbox_id, trajectory_id in ready.items():
@@ -217,7 +245,11 @@ async def test_an_env_host_dies_and_its_sandboxes_continue_on_the_other(
                 continue  # it ended before its next environment step needed the sandbox
             assert sandbox_id in moved, f"{sandbox_id} was not restored on {survivor}"
             assert t.recovery.restores >= 1 and t.recovery.restarts_from_scratch == 0
+        assert any(got[tid].recovery.sandbox_failures for tid in ready.values()), (
+            "no trajectory of the dead host needed its sandbox again"
+        )
     finally:
+        await watch.stop()
         await nc.close()
 
 
@@ -239,7 +271,7 @@ async def test_a_criu_checkpoint_moves_to_another_host_through_the_object_store(
             await asyncio.sleep(0.1)
         sid = (await client.create(sandbox_id="move-me", trajectory_id="mv")).sandbox_id
         dst = b if client.where[sid] == a.config.node else a
-        counter = "i=0; while true; do i=$((i+1)); echo $i > /root/n; sleep 0.05; done"
+        counter = "i=0; while true; do i=$((i+1)); echo $i > /root/t; mv /root/t /root/n; sleep 0.05; done"
         await client.exec(sid, f"echo kept > /root/f; (sh -c '{counter}' >/dev/null 2>&1 &)")
         info = await client.checkpoint(sid, 1, "mv")
         assert info.method != "layer"  # the counter runs: CRIU dumped it
