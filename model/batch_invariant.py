@@ -71,30 +71,31 @@ ROW_BUCKETS = (1, 2, 4, 8, MIN_GEMM_ROWS)
 """Row counts a deterministic product below ``MIN_GEMM_ROWS`` rows is padded to (the smallest
 one that holds its rows and is at least :func:`min_rows`)."""
 
-_MIN_ROWS: dict[tuple[str, int, int], int] = {}
+_MIN_ROWS: dict[tuple[str, int, int, torch.dtype], int] = {}
 
 
-def min_rows(kind: str, k: int, n: int) -> int:
+def min_rows(kind: str, k: int, n: int, dtype: torch.dtype = torch.float32) -> int:
     """Fewest rows (one of ``ROW_BUCKETS``) a deterministic product of this shape is padded to.
 
     ``kind`` is ``linear`` (``F.linear(x [M, k], w [n, k])``), ``qk`` (``matmul(q [b, M, k],
     key [b, n, k].transpose)``) or ``pv`` (``matmul(p [b, M, k], v [b, k, n])``), the three
-    products of the deterministic forward. Probed once per shape and process: the smallest
+    products of the deterministic forward, in ``dtype``. Probed once per shape, dtype and
+    process: the smallest
     bucket from which every bucket up to ``MIN_GEMM_ROWS`` gives each row (at the start and at
     the end of the rows) the bits it gets among ``MIN_GEMM_ROWS`` rows. Padding to any bucket
     from there on gives the same bits as padding to ``MIN_GEMM_ROWS``, so the engine and the
     trainer agree whichever each pads to.
     """
-    key = (kind, k, n)
+    key = (kind, k, n, dtype)
     found = _MIN_ROWS.get(key)
     if found is None:
-        found = _MIN_ROWS[key] = _probe_min_rows(kind, k, n)
+        found = _MIN_ROWS[key] = _probe_min_rows(kind, k, n, dtype)
     return found
 
 
-def padded_rows(kind: str, k: int, n: int, m: int) -> int:
+def padded_rows(kind: str, k: int, n: int, m: int, dtype: torch.dtype = torch.float32) -> int:
     """Rows ``m`` rows of a ``kind`` product are padded to (``m`` itself from ``MIN_GEMM_ROWS``)."""
-    return bucket(m, min_rows(kind, k, n))
+    return bucket(m, min_rows(kind, k, n, dtype))
 
 
 def bucket(m: int, floor: int) -> int:
@@ -104,10 +105,12 @@ def bucket(m: int, floor: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= m and b >= floor)
 
 
-def _product(kind: str, k: int, n: int, gen: torch.Generator) -> Callable[[Tensor], Tensor]:
+def _product(
+    kind: str, k: int, n: int, dtype: torch.dtype, gen: torch.Generator
+) -> Callable[[Tensor], Tensor]:
     """``kind``'s product of ``[M, k]`` rows with a random operand, laid out as the model does.
     The operand repeats a random block along ``n`` (its values do not choose the kernel)."""
-    block = torch.randn(min(n, 1024), k, generator=gen)
+    block = torch.randn(min(n, 1024), k, generator=gen).to(dtype)
     other = block.repeat(-(-n // block.shape[0]), 1)[:n].contiguous()
     if kind == "linear":
         return lambda rows: F.linear(rows, other)
@@ -120,11 +123,11 @@ def _product(kind: str, k: int, n: int, gen: torch.Generator) -> Callable[[Tenso
     raise ValueError(f"unknown product kind {kind!r}")
 
 
-def _probe_min_rows(kind: str, k: int, n: int) -> int:
+def _probe_min_rows(kind: str, k: int, n: int, dtype: torch.dtype) -> int:
     gen = torch.Generator().manual_seed(1_000_003 * k + n)
     with torch.inference_mode(), one_thread():
-        product = _product(kind, k, n, gen)
-        x = torch.randn(MIN_GEMM_ROWS, k, generator=gen)
+        product = _product(kind, k, n, dtype, gen)
+        x = torch.randn(MIN_GEMM_ROWS, k, generator=gen).to(dtype)
         ref = product(x)
         floor = MIN_GEMM_ROWS
         for m in reversed(ROW_BUCKETS[:-1]):
@@ -153,7 +156,8 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     n_out, k = weight.shape
     if flat.shape[0] >= MIN_GEMM_ROWS:
         return F.linear(flat, weight).reshape(*lead, n_out)
-    rows, n = pad_rows(flat.contiguous(), 0, padded_rows("linear", k, n_out, flat.shape[0]))
+    m = flat.shape[0]
+    rows, n = pad_rows(flat.contiguous(), 0, padded_rows("linear", k, n_out, m, weight.dtype))
     out = F.linear(rows, weight)
     return (out if rows.shape[0] == n else out[:n]).reshape(*lead, n_out)
 
@@ -205,7 +209,7 @@ def attend(q: Tensor, q_pos: Tensor, kv: Tensor, cache: dict[str, Tensor] | None
     """
     s, kvh, m, hd = q.shape
     c = kv.shape[4]
-    need = max(padded_rows("qk", hd, c, m), padded_rows("pv", c, hd, m))
+    need = max(padded_rows("qk", hd, c, m, q.dtype), padded_rows("pv", c, hd, m, q.dtype))
     qp, _ = pad_rows(q, 2, need)
     pos, _ = pad_rows(q_pos, 1, need)  # padded rows see key 0 only; their output is dropped
     rows = qp.shape[2]

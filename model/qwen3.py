@@ -457,7 +457,8 @@ class Qwen3ForCausalLM(nn.Module):
             kv_out = cfg.num_key_value_heads * cfg.head_dim
             shapes = {(hidden, q_out), (hidden, kv_out), (q_out, hidden), (hidden, inter)}
             shapes.add((inter, hidden))
-            self._det_min_rows = max(bi.min_rows("linear", k, n) for k, n in shapes)
+            rows = (bi.min_rows("linear", k, n, cfg.dtype) for k, n in shapes)
+            self._det_min_rows = max(rows)
         return self._det_min_rows
 
     def forward_dense(
