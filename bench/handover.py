@@ -81,28 +81,26 @@ class Sizes:
     """How long the requests are and how many rounds each measurement takes."""
 
     stream_tokens: int = 400
-    """Tokens of the request that is interrupted (long enough to outlive a baseline recovery's
-    start, short enough to keep the run brief)."""
-    kill_after: int = 24
-    """Tokens the client holds when the worker is killed."""
+    """Tokens of the request that is interrupted (outlives a baseline recovery's start)."""
+    kill_after: int = 24  # tokens the client holds when the worker is killed
     throughput_tokens: int = 128
     throughput_repeats: int = 3
-    ab_tokens: int = 384
-    """Tokens per request in the shadow on/off comparison (long batches: less noise)."""
+    ab_tokens: int = 384  # per request in the shadow on/off pairs (long batches: less noise)
     ab_pairs: int = 7
-    sampled_rounds: int = 5
-    """Sampled requests put through a SIGKILL per engine mode."""
+    sampled_rounds: int = 5  # sampled requests put through a SIGKILL per engine mode
     sampled_tokens: int = 160
+    hang_threshold_s: float = 2.0
+    """``belayer up --hang-threshold``: a pretrained model's engine step on two loaded cores can
+    take longer than 2 s, and its shadow would take over a main worker that is only slow."""
 
 
 TINY = Sizes()  # the tiny model's: a few minutes
 PRETRAINED = Sizes(
     stream_tokens=64, kill_after=16, throughput_tokens=32, throughput_repeats=2, ab_tokens=8,
-    ab_pairs=3, sampled_rounds=2, sampled_tokens=48,
+    ab_pairs=3, sampled_rounds=2, sampled_tokens=48, hang_threshold_s=30.0,
 )  # fmt: skip
-"""``--model DIR``'s sizes: a pretrained model decodes some thirty times slower a token than
-the tiny one on two CPU cores (SmolLM2-135M: docs/real-model.md), so shorter requests and fewer
-rounds keep the run to minutes."""
+"""``--model DIR``'s: a pretrained model is some thirty times slower a token than the tiny one
+(SmolLM2-135M: docs/real-model.md); shorter requests and fewer rounds keep to minutes."""
 BATCH = 8
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -519,6 +517,7 @@ def main(
     from model.tiny import init_tiny_model
 
     sizes = TINY if model is None else PRETRAINED
+    hang = str(sizes.hang_threshold_s)
     machine = machine_info()
     progress(f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
     baseline_failures = max(1, min(3, failures))
@@ -539,7 +538,7 @@ def main(
             run_dir = Path(tmp) / mode
             try:
                 progress(f"starting a {mode} node (1 engine)")
-                extra = ["--recovery", mode, "--deterministic"]
+                extra = ["--recovery", mode, "--deterministic", "--hang-threshold", hang]
                 if mode == "baseline":
                     extra += ["--heartbeat-interval", str(heartbeat_s)]
                 node = up(run_dir, model_dir, *extra)
@@ -561,7 +560,8 @@ def main(
         run_dir = Path(tmp) / "nondeterministic"
         try:
             progress("starting a belayer node with --no-deterministic (1 engine)")
-            node = up(run_dir, model_dir, "--recovery", "belayer", "--no-deterministic")
+            node = up(run_dir, model_dir, "--recovery", "belayer", "--no-deterministic",
+                      "--hang-threshold", hang)  # fmt: skip
             progress(f"belayer: {sizes.sampled_rounds} sampled resumes, --no-deterministic")
             sampled = asyncio.run(measure_sampled(node["nats_url"], sizes, run_dir))
         finally:
