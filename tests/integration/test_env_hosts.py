@@ -4,8 +4,8 @@ environment of its own (the warm-started tiny SWE model), and two environment ho
 with `belayer up --role env-host` (separate run directories, so separate checkpoint
 directories and node labels; this machine's dockerd serves both).
 
-Sandboxes are placed on both hosts by free capacity. Once a host has published a ready
-checkpoint, it dies: its supervisor and environment service SIGKILLed, its containers
+Sandboxes are placed on both hosts by free capacity. Once the controller has recorded a
+ready checkpoint of a sandbox on a host, that host dies: its supervisor and environment service SIGKILLed, its containers
 removed. Every trajectory completes; every sandbox of the dead host that had a ready
 checkpoint is restored on the other host from the object store, and its trajectory continues
 from L_k — none restarts from scratch while a ready checkpoint was known."""
