@@ -62,6 +62,12 @@ def belayer(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+LOGIT_STD = 5.0
+"""The output layer is scaled so the logits spread about this much, as a trained model's do: a
+random model's logits all lie within rounding of each other, so greedy decoding meets near-ties
+that any change of kernel (prefill against decode) flips."""
+
+
 def write_model(out: Path, dtype: str, geometry: dict[str, int]) -> dict[str, Any]:
     """The model directory (random weights, stored as ``dtype``) and its size."""
     import torch
@@ -73,13 +79,15 @@ def write_model(out: Path, dtype: str, geometry: dict[str, int]) -> dict[str, An
     weights = out / "model.safetensors"
     tensors = load_file(str(weights))
     params = sum(t.numel() for t in tensors.values())
-    if dtype != "float32":
-        cast = getattr(torch, dtype)
-        save_file({k: v.to(cast).contiguous() for k, v in tensors.items()}, str(weights))
-        cfg = json.loads((out / "config.json").read_text())
-        cfg["torch_dtype"] = dtype
-        (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return {"dir": str(out), "parameters": params, "dtype": dtype, "pretrained": False}
+    head = tensors["lm_head.weight"]  # untied in init_tiny_model's Qwen3
+    tensors["lm_head.weight"] = head * (LOGIT_STD / (float(head.std()) * head.shape[1] ** 0.5))
+    cast = getattr(torch, dtype)
+    save_file({k: v.to(cast).contiguous() for k, v in tensors.items()}, str(weights))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return {"dir": str(out), "parameters": params, "dtype": dtype, "pretrained": False,
+            "logit_std": LOGIT_STD}  # fmt: skip
 
 
 def request(rid: str, n: int) -> Any:
@@ -147,6 +155,14 @@ async def handover(run_dir: Path, url: str) -> dict[str, Any]:
             "regenerated_tokens": max(0, received - n_held),
             "tokens_delivered": len(times),
             "greedy_equal": result.token_ids == reference,
+            "first_divergence": next(
+                (
+                    i
+                    for i, (a, b) in enumerate(zip(result.token_ids, reference, strict=False))
+                    if a != b
+                ),
+                None,
+            ),
             "resumes": result.resumes,
         }
     finally:
@@ -208,7 +224,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--work", type=Path, default=Path("/tmp/belayer-gpu-check"))
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--sglang", action="store_true", help="also check the sglang backend")
     parser.add_argument("--rehearse-on-cpu", action="store_true", help="tiny model, --device cpu")
     args = parser.parse_args()
