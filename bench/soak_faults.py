@@ -27,10 +27,14 @@ from bench import soak_check as sc
 from bench import soak_node as sn
 from bench import soak_work as sw
 from bench.report import progress as report_progress
+from common.errors import BelayerError
 
 POLL_S = 0.05
 RECOVER_TIMEOUT_S = 60.0
 """A part not whole again this long after a fault did not recover."""
+SETTLE_S = 1.0
+"""A part is faulted once it has been whole this long (a shadow that dies of an earlier fault
+a moment after the node looked whole is seen first)."""
 WIDE = ("router-kill", "kv-kill", "weights-kill")
 """Service kinds that touch every engine too."""
 
@@ -138,21 +142,26 @@ class Schedule:
         return None
 
     async def _claim(self, kind: str, engine: str) -> tuple[str, frozenset[str]]:
-        """Wait until the fault's parts are free and whole; claim them."""
+        """Wait until the fault's parts are free and whole (free, and ``RECOVER_TIMEOUT_S``
+        gone by: injected anyway, said so); claim them."""
         deadline = time.monotonic() + RECOVER_TIMEOUT_S
+        settled: dict[str, float] = {}  # engine → since when its parts are free and whole
         while True:
             e = self.free_engine(engine) if kind in sn.WORKER_KINDS else engine
             if e is not None:
                 parts = parts_of(kind, e, self.target.engines)
                 v = self.viewer.latest
+                now = time.monotonic()
                 if not parts & self.busy and v is not None and self.whole(v, parts):
+                    settled.setdefault(e, now)
+                else:
+                    settled.pop(e, None)
+                whole = e in settled and now - settled[e] >= SETTLE_S
+                if not parts & self.busy and (whole or now > deadline):
+                    if not whole:
+                        progress(f"{kind}: not whole {RECOVER_TIMEOUT_S:g} s on; injecting anyway")
                     self.busy |= parts
                     return e, parts
-            if time.monotonic() > deadline:
-                progress(
-                    f"{kind}: its parts are not whole after {RECOVER_TIMEOUT_S:g} s; waiting on"
-                )
-                deadline = time.monotonic() + RECOVER_TIMEOUT_S
             await asyncio.sleep(POLL_S)  # until a recovery frees the parts
 
     async def _inject(self, kind: str, engine: str) -> tuple[str, int, float]:
@@ -225,6 +234,14 @@ class Schedule:
                 e, parts = await self._claim(kind, engine)
                 try:
                     target, pid, t = await self._inject(kind, e)
+                except (BelayerError, KeyError, OSError) as exc:  # counted as not recovered
+                    self.busy -= parts
+                    fault = sc.Fault(kind=kind, t=time.time(), target=e, pid=0,
+                                     detail=f"could not be injected: {exc!r}")  # fmt: skip
+                    self.history.write(fault)
+                    self.faults.append(fault)
+                    progress(f"fault {i + 1}/{len(plan)}: {kind}: {fault.detail}")
+                    continue
                 except BaseException:
                     self.busy -= parts
                     raise
