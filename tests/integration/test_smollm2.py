@@ -201,8 +201,14 @@ KILL_AFTER = 4
 
 @pytest.fixture(scope="module")
 def smollm2_node(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    """``belayer up --model DIR`` on the imported model: one engine, its shadow, the router."""
-    node = start_node(tmp_path_factory.mktemp("smollm2-node"), "--model", str(smollm2_dir))
+    """``belayer up --model DIR`` on the imported model: one engine, its shadow, the router.
+    A SmolLM2 engine step on two loaded cores can outlast the default 2 s hang threshold (the
+    shadow would take over a slow but live worker before the test's SIGKILL): 30 s here, as
+    ``belayer bench handover --model`` does; a SIGKILL is seen from the process, not the clock."""
+    node = start_node(
+        tmp_path_factory.mktemp("smollm2-node"),
+        "--model", str(smollm2_dir), "--hang-threshold", "30",
+    )  # fmt: skip
     try:
         yield node
     finally:
