@@ -68,8 +68,10 @@ UP_NATS_URL = typer.Option(
 UP_CREDS_DIR = typer.Option(
     None,
     "--creds-dir",
+    "--creds",
     help="Identity files of this node's services on an existing deployment "
-    "(`belayer auth init`). Default: generated under the run dir for a local NATS.",
+    "(`belayer auth init`): their directory, or one file of it (e.g. --creds "
+    "DIR/NAME/host.nk of a host). Default: generated under the run dir for a local NATS.",
 )
 UP_ROLE = typer.Option(
     NODE_DEFAULTS.role,
@@ -212,6 +214,15 @@ UP_TIMEOUT = typer.Option(
 )
 
 
+def identity_dir(path: Path | None) -> str:
+    """``--creds-dir DIR`` or ``--creds FILE``: the directory of a host's identity files (a
+    file's own directory), absolute; "" when none was given."""
+    if path is None:
+        return ""
+    path = path.resolve()
+    return str(path.parent if path.is_file() else path)
+
+
 def up(
     engines: int = UP_ENGINES,
     detach: bool = UP_DETACH,
@@ -266,7 +277,7 @@ def up(
         environment=(
             True if role == "env-host" else docker_usable() if environment is None else environment
         ),
-        creds_dir=str(creds_dir.resolve()) if creds_dir else "",
+        creds_dir=identity_dir(creds_dir),
         role=node_role(role),
         host_name=host_name,
         engine_hosts=check_engine_hosts(engine_host or []),
