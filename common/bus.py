@@ -178,6 +178,12 @@ class _Denials:
             self.waiting.get(subject.lower(), set()).discard(denied)
 
 
+RESPONDER_POLL_S = 0.05
+"""``request(responder_wait_s=…)``: the first pause before asking again (doubling)."""
+RESPONDER_POLL_MAX_S = 0.5
+"""... and the longest pause between two asks."""
+
+
 async def request(
     nc: NATS,
     subject: str,
@@ -185,23 +191,33 @@ async def request(
     reply_type: type[R],
     *,
     timeout: float = 5.0,
+    responder_wait_s: float = 0.0,
 ) -> R:
     """Send ``msg`` and decode the reply as ``reply_type`` (one message class: the result is
     typed as it); an ``ErrorReply`` raises its typed error, no responder raises
     ``BusUnavailable``, silence raises ``Timeout``, a subject this connection's identity may
-    not publish to raises ``Unauthorized`` (the server said so)."""
+    not publish to raises ``Unauthorized`` (the server said so). ``responder_wait_s``: while
+    no service answers (one the supervisor is restarting), ask again for up to that long
+    instead of failing at once; each ask waits ``timeout`` for its reply."""
     denials: _Denials | None = getattr(nc, "_belayer_denials", None)
-    try:
-        if denials is None:
-            resp = await nc.request(subject, encode(msg), timeout=timeout)
-        else:
-            resp = await denials.race(subject, nc.request(subject, encode(msg), timeout=timeout))
-    except nats.errors.NoRespondersError:
-        raise BusUnavailable("no service answers on this subject", subject=subject) from None
-    except nats.errors.TimeoutError:
-        raise Timeout("no reply in time", subject=subject, timeout=timeout) from None
-    except nats.errors.ConnectionClosedError:
-        raise BusUnavailable("NATS connection closed", subject=subject) from None
+    loop = asyncio.get_running_loop()
+    give_up, pause = loop.time() + responder_wait_s, RESPONDER_POLL_S
+    while True:
+        try:
+            call = nc.request(subject, encode(msg), timeout=timeout)
+            resp = await (call if denials is None else denials.race(subject, call))
+            break
+        except nats.errors.NoRespondersError:
+            if loop.time() + pause > give_up:
+                raise BusUnavailable(
+                    "no service answers on this subject", subject=subject
+                ) from None
+        except nats.errors.TimeoutError:
+            raise Timeout("no reply in time", subject=subject, timeout=timeout) from None
+        except nats.errors.ConnectionClosedError:
+            raise BusUnavailable("NATS connection closed", subject=subject) from None
+        await asyncio.sleep(pause)  # a restarting service: ask again, backing off
+        pause = min(pause * 2, RESPONDER_POLL_MAX_S)
     reply = decode(resp.data, reply_type | ErrorReply)
     if isinstance(reply, ErrorReply):
         raise_error(reply)

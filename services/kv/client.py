@@ -21,12 +21,18 @@ __all__ = ["KvArenaConfig", "fetch_arena", "flush_arena", "map_arena"]
 
 
 async def fetch_arena(
-    nc: NATS, engine_id: str, timeout: float = 5.0, *, host: str = ""
+    nc: NATS, engine_id: str, timeout: float = 5.0, *, host: str = "", restart_wait_s: float = 0.0
 ) -> ArenaDesc:
     """The arena descriptor of ``engine_id`` (``host``: from that engine host's arena
-    service); ``NotFound`` for an unknown engine."""
+    service); ``NotFound`` for an unknown engine. ``restart_wait_s``: how long to keep asking
+    an arena service that is restarting (no responder) before ``BusUnavailable``."""
     reply: ArenaDesc = await request(
-        nc, subjects.kv_get(host), KvGet(engine_id=engine_id), ArenaDesc, timeout=timeout
+        nc,
+        subjects.kv_get(host),
+        KvGet(engine_id=engine_id),
+        ArenaDesc,
+        timeout=timeout,
+        responder_wait_s=restart_wait_s,
     )
     return reply
 

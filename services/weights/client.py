@@ -50,14 +50,25 @@ PUSH_FILE_PREFIX = "wpush-"
 
 
 async def fetch_manifest(
-    nc: NATS, version: int | None = None, timeout: float = 5.0, *, host: str = ""
+    nc: NATS,
+    version: int | None = None,
+    timeout: float = 5.0,
+    *,
+    host: str = "",
+    restart_wait_s: float = 0.0,
 ) -> WeightManifest:
     """The manifest of ``version`` (default: the current one) from the node's store, or with
     ``host`` from that engine host's mirror. Raises ``NotFound`` for a version the store does
-    not keep, ``BusUnavailable`` when no store answers."""
+    not keep, ``BusUnavailable`` when no store answers (after ``restart_wait_s`` of asking a
+    store that is restarting)."""
     subject = subjects.weights_get(host)
     reply: WeightManifest = await request(
-        nc, subject, WeightsGet(version=version), WeightManifest, timeout=timeout
+        nc,
+        subject,
+        WeightsGet(version=version),
+        WeightManifest,
+        timeout=timeout,
+        responder_wait_s=restart_wait_s,
     )
     return reply
 

@@ -107,13 +107,18 @@ class Worker:
         except ValueError as exc:
             raise FatalError(str(exc)) from None
         t0 = time.perf_counter()
-        manifest = await fetch_manifest(self.nc, timeout=10.0, host=self.config.host)
+        wait = self.config.owner_restart_wait_s
+        manifest = await fetch_manifest(
+            self.nc, timeout=10.0, host=self.config.host, restart_wait_s=wait
+        )
         if self.config.cold_load_dir:
             # Baseline: a cold restart reads the weights from disk, as engines do today.
             params = load_safetensors(self.config.cold_load_dir)
         else:
             params = map_weights(manifest)
-        arena_desc = await fetch_arena(self.nc, self.engine_id, timeout=10.0, host=self.config.host)
+        arena_desc = await fetch_arena(
+            self.nc, self.engine_id, timeout=10.0, host=self.config.host, restart_wait_s=wait
+        )
         kv_cache = map_arena(arena_desc)
         t_attach = time.perf_counter()
         model_config = load_model_config(manifest.model_dir)
@@ -245,7 +250,10 @@ class Worker:
             node_current = await current_manifest(self.js)
             latest_version = node_current.version if node_current is not None else 0
         else:
-            latest_version = (await fetch_manifest(self.nc, timeout=5.0)).version
+            wait = self.config.owner_restart_wait_s
+            latest_version = (
+                await fetch_manifest(self.nc, timeout=5.0, restart_wait_s=wait)
+            ).version
         if latest_version > self.weight_version:
             await self.refresh_weights(latest_version)
 
@@ -255,7 +263,11 @@ class Worker:
             # An engine host's store first mirrors a version it lacks: it may take longer.
             timeout = MIRROR_TIMEOUT_S if self.config.host else 5.0
             manifest = await fetch_manifest(
-                self.nc, version=version, timeout=timeout, host=self.config.host
+                self.nc,
+                version=version,
+                timeout=timeout,
+                host=self.config.host,
+                restart_wait_s=self.config.owner_restart_wait_s,
             )
             params = map_weights(manifest)
         except BelayerError as exc:  # e.g. already garbage-collected: a newer one follows

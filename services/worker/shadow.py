@@ -204,9 +204,9 @@ class Shadow:
         old worker is killed so it never writes the arena again. Returns when it passed."""
         nc, timeout = self.worker.nc, self.config.bus_check_timeout_s
         forward_s = self.worker.health_check()
-        host = self.config.host
-        await fetch_manifest(nc, timeout=timeout, host=host)
-        await fetch_arena(nc, self.engine_id, timeout=timeout, host=host)
+        host, wait = self.config.host, self.config.owner_restart_wait_s
+        await fetch_manifest(nc, timeout=timeout, host=host, restart_wait_s=wait)
+        await fetch_arena(nc, self.engine_id, timeout=timeout, host=host, restart_wait_s=wait)
         killed = kill_residual(old_pid)
         t_health = time.time()
         await self.event(

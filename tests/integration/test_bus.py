@@ -3,6 +3,8 @@ messages answered with an error naming the field while the service keeps serving
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
 
@@ -55,6 +57,30 @@ async def test_malformed_request_gets_error_and_service_keeps_serving(nc) -> Non
 async def test_no_responder_is_bus_unavailable(nc) -> None:
     with pytest.raises(BusUnavailable):
         await request(nc, "nobody.here", CancelRequest(request_id="x"), Ok, timeout=1)
+
+
+async def test_a_restarting_service_is_asked_again_until_it_answers(nc) -> None:
+    """``responder_wait_s``: no responder is asked again (a service the supervisor is
+    restarting), and the reply of the service that came back is the result; with nobody
+    for longer than the wait, ``BusUnavailable``."""
+    ask = request(
+        nc, "later.here", CancelRequest(request_id="r"), Ok, timeout=2, responder_wait_s=30
+    )
+    task = asyncio.ensure_future(ask)
+    done, _ = await asyncio.wait({task}, timeout=0.3)
+    assert not done  # nobody answers yet: still asking, not failed
+    server = Server(nc, service="t")
+
+    async def handler(req: CancelRequest, _msg) -> Ok:
+        return Ok(detail=req.request_id)
+
+    await server.serve("later.here", CancelRequest, handler)
+    assert (await asyncio.wait_for(task, 10)).detail == "r"
+    await server.drain()
+    with pytest.raises(BusUnavailable):
+        await request(
+            nc, "nobody.here", CancelRequest(request_id="x"), Ok, timeout=1, responder_wait_s=0.2
+        )
 
 
 def test_invalid_request_field_path() -> None:
