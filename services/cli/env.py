@@ -11,7 +11,7 @@ import typer
 
 from schemas.env import SandboxLimits
 from services.cli.shared import print_json, run, with_bus
-from services.environment.client import EnvClient
+from services.environment.client import PlacedEnvClient
 
 env_app = typer.Typer(
     help="Environment sandboxes: create, exec, full_checkpoint, full_restore, destroy, ls.",
@@ -23,7 +23,9 @@ NATS_URL = typer.Option(None, "--nats-url", help="NATS URL (default: the running
 
 def _call(nats_url: str | None, fn: Any) -> Any:
     async def go(nc: Any) -> Any:
-        return await fn(EnvClient(nc))
+        # Each sandbox's operations go to the host it lives on (a deployment with several
+        # environment hosts; with one, the same as the node's environment service).
+        return await fn(PlacedEnvClient(nc))
 
     return run(with_bus(nats_url, go, name="cli-env", role="operator"))
 
