@@ -49,11 +49,12 @@ class WorkerConfig(ServiceConfig):
     Longer than any single engine step, so a long prefill is never mistaken for a hang."""
     bus_check_timeout_s: float = 0.5
     """Shadow: how long the weight store and KV arena get to answer the handover health check."""
-    owner_restart_wait_s: float = 10.0
+    owner_restart_wait_s: float = 30.0
     """How long a worker or shadow keeps asking a weight store or KV arena that the supervisor
     is restarting (no responder on its subject) — at start, in a handover's health check,
     when following a weight push — before it gives up (a shadow that gave up exits and is
-    started again)."""
+    started again). A restarted service on two loaded cores can take over 10 s to import
+    torch and serve."""
     host: str = ""
     """Engine-host mode: this worker runs on that engine host and maps its local weight
     store and KV arena (``belayer.host.<host>.*``); empty: the node's."""
