@@ -64,6 +64,29 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
     return [[(7 * i + 13 * j + 1) % vocab for j in range(PROMPT_LEN)] for i in range(batch)]
 
 
+def bench_llm_engine(
+    model_dir: str | Path, new_tokens: int, max_batch: int, deterministic: bool
+) -> LLMEngine:
+    """The in-process engine the engine benchmarks time, warmed up: room for ``max_batch``
+    prompts of ``PROMPT_LEN`` tokens generating ``new_tokens`` each."""
+    model_config = load_model_config(model_dir)
+    config = EngineConfig(
+        max_num_seqs=max(16, max_batch),
+        block_size=16,
+        num_blocks=max_batch * (-(-(PROMPT_LEN + new_tokens) // 16)) + 1,
+        max_model_len=PROMPT_LEN + new_tokens + 1,
+        max_num_batched_tokens=max(4096, PROMPT_LEN * max_batch),
+        deterministic=deterministic,
+    )
+    kv_cache = torch.zeros(
+        kv_cache_shape(model_config, config.num_blocks, config.block_size),
+        dtype=model_config.dtype,
+    )
+    engine = LLMEngine(model_config, load_safetensors(model_dir), kv_cache, config)
+    engine.warmup()
+    return engine
+
+
 def bench_engine(
     model_dir: str | Path,
     batch_sizes: tuple[int, ...] = BATCHES,
@@ -83,23 +106,8 @@ def bench_engine(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
-        model_config = load_model_config(model_dir)
-        params = load_safetensors(model_dir)
-        max_batch = max(batch_sizes)
-        config = EngineConfig(
-            max_num_seqs=max(16, max_batch),
-            block_size=16,
-            num_blocks=max_batch * (-(-(PROMPT_LEN + new_tokens) // 16)) + 1,
-            max_model_len=PROMPT_LEN + new_tokens + 1,
-            max_num_batched_tokens=max(4096, PROMPT_LEN * max_batch),
-            deterministic=deterministic,
-        )
-        kv_cache = torch.zeros(
-            kv_cache_shape(model_config, config.num_blocks, config.block_size),
-            dtype=model_config.dtype,
-        )
-        engine = LLMEngine(model_config, params, kv_cache, config)
-        engine.warmup()
+        engine = bench_llm_engine(model_dir, new_tokens, max(batch_sizes), deterministic)
+        model_config = engine.model_config
         sampling = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         results: dict[int, float] = {}
         for batch in batch_sizes:

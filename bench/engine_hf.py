@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from bench.engine import BATCHES, PROMPT_LEN, TINY_MODEL, prompts
+from bench.engine import BATCHES, PROMPT_LEN, TINY_MODEL, bench_llm_engine, prompts
 from bench.report import (
     Row,
     Target,
@@ -36,10 +36,6 @@ from bench.report import (
 )
 from bench.stats import Interval, ci_text, intervals_json, judge_all, paired_ratio
 from model.config import load_model_config
-from model.loader import load_safetensors
-from model.qwen3 import kv_cache_shape
-from services.worker.engine.config import EngineConfig
-from services.worker.engine.llm_engine import LLMEngine
 from services.worker.engine.sequence import SamplingParams
 
 RUNNERS = ("hf", "fast", "deterministic")
@@ -54,26 +50,6 @@ TARGETS: dict[str, Target] = {
 (CPU time, one thread; the tiny model and SmolLM2-135M alike)."""
 
 
-def _engine(model_dir: Path, new_tokens: int, deterministic: bool) -> LLMEngine:
-    model_config = load_model_config(model_dir)
-    max_batch = max(BATCHES)
-    config = EngineConfig(
-        max_num_seqs=max(16, max_batch),
-        block_size=16,
-        num_blocks=max_batch * (-(-(PROMPT_LEN + new_tokens) // 16)) + 1,
-        max_model_len=PROMPT_LEN + new_tokens + 1,
-        max_num_batched_tokens=max(4096, PROMPT_LEN * max_batch),
-        deterministic=deterministic,
-    )
-    kv_cache = torch.zeros(
-        kv_cache_shape(model_config, config.num_blocks, config.block_size),
-        dtype=model_config.dtype,
-    )
-    engine = LLMEngine(model_config, load_safetensors(model_dir), kv_cache, config)
-    engine.warmup()
-    return engine
-
-
 class _Runners:
     """HF's model and the two engines, built once; ``run`` times one batch of one of them."""
 
@@ -85,8 +61,8 @@ class _Runners:
         self.vocab = config.vocab_size
         self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=config.dtype).eval()
         self.engines = {
-            "fast": _engine(model_dir, new_tokens, False),
-            "deterministic": _engine(model_dir, new_tokens, True),
+            "fast": bench_llm_engine(model_dir, new_tokens, max(BATCHES), False),
+            "deterministic": bench_llm_engine(model_dir, new_tokens, max(BATCHES), True),
         }
         self.sampling = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
 
