@@ -27,6 +27,7 @@ from typing import Any
 
 import docker
 import pytest
+from nats.aio.client import Client as NATS
 
 from common import subjects
 from common.codec import decode
@@ -170,6 +171,41 @@ def context_text(chat: ChatFormat, t: Trajectory) -> str:
     return chat.tokenizer.decode(t.prompt_ids + t.response_ids)
 
 
+async def freeze_and_compare(warm_node: Node, ops: NATS, pid: int, ev: TrajectoryRestored) -> bool:
+    """Right after a restore (the controller stopped so no action runs meanwhile): the
+    restored sandbox's workdir files are those archived in C_k, and every process CRIU
+    dumped into C_k runs again. True once compared."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        listing = await EnvClient(ops).list()
+        (sb,) = [s for s in listing.sandboxes if s.id == ev.sandbox_id]
+        ck_dir = warm_node.run_dir / "env" / "checkpoints" / ev.sandbox_id / ev.checkpoint_id
+        want = archive_files(ck_dir / "fs.tar", "root/repo")
+        assert want, "the checkpoint archived no workdir file"
+        assert upper_dir_files(sb.container_id, "root/repo") == want
+        manifest = json.loads((ck_dir / "manifest.json").read_text())
+        if manifest["method"] == "layer":
+            # C_k was quiescent (no process but init): the restored sandbox runs init and
+            # its sleep, nothing the agent started after C_k
+            ps = await EnvClient(ops).exec(ev.sandbox_id, "ps -eo args=", timeout_s=10)
+            lines = ps.stdout.splitlines()
+            live_args = {a.strip() for a in lines if "ps -eo args=" not in a}
+            assert live_args == {" ".join(INIT_COMMAND), " ".join(INIT_SLEEP)}, live_args
+            return True
+        # the processes: every task CRIU dumped (core-<tid>.img) runs again, same tid
+        dumped = {
+            int(name[5:-4])
+            for name in manifest["criu_files"]
+            if name.startswith("core-") and name.endswith(".img")
+        }
+        ps = await EnvClient(ops).exec(ev.sandbox_id, "ps -eLo lwp=", timeout_s=10)
+        live = {int(x) for x in ps.stdout.split()}
+        assert dumped and dumped <= live, (dumped, live)
+        return True
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 async def test_sandbox_killed_after_a_ready_checkpoint(warm_node: Node, warm_model: Path) -> None:
     nc = await warm_node.connect("test-recovery")
     events = await EventTail(nc).start()
@@ -177,43 +213,8 @@ async def test_sandbox_killed_after_a_ready_checkpoint(warm_node: Node, warm_mod
     ops = await warm_node.connect("test-recovery-env", "operator")
     prefixes = await PrefixLog().start(ctl)
     chat = chat_of(warm_model)
-    checked_files = []
+    checked_files: list[str] = []
     pid = controller_pid(warm_node)
-
-    async def freeze_and_compare(ev: TrajectoryRestored) -> None:
-        """Right after a restore (the controller stopped so no action runs meanwhile): the
-        restored sandbox's workdir files are those archived in C_k, and every process CRIU
-        dumped into C_k runs again."""
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            listing = await EnvClient(ops).list()
-            (sb,) = [s for s in listing.sandboxes if s.id == ev.sandbox_id]
-            ck_dir = warm_node.run_dir / "env" / "checkpoints" / ev.sandbox_id / ev.checkpoint_id
-            want = archive_files(ck_dir / "fs.tar", "root/repo")
-            assert want, "the checkpoint archived no workdir file"
-            assert upper_dir_files(sb.container_id, "root/repo") == want
-            manifest = json.loads((ck_dir / "manifest.json").read_text())
-            if manifest["method"] == "layer":
-                # C_k was quiescent (no process but init): the restored sandbox runs init and
-                # its sleep, nothing the agent started after C_k
-                ps = await EnvClient(ops).exec(ev.sandbox_id, "ps -eo args=", timeout_s=10)
-                lines = ps.stdout.splitlines()
-                live_args = {a.strip() for a in lines if "ps -eo args=" not in a}
-                assert live_args == {" ".join(INIT_COMMAND), " ".join(INIT_SLEEP)}, live_args
-                checked_files.append(ev.trajectory_id)
-                return
-            # the processes: every task CRIU dumped (core-<tid>.img) runs again, same tid
-            dumped = {
-                int(name[5:-4])
-                for name in manifest["criu_files"]
-                if name.startswith("core-") and name.endswith(".img")
-            }
-            ps = await EnvClient(ops).exec(ev.sandbox_id, "ps -eLo lwp=", timeout_s=10)
-            live = {int(x) for x in ps.stdout.split()}
-            assert dumped and dumped <= live, (dumped, live)
-            checked_files.append(ev.trajectory_id)
-        finally:
-            os.kill(pid, signal.SIGCONT)
 
     try:
         req = RolloutRequest(
@@ -227,7 +228,8 @@ async def test_sandbox_killed_after_a_ready_checkpoint(warm_node: Node, warm_mod
             events.wait_for(RolloutDone, rollout_id="kill-after-ckpt", timeout=600),
         )
         if isinstance(first, TrajectoryRestored) and not first.from_scratch:
-            await freeze_and_compare(first)
+            if await freeze_and_compare(warm_node, ops, pid, first):
+                checked_files.append(first.trajectory_id)
         result = await wait(nc, "kill-after-ckpt", timeout=600)
         s = result.summary
         assert s.trajectories_completed == 12 and s.slots_failed == 0
