@@ -31,6 +31,7 @@ from common.errors import BelayerError, BusUnavailable
 from schemas.rollout import RolloutRequest
 from schemas.serving import SamplingParams
 from services.controller.client import submit, trajectories, wait
+from services.controller.fault_actions import docker_fault
 from services.environment.client import EnvClient
 
 ROLLOUT_TIMEOUT_S = 600.0
@@ -218,31 +219,6 @@ class SandboxLane:
         with contextlib.suppress(OSError):
             return any(p.name.startswith(".tmp-") for p in base.iterdir())
         return False
-
-
-def docker_fault(kind: str, container_id: str) -> None:
-    """``docker kill`` (waits until it is down) or ``docker pause`` of the container."""
-    import docker
-    import docker.errors
-
-    try:
-        client = docker.DockerClient(version="auto", timeout=15)
-        try:
-            container = client.containers.get(container_id)
-            if kind == "sandbox-pause":
-                container.pause()
-                return
-            container.kill()
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline:  # docker kill returns before the exit
-                container.reload()
-                if container.status != "running":
-                    return
-                time.sleep(0.02)  # bounded poll of dockerd for the container's exit
-        finally:
-            client.close()
-    except docker.errors.DockerException as exc:
-        raise BelayerError(f"{kind} of {container_id[:12]} failed: {exc}") from None
 
 
 async def sandbox_fault(kind: str, lane: SandboxLane, env_pid: int) -> tuple[str, int]:

@@ -21,6 +21,34 @@ from services.router.client import router_status
 log = get_logger(component="injector")
 
 
+def docker_fault(kind: str, container_id: str, *, docker_url: str | None = None) -> None:
+    """``sandbox-pause``: ``docker pause`` of the container (it hangs); any other ``kind``:
+    ``docker kill`` (SIGKILL), waiting (bounded, 10 s) until it is down. ``docker_url`` is
+    dockerd's address (None: the default socket). One function for the controller's injector
+    and ``belayer soak``'s sandbox faults."""
+    import docker
+    import docker.errors
+
+    try:
+        client = docker.DockerClient(base_url=docker_url, version="auto", timeout=15)
+        try:
+            container = client.containers.get(container_id)
+            if kind == "sandbox-pause":
+                container.pause()
+                return
+            container.kill()
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:  # docker kill returns before the exit
+                container.reload()
+                if container.status != "running":
+                    return
+                time.sleep(0.02)  # bounded poll of dockerd for the container's exit
+        finally:
+            client.close()
+    except docker.errors.DockerException as exc:
+        raise SandboxError(f"{kind} of {container_id[:12]} failed: {exc}") from None
+
+
 class Injector:
     """Acts on sandboxes, workers and this process."""
 
@@ -41,28 +69,8 @@ class Injector:
         """``sandbox-kill``: SIGKILL the container and wait until it is down;
         ``sandbox-pause``: freeze it (``docker pause``: it hangs). Returns the container id."""
         cid = await self.container_of(sandbox_id)
-        await asyncio.to_thread(self._docker, kind, cid)
+        await asyncio.to_thread(docker_fault, kind, cid, docker_url=self.docker_url)
         return cid
-
-    def _docker(self, kind: str, container_id: str) -> None:
-        import docker
-        import docker.errors
-
-        try:
-            client = docker.DockerClient(base_url=self.docker_url, version="auto", timeout=15)
-            container = client.containers.get(container_id)
-            if kind == "sandbox-pause":
-                container.pause()
-                return
-            container.kill()
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline:  # docker kill returns before the exit
-                container.reload()
-                if container.status != "running":
-                    return
-                time.sleep(0.02)  # bounded poll of dockerd for the container's exit
-        except docker.errors.DockerException as exc:
-            raise SandboxError(f"{kind} of {container_id[:12]} failed: {exc}") from None
 
     async def router_status(self) -> RouterStatus:
         return await router_status(self.nc, timeout=5.0)
