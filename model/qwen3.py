@@ -119,6 +119,19 @@ class AttentionMetadata:
         return [slots]
 
 
+@dataclass(frozen=True)
+class PagedStep:
+    """What every layer of one paged forward step reads alike (each layer has its own cache)."""
+
+    cos: Tensor
+    """RoPE cosines at the step's positions, ``[T, 1, head_dim]``."""
+    sin_rot: Tensor
+    """RoPE sines (rotate-half signs folded in) at the step's positions, ``[T, 1, head_dim]``."""
+    attn: AttentionMetadata
+    kv_slots: list[Tensor] | None = None
+    """Deterministic mode: :meth:`AttentionMetadata.deterministic_kv_slots`; None otherwise."""
+
+
 def _rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
     """cos and sign-folded sin tables, ``[max_position_embeddings, head_dim]`` each.
 
@@ -232,24 +245,18 @@ class Qwen3Attention(nn.Module):
         return F.linear(o.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight)
 
     def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin_rot: Tensor,
-        attn: AttentionMetadata,
-        flat_cache: Tensor,
-        block_cache: Tensor,
-        kv_slots: list[Tensor] | None = None,
+        self, x: Tensor, step: PagedStep, flat_cache: Tensor, block_cache: Tensor
     ) -> Tensor:
         """``x`` is ``[T, hidden]``; ``flat_cache`` is this layer's ``[2, slots, kv_heads, hd]``
         view and ``block_cache`` the same memory as ``[2, blocks, block_size, kv_heads, hd]``.
-        ``kv_slots`` (deterministic mode, :meth:`AttentionMetadata.deterministic_kv_slots`)
-        selects the batch-invariant attention, which reads every key back from the cache; ``x``
-        then holds the step's tokens followed by zero or more padding rows (already enough rows
-        for every matmul to be row-invariant: :func:`model.batch_invariant.bucket`).
+        ``step.kv_slots`` (deterministic mode) selects the batch-invariant attention, which
+        reads every key back from the cache; ``x`` then holds the step's tokens followed by zero
+        or more padding rows (already enough rows for every matmul to be row-invariant:
+        :func:`model.batch_invariant.bucket`).
         """
         t = x.shape[0]
-        q, k, v = self.project_qkv(x, cos, sin_rot)
+        attn, kv_slots = step.attn, step.kv_slots
+        q, k, v = self.project_qkv(x, step.cos, step.sin_rot)
         if kv_slots is not None:
             # Rows past the step's tokens are padding (see Qwen3ForCausalLM.forward): the
             # matmuls run on all of them, the cache and the attention on the real ones only.
@@ -367,18 +374,10 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin_rot: Tensor,
-        attn: AttentionMetadata,
-        flat_cache: Tensor,
-        block_cache: Tensor,
-        kv_slots: list[Tensor] | None = None,
+        self, x: Tensor, step: PagedStep, flat_cache: Tensor, block_cache: Tensor
     ) -> Tensor:
-        h = self.input_layernorm(x)
-        x = x + self.self_attn(h, cos, sin_rot, attn, flat_cache, block_cache, kv_slots)
-        det = kv_slots is not None
+        x = x + self.self_attn(self.input_layernorm(x), step, flat_cache, block_cache)
+        det = step.kv_slots is not None
         return x + self.mlp(self.post_attention_layernorm(x), det, det)
 
     def forward_dense(
@@ -439,12 +438,15 @@ class Qwen3ForCausalLM(nn.Module):
                 input_ids = F.pad(input_ids, (0, rows - t))
                 positions = F.pad(positions, (0, rows - t))
             x = F.embedding(input_ids, self.model.embed_tokens.weight)
-            cos = self.rope_cos[positions].unsqueeze(1)
-            sin_rot = self.rope_sin[positions].unsqueeze(1)
+            step = PagedStep(
+                cos=self.rope_cos[positions].unsqueeze(1),
+                sin_rot=self.rope_sin[positions].unsqueeze(1),
+                attn=attn,
+                kv_slots=attn.deterministic_kv_slots() if self.deterministic else None,
+            )
             flat = kv_cache.flatten(2, 3)
-            kv_slots = attn.deterministic_kv_slots() if self.deterministic else None
             for i, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin_rot, attn, flat[i], kv_cache[i], kv_slots)
+                x = layer(x, step, flat[i], kv_cache[i])
             return self.model.norm(x[:t])
 
     def det_min_rows(self) -> int:
