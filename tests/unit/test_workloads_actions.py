@@ -4,40 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from workloads import (
-    FINISH_COMMAND,
-    AnswerAction,
-    BashAction,
-    InvalidAction,
-    SubmitAction,
-    format_action,
-    format_answer,
-    format_observation,
-    invalid_action_observation,
-    parse_action,
-    parse_answer,
-    sandbox_command,
-    workload_names,
-)
+from workloads import actions as act
+from workloads import workload_names
 
 
 @pytest.mark.parametrize(
     ("text", "action"),
     [
-        ("Look first.\n```bash\nls -la\n```", BashAction("ls -la")),
-        ("```sh\ncat calc.py | head\n```\n", BashAction("cat calc.py | head")),
+        ("Look first.\n```bash\nls -la\n```", act.BashAction("ls -la")),
+        ("```sh\ncat calc.py | head\n```\n", act.BashAction("cat calc.py | head")),
         (
             "```bash\nsed -i 's/a/b/' x.py &&\n  python3 -m pytest -q\n```",
-            BashAction("sed -i 's/a/b/' x.py &&\n  python3 -m pytest -q"),
+            act.BashAction("sed -i 's/a/b/' x.py &&\n  python3 -m pytest -q"),
         ),
-        (f"Done.\n```bash\n{FINISH_COMMAND}\n```", SubmitAction()),
-        (f"```bash\n  {FINISH_COMMAND}  \n```", SubmitAction()),
-        ("3 + 4 = 7\nAnswer: 7", AnswerAction("7")),
-        ("```python\nprint(1)\n```\nAnswer: 1", AnswerAction("1")),
+        (f"Done.\n```bash\n{act.FINISH_COMMAND}\n```", act.SubmitAction()),
+        (f"```bash\n  {act.FINISH_COMMAND}  \n```", act.SubmitAction()),
+        ("3 + 4 = 7\nAnswer: 7", act.AnswerAction("7")),
+        ("```python\nprint(1)\n```\nAnswer: 1", act.AnswerAction("1")),
     ],
 )
 def test_valid_responses(text: str, action: object) -> None:
-    assert parse_action(text) == action
+    assert act.parse_action(text) == action
 
 
 @pytest.mark.parametrize(
@@ -53,41 +40,41 @@ def test_valid_responses(text: str, action: object) -> None:
     ],
 )
 def test_invalid_responses_say_why(text: str, reason: str) -> None:
-    action = parse_action(text)
-    assert isinstance(action, InvalidAction) and reason in action.reason
-    assert reason in invalid_action_observation(action.reason)
+    action = act.parse_action(text)
+    assert isinstance(action, act.InvalidAction) and reason in action.reason
+    assert reason in act.invalid_action_observation(action.reason)
 
 
 def test_canonical_forms_parse_back() -> None:
-    assert parse_action(format_action("  ls  ")) == BashAction("ls")
-    assert parse_action(format_action(FINISH_COMMAND)) == SubmitAction()
-    thought = format_action("ls", " I look around first. ")
+    assert act.parse_action(act.format_action("  ls  ")) == act.BashAction("ls")
+    assert act.parse_action(act.format_action(act.FINISH_COMMAND)) == act.SubmitAction()
+    thought = act.format_action("ls", " I look around first. ")
     assert thought == "THOUGHT: I look around first.\n\n```bash\nls\n```"
-    assert parse_action(thought) == BashAction("ls")
-    assert format_action("ls", "  ") == format_action("ls")
-    assert parse_action("x\n" + format_answer(" 12 ")) == AnswerAction("12")
-    assert parse_answer("Answer: 1\nAnswer: 2") == "2"
+    assert act.parse_action(thought) == act.BashAction("ls")
+    assert act.format_action("ls", "  ") == act.format_action("ls")
+    assert act.parse_action("x\n" + act.format_answer(" 12 ")) == act.AnswerAction("12")
+    assert act.parse_answer("Answer: 1\nAnswer: 2") == "2"
 
 
 def test_observation_format_marks_exit_code_stderr_timeout_and_truncation() -> None:
-    assert format_observation("ok\n", "", 0, limit_chars=100) == "exit_code: 0\nok\n"
-    obs = format_observation("out", "boom", 2, limit_chars=100)
+    assert act.format_observation("ok\n", "", 0, limit_chars=100) == "exit_code: 0\nok\n"
+    obs = act.format_observation("out", "boom", 2, limit_chars=100)
     assert obs == "exit_code: 2\nout\n[stderr]\nboom"
-    obs = format_observation("x" * 500, "", 0, limit_chars=100)
+    obs = act.format_observation("x" * 500, "", 0, limit_chars=100)
     assert obs.startswith("exit_code: 0\n" + "x" * 87) and "x" * 88 not in obs
     assert obs.endswith("[output truncated: 413 more characters]")
-    obs = format_observation("partial", "", -1, limit_chars=100, timed_out=True, timeout_s=30)
+    obs = act.format_observation("partial", "", -1, limit_chars=100, timed_out=True, timeout_s=30)
     assert obs == "exit_code: timeout (killed after 30 s)\npartial"
-    assert format_observation("a", "", 0, limit_chars=100, truncated=True).endswith(
+    assert act.format_observation("a", "", 0, limit_chars=100, truncated=True).endswith(
         "[output truncated: the sandbox capped the output]"
     )
 
 
 def test_sandbox_command_cds_on_its_own_line() -> None:
-    assert sandbox_command("/root/repo", "a || b") == (
+    assert act.sandbox_command("/root/repo", "a || b") == (
         "export PYTHONDONTWRITEBYTECODE=1\ncd /root/repo || exit 97\na || b"
     )
-    assert "\ncd '/tmp/my dir' || exit 97\n" in sandbox_command("/tmp/my dir", "ls")
+    assert "\ncd '/tmp/my dir' || exit 97\n" in act.sandbox_command("/tmp/my dir", "ls")
 
 
 def test_registry_knows_the_builtin_workloads() -> None:
