@@ -106,7 +106,7 @@ class Schedule:
     ) -> bool:
         """The parts are whole (and ``gone`` dead; the sandbox lane working since ``since``)."""
         t = self.target
-        if gone and sn.pid_alive(gone):
+        if gone and sn.process_alive(gone):
             return False
         for part in parts:
             if part.startswith("engine:"):

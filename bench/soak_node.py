@@ -19,6 +19,7 @@ from typing import Any
 
 from common.config import SHM_DIR, shm_prefix
 from common.errors import BelayerError
+from common.heartbeat import process_alive
 from schemas import events as ev
 from services.router.client import router_status
 from services.supervisor.client import supervisor_status
@@ -140,18 +141,9 @@ class Target:
         """SIGCONT every process this soak stopped that still runs (the soak was interrupted
         before the shadow took over)."""
         for pid in self.stopped:
-            if pid_alive(pid):
+            if process_alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
-
-
-def pid_alive(pid: int) -> bool:
-    """``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def _parent(pid: int) -> int:
@@ -171,8 +163,9 @@ def _cmdline(pid: int) -> str:
 
 
 def run_processes(run_id: str) -> list[int]:
-    """Live pids whose environment carries ``BELAYER_RUN_ID=<run_id>`` (every process the
-    supervisor starts, and what those start in turn)."""
+    """Live pids whose environment carries ``BELAYER_RUN_ID=<run_id>``, in order (every process
+    the supervisor starts, and what those start in turn: CRIU, runc, tar). The integration
+    tests' leftover check uses it too."""
     needle = f"BELAYER_RUN_ID={run_id}".encode()
     out = []
     for proc in Path("/proc").iterdir():
@@ -182,7 +175,7 @@ def run_processes(run_id: str) -> list[int]:
             tagged = needle in (proc / "environ").read_bytes().split(b"\0")
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if tagged and pid_alive(int(proc.name)):
+        if tagged and process_alive(int(proc.name)):
             out.append(int(proc.name))
     return sorted(out)
 
@@ -191,7 +184,7 @@ def orphans(run_id: str, supervisor_pid: int | None, faulted: set[int]) -> list[
     """Processes of the run that are nobody's: a faulted pid still alive, or a process of
     the run whose ancestors do not include the live supervisor (every process when the node
     was stopped). ``pid command`` each."""
-    bad = {p for p in faulted if pid_alive(p)}
+    bad = {p for p in faulted if process_alive(p)}
     for pid in run_processes(run_id):
         p, seen = pid, 0
         while p > 1 and p != supervisor_pid and seen < 64:

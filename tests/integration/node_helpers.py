@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.soak_node import run_processes as run_id_processes
 from common import subjects
 from common.auth import BusConfig
 from common.bus import connect
@@ -91,23 +92,6 @@ def stop_node(node: Node) -> None:
     assert not mine, f"processes left behind: {mine}"
     tagged = run_id_processes(node.run_id)
     assert not tagged, f"processes of run {node.run_id} left behind: {tagged}"
-
-
-def run_id_processes(run_id: str) -> list[int]:
-    """Live pids whose environment carries ``BELAYER_RUN_ID=<run_id>`` (every process the
-    supervisor starts, and what they start in turn: CRIU, runc, tar)."""
-    needle = f"BELAYER_RUN_ID={run_id}".encode()
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            tagged = needle in (proc / "environ").read_bytes().split(b"\0")
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if tagged and not pid_gone(int(proc.name)):
-            out.append(int(proc.name))
-    return out
 
 
 # --- chaos helpers: events as they happen, strict token streams, processes --------------------
