@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.node import belayer
 from bench.report import (
     Row,
     Target,
@@ -58,7 +59,7 @@ from bench.report import (
     write_json,
 )
 from bench.report import progress as report_progress
-from bench.serve import belayer, stop_node
+from bench.serve import stop_node
 from bench.stats import (
     Interval,
     bootstrap,

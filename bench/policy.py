@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +36,7 @@ from typing import Any
 
 import msgspec
 
+from bench.node import belayer
 from bench.report import (
     Row,
     Target,
@@ -66,16 +65,6 @@ TARGETS: dict[str, Target] = {
     "increase_ratio_vs_scratch": ("<=", 1 / 3),
     "restarts_with_checkpoint": ("<=", 0.0),
 }
-
-
-def belayer(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 WARM_START = "swe-long"

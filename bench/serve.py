@@ -32,7 +32,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ from typing import Any
 
 from bench import engine as engine_bench
 from bench.engine import BATCHES, PROMPT_LEN, prompts
+from bench.node import belayer
 from bench.report import (
     Row,
     Target,
@@ -127,17 +127,6 @@ def measure_cold_load(model_dir: Path) -> dict[str, Any]:
 
 
 # --- 4. the node ------------------------------------------------------------------------------
-def belayer(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run the ``belayer`` CLI with this interpreter (works from a checkout or an install)."""
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
 def start_node(run_dir: Path, model_dir: Path, *extra: str) -> dict[str, Any]:
     """``belayer up --detach`` (plus ``extra`` flags); returns the up times and the node file."""
     t0 = time.monotonic()
