@@ -132,6 +132,20 @@ class PagedStep:
     """Deterministic mode: :meth:`AttentionMetadata.deterministic_kv_slots`; None otherwise."""
 
 
+@dataclass(frozen=True)
+class DenseStep:
+    """What every layer of one dense (training) forward reads alike."""
+
+    cos: Tensor
+    """RoPE cosines at each row's positions, ``[B, T, 1, head_dim]``."""
+    sin_rot: Tensor
+    """RoPE sines (rotate-half signs folded in), ``[B, T, 1, head_dim]``."""
+    mask: Tensor | None
+    """``[B, 1, T, T]``, true where a query may see a key; None: plain causal attention."""
+    spans: list[tuple[int, int]] | None = None
+    """Deterministic mode: each row's ``(start, length)`` of real tokens; None otherwise."""
+
+
 def _rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
     """cos and sign-folded sin tables, ``[max_position_embeddings, head_dim]`` each.
 
@@ -208,22 +222,16 @@ class Qwen3Attention(nn.Module):
         k = _apply_rope(k, cos, sin_rot)
         return q, k, v
 
-    def forward_dense(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin_rot: Tensor,
-        mask: Tensor | None,
-        spans: list[tuple[int, int]] | None = None,
-    ) -> Tensor:
+    def forward_dense(self, x: Tensor, step: DenseStep) -> Tensor:
         """Causal attention over a padded batch ``x`` ``[B, T, hidden]``, no KV cache.
 
-        ``mask`` is ``[B, 1, T, T]`` (true where a query may see a key) or None for plain
-        causal attention over unpadded rows. With ``spans`` (deterministic mode: each row's
-        ``(start, length)`` of real tokens) ``mask`` is unused and every real query attends
-        exactly as the paged deterministic forward does; padded queries get zeros.
+        ``step.mask`` is ``[B, 1, T, T]`` (true where a query may see a key) or None for plain
+        causal attention over unpadded rows. With ``step.spans`` (deterministic mode: each
+        row's ``(start, length)`` of real tokens) the mask is unused and every real query
+        attends exactly as the paged deterministic forward does; padded queries get zeros.
         """
         b, t = x.shape[:2]
+        cos, sin_rot, spans = step.cos, step.sin_rot, step.spans
         if spans is not None:
             q, k, v = self.project_qkv(x, cos, sin_rot, det=True)
             rows = []
@@ -240,7 +248,7 @@ class Qwen3Attention(nn.Module):
             return bi.linear(torch.stack(rows).reshape(b, t, -1), self.o_proj.weight)
         q, k, v = (y.transpose(1, 2) for y in self.project_qkv(x, cos, sin_rot))
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            q, k, v, attn_mask=step.mask, is_causal=step.mask is None, enable_gqa=True
         )
         return F.linear(o.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight)
 
@@ -380,18 +388,11 @@ class Qwen3DecoderLayer(nn.Module):
         det = step.kv_slots is not None
         return x + self.mlp(self.post_attention_layernorm(x), det, det)
 
-    def forward_dense(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin_rot: Tensor,
-        mask: Tensor | None,
-        spans: list[tuple[int, int]] | None = None,
-    ) -> Tensor:
+    def forward_dense(self, x: Tensor, step: DenseStep) -> Tensor:
         """The same block over a padded batch ``[B, T, hidden]`` (see ``forward_dense`` of
-        :class:`Qwen3Attention`; ``spans`` selects deterministic mode)."""
-        x = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin_rot, mask, spans)
-        return x + self.mlp(self.post_attention_layernorm(x), spans is not None)
+        :class:`Qwen3Attention`; ``step.spans`` selects deterministic mode)."""
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), step)
+        return x + self.mlp(self.post_attention_layernorm(x), step.spans is not None)
 
 
 class Qwen3Model(nn.Module):
@@ -481,11 +482,14 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError("a deterministic model's dense forward needs spans")
         with bi.one_thread() if self.deterministic else contextlib.nullcontext():
             x = F.embedding(input_ids, self.model.embed_tokens.weight)
-            cos = self.rope_cos[positions].unsqueeze(2)
-            sin_rot = self.rope_sin[positions].unsqueeze(2)
-            det_spans = spans if self.deterministic else None
+            step = DenseStep(
+                cos=self.rope_cos[positions].unsqueeze(2),
+                sin_rot=self.rope_sin[positions].unsqueeze(2),
+                mask=mask,
+                spans=spans if self.deterministic else None,
+            )
             for layer in self.model.layers:
-                x = cast(Qwen3DecoderLayer, layer).forward_dense(x, cos, sin_rot, mask, det_spans)
+                x = cast(Qwen3DecoderLayer, layer).forward_dense(x, step)
             return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
