@@ -157,21 +157,20 @@ class Score(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SandboxOps(Protocol):
-    """The sandbox calls scoring and the runner make; ``EnvClient`` has exactly these."""
+    """The sandbox calls scoring and the runner make, with the arguments they always pass
+    (``EnvClient`` has these methods; its defaults are its own)."""
 
     async def create(
         self,
         *,
-        image: str = "",
-        files: dict[str, bytes] | None = None,
-        limits: SandboxLimits | None = None,
-        trajectory_id: str = "",
-        sandbox_id: str = "",
+        image: str,
+        files: dict[str, bytes],
+        limits: SandboxLimits,
+        trajectory_id: str,
+        sandbox_id: str,
     ) -> EnvCreated: ...
 
-    async def exec(
-        self, sandbox_id: str, command: str, timeout_s: float = 30.0
-    ) -> EnvExecResult: ...
+    async def exec(self, sandbox_id: str, command: str, timeout_s: float) -> EnvExecResult: ...
 
     async def destroy(self, sandbox_id: str) -> object: ...
 
