@@ -27,12 +27,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from common.training_config import OptimConfig
 from model.train_forward import token_logprobs
 from model.training import _clip, trainable_parameters
 from schemas.events_training import UpdateMetrics
@@ -40,18 +40,16 @@ from services.trainer.config import GrpoConfig
 from services.trainer.core import (
     LossType,
     Sample,
-    check_grouped,
     clip_fractions,
-    group_advantages,
     grpo_loss,
     k3,
 )
 from services.trainer.update import (
-    Generating,
+    StepOptions,
     TrainState,
+    _batch,
     _behaviour_logprobs,
     _Micro,
-    plan_micro_batches,
 )
 
 
@@ -125,24 +123,14 @@ class _ShareLoss:
 
 
 def _items(
-    state: TrainState,
     samples: Sequence[Sample],
     plan: list[list[list[int]]],
-    adv: Tensor,
-    grpo: GrpoConfig,
-    pad_id: int,
-    generating: Generating | None,
-    rank: int,
-    world: int,
-) -> tuple[list[list[_Item]], Tensor, int]:
-    """This rank's micro-batches per mini-batch (with what each whole micro-batch divides by),
-    their behaviour log-probabilities, |old − rollout| per compared token, unchecked tokens."""
+    mine: list[list[list[int]]],
+    micros: list[list[_Micro]],
+) -> list[list[_Item]]:
+    """This rank's micro-batches per mini-batch (``micros``, collated from its non-empty shares
+    ``mine`` of ``plan``), with what each whole micro-batch divides by."""
     tokens = [float(sum(s.loss_mask)) for s in samples]
-    mine = [[share(rows, rank, world) for rows in mini] for mini in plan]
-    kept = [[rows for rows in mini if rows] for mini in mine]
-    micros, diffs, unchecked = _behaviour_logprobs(
-        state, samples, kept, adv, grpo, pad_id, generating
-    )
     out: list[list[_Item]] = []
     index = 0
     for mini, my_mini, my_micros in zip(plan, mine, micros, strict=True):
@@ -156,45 +144,40 @@ def _items(
                 items.append(it)
             index += 1
         out.append(items)
-    return out, diffs, unchecked
+    return out
 
 
 def dp_grpo_step(
     state: TrainState,
     samples: Sequence[Sample],
     *,
-    group_size: int,
-    grpo: GrpoConfig,
-    optim: OptimConfig,
-    pad_id: int,
-    generating: Generating | None = None,
     rank: int,
     world: int,
+    **options: Unpack[StepOptions],
 ) -> UpdateMetrics:
     """:func:`~services.trainer.update.grpo_step` computed by ``world`` ranks (the module doc);
     every rank calls it with the same state and batch, in the default process group. Mutates
     ``state`` alike on every rank; the metrics are the whole batch's."""
-    check_grouped(samples, group_size)
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    valid = [not s.reward_failed for s in samples]
-    adv = group_advantages(rewards, group_size, scale=grpo.scale_rewards, valid=valid)
-    scored = torch.tensor(valid)
-    plan = plan_micro_batches(samples, state.step, grpo, optim.seed)
-    max_len = grpo.max_completion_length or max(len(s.response_ids) for s in samples)
+    grpo, generating = options["grpo"], options.get("generating")
+    b = _batch(state, samples, options)
+    plan = b.plan
     t0 = time.perf_counter()
     failed: Exception | None = None
     minis: list[list[_Item]] = [[] for _ in plan]
     diffs, unchecked = torch.zeros(0), 0
+    mine = [[share(rows, rank, world) for rows in mini] for mini in plan]
+    kept = [[rows for rows in mini if rows] for mini in mine]
     try:
-        minis, diffs, unchecked = _items(
-            state, samples, plan, adv, grpo, pad_id, generating, rank, world
+        micros, diffs, unchecked = _behaviour_logprobs(
+            state, samples, kept, b.adv, grpo, options["pad_id"], generating
         )
+        minis = _items(samples, plan, mine, micros)
     except Exception as exc:  # the whole group learns of it in the first reduction
         failed = exc
     recompute_s = time.perf_counter() - t0
-    loss_fn = _ShareLoss(state, grpo, max_len, sum(len(m) for m in plan))
+    loss_fn = _ShareLoss(state, grpo, b.max_len, sum(len(m) for m in plan))
     t1 = time.perf_counter()
-    total, grad_norm = _train(state, minis, loss_fn, optim.max_grad_norm, failed)
+    total, grad_norm = _train(state, minis, loss_fn, options["optim"].max_grad_norm, failed)
     train_s = time.perf_counter() - t1
     state.model.eval()
     state.step += 1
@@ -212,14 +195,15 @@ def dp_grpo_step(
     kl = sums[6:].reshape(-1, 2)
     kl = kl[kl[:, 1] > 0] if grpo.beta != 0.0 else kl[:0]
     weight = clip[2] or 1.0
+    reward_mean, reward_std = b.reward_stats()
     return UpdateMetrics(
         step=state.step,
         version=state.version,
         loss=total / max(1, len(plan)),
-        reward_mean=float(rewards[scored].mean()) if bool(scored.any()) else 0.0,
-        reward_std=float(rewards[scored].std(correction=0)) if bool(scored.any()) else 0.0,
+        reward_mean=reward_mean,
+        reward_std=reward_std,
         samples=len(samples),
-        groups=len(samples) // group_size,
+        groups=len(samples) // options["group_size"],
         tokens=sum(s.model_tokens for s in samples),
         logprob_diff_max=float(top[0]),
         logprob_diff_mean=diff_sum / compared if compared else 0.0,

@@ -33,23 +33,22 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.distributed as dist
 
 from common.errors import FatalError
-from common.training_config import OptimConfig
 from model.config import ModelConfig
 from model.qwen3 import build_model
 from model.training import publishable_state_dict
 from schemas.events_training import UpdateMetrics
 from services.trainer import journal
-from services.trainer.config import GrpoConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
 from services.trainer.core import Sample
 from services.trainer.dp import StepAborted, dp_grpo_step
 from services.trainer.update import (
-    Generating,
+    StepOptions,
     TrainState,
     load_state,
     load_weights_file,
@@ -132,17 +131,10 @@ class Ranks:
         _init_group(0, self.world, self.store, backend())
 
     def grpo_step(
-        self,
-        state: TrainState,
-        samples: Sequence[Sample],
-        *,
-        group_size: int,
-        grpo: GrpoConfig,
-        optim: OptimConfig,
-        pad_id: int,
-        generating: Generating | None = None,
+        self, state: TrainState, samples: Sequence[Sample], **options: Unpack[StepOptions]
     ) -> UpdateMetrics:
         """``update.grpo_step`` on the whole group; ``RankLost`` when a rank is gone."""
+        generating = options.get("generating")
         versions = {v for s in samples for v in s.model_versions() if v != state.version}
         older = {v: _weights(generating(v) if generating else None) for v in sorted(versions)}
         cmd = _Step(state.step, state.version, list(samples), older)
@@ -151,10 +143,7 @@ class Ranks:
                 if not proc.is_alive():
                     raise RankLost(f"trainer rank {rank} died (exit code {proc.exitcode})")
                 conn.send(cmd)
-            return dp_grpo_step(
-                state, samples, group_size=group_size, grpo=grpo, optim=optim, pad_id=pad_id,
-                generating=generating, rank=0, world=self.world,
-            )  # fmt: skip
+            return dp_grpo_step(state, samples, rank=0, world=self.world, **options)
         except (RuntimeError, OSError) as exc:  # a collective or a pipe to a dead rank
             raise RankLost(f"the trainer's process group failed: {exc}"[:500]) from exc
 

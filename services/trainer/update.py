@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict, Unpack
 
 import torch
 from torch import Tensor
@@ -62,6 +62,17 @@ from services.trainer.core import (
 
 Generating = Callable[[int], Qwen3ForCausalLM | None]
 """Weights of an older version (inference mode), or None when they are gone."""
+
+
+class StepOptions(TypedDict):
+    """The keyword arguments of every GRPO update (:func:`grpo_step`, ``dp.dp_grpo_step``,
+    ``ranks.Ranks.grpo_step``), declared once."""
+
+    group_size: int
+    grpo: GrpoConfig
+    optim: OptimConfig
+    pad_id: int
+    generating: NotRequired[Generating | None]
 
 
 @dataclass
@@ -289,39 +300,58 @@ class _Loss:
         return loss if grpo.loss_type == "dapo" else loss / len(mini)
 
 
-def grpo_step(
-    state: TrainState,
-    samples: Sequence[Sample],
-    *,
-    group_size: int,
-    grpo: GrpoConfig,
-    optim: OptimConfig,
-    pad_id: int,
-    generating: Generating | None = None,
-) -> UpdateMetrics:
-    """One GRPO update of ``state`` on ``samples`` (whole groups, contiguous); see the module
-    doc. Mutates ``state``; returns the step's measurements (the first fields of its
-    ``TrainStep`` event)."""
+@dataclass
+class _Batch:
+    """What an update (single process or data-parallel) derives from its samples first."""
+
+    rewards: Tensor
+    scored: Tensor
+    """Per sample: its reward counts in the step's statistics (failed rewards do not)."""
+    adv: Tensor
+    plan: list[list[list[int]]]
+    max_len: int
+
+    def reward_stats(self) -> tuple[float, float]:
+        """Mean and standard deviation of the scored rewards (0, 0 without any)."""
+        if not bool(self.scored.any()):
+            return 0.0, 0.0
+        scored = self.rewards[self.scored]
+        return float(scored.mean()), float(scored.std(correction=0))
+
+
+def _batch(state: TrainState, samples: Sequence[Sample], options: StepOptions) -> _Batch:
+    """Check the grouping; the advantages, the plan of micro-batches and the length bound."""
+    grpo, group_size = options["grpo"], options["group_size"]
     check_grouped(samples, group_size)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     valid = [not s.reward_failed for s in samples]
     adv = group_advantages(rewards, group_size, scale=grpo.scale_rewards, valid=valid)
-    scored = torch.tensor(valid)  # the step's reward statistics leave failed rewards out
-    plan = plan_micro_batches(samples, state.step, grpo, optim.seed)
+    plan = plan_micro_batches(samples, state.step, grpo, options["optim"].seed)
     max_len = grpo.max_completion_length or max(len(s.response_ids) for s in samples)
+    return _Batch(rewards, torch.tensor(valid), adv, plan, max_len)
+
+
+def grpo_step(
+    state: TrainState, samples: Sequence[Sample], **options: Unpack[StepOptions]
+) -> UpdateMetrics:
+    """One GRPO update of ``state`` on ``samples`` (whole groups, contiguous); see the module
+    doc. Mutates ``state``; returns the step's measurements (the first fields of its
+    ``TrainStep`` event)."""
+    grpo, generating = options["grpo"], options.get("generating")
+    b = _batch(state, samples, options)
     t0 = time.perf_counter()
     minis, all_diffs, unchecked = _behaviour_logprobs(
-        state, samples, plan, adv, grpo, pad_id, generating
+        state, samples, b.plan, b.adv, grpo, options["pad_id"], generating
     )
     recompute_s = time.perf_counter() - t0
-    loss_fn = _Loss(state, grpo, max_len, minis)
+    loss_fn = _Loss(state, grpo, b.max_len, minis)
     stats: StepStats = train_step(
         state.model,
         state.optimizer,
         state.scheduler,
         [[(m, mb) for m in mb] for mb in minis],
         loss_fn,
-        max_grad_norm=optim.max_grad_norm,
+        max_grad_norm=options["optim"].max_grad_norm,
     )
     state.model.eval()
     state.step += 1
@@ -329,14 +359,15 @@ def grpo_step(
     state.trained += [s.trajectory_id for s in samples]
     clip_stats, kls = loss_fn.clip_stats, loss_fn.kls
     weight = sum(c[2] for c in clip_stats) or 1.0
+    reward_mean, reward_std = b.reward_stats()
     return UpdateMetrics(
         step=state.step,
         version=state.version,
         loss=stats.loss / max(1, stats.optimizer_steps),
-        reward_mean=float(rewards[scored].mean()) if bool(scored.any()) else 0.0,
-        reward_std=float(rewards[scored].std(correction=0)) if bool(scored.any()) else 0.0,
+        reward_mean=reward_mean,
+        reward_std=reward_std,
         samples=len(samples),
-        groups=len(samples) // group_size,
+        groups=len(samples) // options["group_size"],
         tokens=sum(s.model_tokens for s in samples),
         logprob_diff_max=float(all_diffs.max()) if all_diffs.numel() else 0.0,
         logprob_diff_mean=float(all_diffs.mean()) if all_diffs.numel() else 0.0,
