@@ -12,29 +12,20 @@ over the interleaved pairs of runs). ``measure`` is also the first measurement o
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.report import (
-    Row,
-    Target,
-    loadavg,
-    machine_info,
-    print_table,
-    progress,
-    ratio,
-    target_text,
-    targets_json,
-    timestamp,
-    write_json,
-)
-from bench.stats import Interval, ci_text, intervals_json, judge_all, median_interval, paired_ratio
+from bench import report
+from bench.report import Row, Target, progress, ratio, target_text
+from bench.stats import Interval, ci_text, judged_json, median_interval, paired_ratio
 from model.config import load_model_config
 from model.loader import load_safetensors
 from model.qwen3 import kv_cache_shape
@@ -85,6 +76,20 @@ def bench_llm_engine(
     engine = LLMEngine(model_config, load_safetensors(model_dir), kv_cache, config)
     engine.warmup()
     return engine
+
+
+@contextlib.contextmanager
+def model_or_tiny(model_dir: str | Path | None, prefix: str) -> Iterator[Path]:
+    """``model_dir``; without one, a tiny model (``model.tiny.init_tiny_model``'s defaults:
+    what the targets are for) written to a temporary directory (named ``prefix``…) that is
+    removed on exit."""
+    if model_dir is not None:
+        yield Path(model_dir)
+        return
+    from model.tiny import init_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield init_tiny_model(Path(tmp) / "model")
 
 
 def bench_engine(
@@ -220,14 +225,10 @@ def main(
     Without ``model_dir`` a tiny model is written to a temporary directory; the targets are
     only judged then.
     """
-    machine = machine_info()
+    machine = report.machine_info()
     progress("engine", f"{machine['cpu_count']} CPUs, torch {machine['torch']}")
-    with tempfile.TemporaryDirectory(prefix="belayer-bench-engine-") as tmp:
-        tiny = model_dir is None
-        if model_dir is None:
-            from model.tiny import init_tiny_model
-
-            model_dir = init_tiny_model(Path(tmp) / "model")
+    tiny = model_dir is None
+    with model_or_tiny(model_dir, "belayer-bench-engine-") as model_dir:
         progress(
             "engine",
             f"{repeats} runs of batch {' and '.join(map(str, BATCHES))}, {new_tokens} new tokens",
@@ -243,7 +244,7 @@ def main(
     intervals = engine_intervals(measured["runs"], measured["det_runs"])
     result: dict[str, Any] = {
         "bench": "engine",
-        "timestamp": timestamp(),
+        "timestamp": report.timestamp(),
         "unix_time": time.time(),
         "model": TINY_MODEL if tiny else str(model_dir),
         "new_tokens": new_tokens,
@@ -255,13 +256,11 @@ def main(
         "det_ratio": det_ratio,
         "runs": {str(b): v for b, v in measured["runs"].items()},
         "det_runs": {str(b): v for b, v in measured["det_runs"].items()},
-        "targets": targets_json(targets),
-        "intervals": intervals_json(intervals),
-        "verdicts": judge_all(targets, values, intervals),
-        "machine": {**machine, "loadavg_after": loadavg()},
+        **judged_json(targets, values, intervals),
+        "machine": report.machine_after(machine),
     }
-    print_table("belayer bench engine (medians, 95 % intervals over the runs)", rows(result))
-    progress("engine", f"wrote {write_json(json_path, result)}")
+    title = "belayer bench engine (medians, 95 % intervals over the runs)"
+    report.publish("engine", title, rows(result), json_path, result)
     return result
 
 

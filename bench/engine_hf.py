@@ -14,27 +14,16 @@ on CPU time. Also reported: whether each engine mode's greedy tokens equal HF's.
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.engine import BATCHES, PROMPT_LEN, TINY_MODEL, bench_llm_engine, prompts
-from bench.report import (
-    Row,
-    Target,
-    loadavg,
-    machine_info,
-    print_table,
-    progress,
-    target_text,
-    targets_json,
-    timestamp,
-    write_json,
-)
-from bench.stats import Interval, ci_text, intervals_json, judge_all, paired_ratio
+from bench import report
+from bench.engine import BATCHES, PROMPT_LEN, TINY_MODEL, bench_llm_engine, model_or_tiny, prompts
+from bench.report import Row, Target, progress, target_text
+from bench.stats import Interval, ci_text, judged_json, paired_ratio
 from model.config import load_model_config
 from services.worker.engine.sequence import SamplingParams
 
@@ -181,14 +170,10 @@ def main(
 ) -> dict[str, Any]:
     """Measure, print the table, write ``json_path``. Without ``model_dir`` a tiny model is
     written to a temporary directory."""
-    machine = machine_info()
+    machine = report.machine_info()
     progress("engine", f"vs HF: {machine['cpu_count']} CPUs, torch {machine['torch']}")
-    with tempfile.TemporaryDirectory(prefix="belayer-bench-engine-hf-") as tmp:
-        tiny = model_dir is None
-        if model_dir is None:
-            from model.tiny import init_tiny_model
-
-            model_dir = init_tiny_model(Path(tmp) / "model")
+    tiny = model_dir is None
+    with model_or_tiny(model_dir, "belayer-bench-engine-hf-") as model_dir:
         measured = measure(model_dir, new_tokens, repeats, num_threads)
     med = {
         kind: {
@@ -200,7 +185,7 @@ def main(
     wall_ratios = _ratios(measured["wall"])[0]
     result: dict[str, Any] = {
         "bench": "engine-vs-hf",
-        "timestamp": timestamp(),
+        "timestamp": report.timestamp(),
         "unix_time": time.time(),
         "model": TINY_MODEL if tiny else Path(model_dir).name,
         "new_tokens": new_tokens,
@@ -216,14 +201,9 @@ def main(
             kind: {r: {str(b): v for b, v in runs.items()} for r, runs in measured[kind].items()}
             for kind in ("wall", "cpu")
         },
-        "targets": targets_json(TARGETS),
-        "intervals": intervals_json(intervals),
-        "verdicts": judge_all(TARGETS, ratios, intervals),
-        "machine": {**machine, "loadavg_after": loadavg()},
+        **judged_json(TARGETS, ratios, intervals),
+        "machine": report.machine_after(machine),
     }
-    print_table(
-        "belayer bench engine --vs-hf (CPU-time medians; ratios over interleaved pairs)",
-        rows(result),
-    )
-    progress("engine", f"wrote {write_json(json_path, result)}")
+    title = "belayer bench engine --vs-hf (CPU-time medians; ratios over interleaved pairs)"
+    report.publish("engine", title, rows(result), json_path, result)
     return result

@@ -26,24 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import (
-    Row,
-    Target,
-    loadavg,
-    machine_info,
-    print_table,
-    progress,
-    target_text,
-    targets_json,
-    timestamp,
-    write_json,
-)
+from bench import report
+from bench.report import Row, Target, progress, target_text
 from bench.stats import (
     Interval,
     bootstrap,
     ci_text,
-    intervals_json,
-    judge_all,
+    judged_json,
     median_interval,
     paired_ratio,
 )
@@ -452,8 +441,7 @@ def main(
 ) -> dict[str, Any]:
     """Measure (minutes; ``quick``: small configurations only), print the table, write
     ``json_path``. Needs dockerd and CRIU."""
-    machine = machine_info()
-    progress("env", f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
+    machine = report.machine_at_start("env")
     measured = asyncio.run(run_bench(repeats, cycles, quick))
     values = judged(measured)
     targets = {k: t for k, t in TARGETS.items() if k in values}
@@ -461,7 +449,7 @@ def main(
     biggest = _ratio_config(measured["rows"])
     result: dict[str, Any] = {
         "bench": "env",
-        "timestamp": timestamp(),
+        "timestamp": report.timestamp(),
         "unix_time": time.time(),
         "repeats": repeats,
         "quick": quick,
@@ -469,11 +457,9 @@ def main(
         "checkpoint_over_raw_config": (
             None if biggest is None else {k: biggest[k] for k in ("memory_mb", "layer_mb")}
         ),
-        "targets": targets_json(targets),
-        "intervals": intervals_json(intervals),
-        "verdicts": judge_all(targets, values, intervals, INVARIANTS),
-        "machine": {**machine, "loadavg_after": loadavg()},
+        **judged_json(targets, values, intervals, INVARIANTS),
+        "machine": report.machine_after(machine),
     }
-    print_table("belayer bench env (medians, 95 % intervals over the repeats)", table(result))
-    progress("env", f"wrote {write_json(json_path, result)}")
+    title = "belayer bench env (medians, 95 % intervals over the repeats)"
+    report.publish("env", title, table(result), json_path, result)
     return result

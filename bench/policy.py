@@ -36,18 +36,9 @@ from typing import Any
 
 import msgspec
 
+from bench import report
 from bench.node import belayer
-from bench.report import (
-    Row,
-    Target,
-    machine_info,
-    print_table,
-    progress,
-    target_text,
-    targets_json,
-    timestamp,
-    write_json,
-)
+from bench.report import Row, Target, progress, target_text
 from bench.stats import Interval, bootstrap_many, ci_text, intervals_json, judge_all
 
 NAME = "policy"
@@ -293,11 +284,10 @@ def main(
     model: Path | None = None,
 ) -> dict[str, Any]:
     """Run every (policy, p) ``repeats`` times on one node, print the table, write JSON."""
-    machine = machine_info()
-    progress(NAME, f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
+    machine = report.machine_at_start(NAME)
     result: dict[str, Any] = {
         "bench": NAME,
-        "timestamp": timestamp(),
+        "timestamp": report.timestamp(),
         "machine": machine,
         "repeats": repeats,
         "tasks": tasks,
@@ -306,13 +296,13 @@ def main(
         "oracle": ORACLE,
         "probabilities": list(PROBABILITIES),
         "scratch_baseline": "never",
-        "targets": targets_json(TARGETS),
+        "targets": report.targets_json(TARGETS),
     }
     runs = measure_on_node(model, repeats=repeats, tasks=tasks, n=n)
     result["runs"] = runs
     result.update(judge_runs(runs, repeats))
-    print_table("bench policy: sandbox failures vs checkpoint policy", report_rows(result))
-    write_json(json_path, result)
+    title = "bench policy: sandbox failures vs checkpoint policy"
+    report.publish(NAME, title, report_rows(result), json_path, result)
     return result
 
 

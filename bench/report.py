@@ -102,6 +102,21 @@ def print_table(title: str, rows: Iterable[Row]) -> None:
     Console(file=sys.stdout).print(table)
 
 
+def publish(
+    bench_name: str,
+    title: str,
+    rows: Iterable[Row],
+    json_path: Path | str,
+    result: Mapping[str, Any],
+) -> Path:
+    """The end of every benchmark: its table on stdout (:func:`print_table`), its result
+    written (:func:`write_json`) and a progress line saying where."""
+    print_table(title, rows)
+    path = write_json(json_path, result)
+    progress(bench_name, f"wrote {path}")
+    return path
+
+
 def write_json(path: Path | str, result: Mapping[str, Any]) -> Path:
     """Write ``result`` as indented JSON (parents created; non-JSON values as ``str``), with
     ``commit`` and ``date`` (:func:`snapshot_stamp`) added where it has none; a ``dict``
@@ -159,6 +174,19 @@ def loadavg() -> list[float] | None:
 def timestamp() -> str:
     """Local time, ISO 8601 with the UTC offset."""
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def machine_at_start(bench_name: str) -> dict[str, Any]:
+    """:func:`machine_info` as a benchmark starts, its CPUs and load said in a progress line."""
+    machine = machine_info()
+    progress(bench_name, f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
+    return machine
+
+
+def machine_after(machine: Mapping[str, Any]) -> dict[str, Any]:
+    """The result's ``machine``: as it was at the start, with ``loadavg_after`` (the load as the
+    benchmark ends: a busy spell during the run shows)."""
+    return {**machine, "loadavg_after": loadavg()}
 
 
 def machine_info() -> dict[str, Any]:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from bench.report import MISS, Target, percentile, verdict
+from bench.report import MISS, Target, percentile, targets_json, verdict
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -213,6 +213,21 @@ def judge_all(
         key: judge(t, intervals.get(key), values[key], invariant=key in invariants)
         for key, t in targets.items()
         if key in values
+    }
+
+
+def judged_json(
+    targets: Mapping[str, Target],
+    values: Mapping[str, float | None],
+    intervals: Mapping[str, Interval | None],
+    invariants: Sequence[str] = (),
+) -> dict[str, Any]:
+    """A result's judged part: ``targets`` (:func:`bench.report.targets_json`), ``intervals``
+    (:func:`intervals_json`) and ``verdicts`` (:func:`judge_all`)."""
+    return {
+        "targets": targets_json(targets),
+        "intervals": intervals_json(intervals),
+        "verdicts": judge_all(targets, values, intervals, invariants),
     }
 
 

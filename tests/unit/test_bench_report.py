@@ -123,3 +123,30 @@ def test_every_result_is_stamped_with_its_commit_and_date(tmp_path: Path) -> Non
     # A result that already says which commit it measured keeps it.
     kept = json.loads(write_json(tmp_path / "k.json", {"commit": None}).read_text())
     assert kept["commit"] is None and "date" in kept
+
+
+def test_publish_prints_the_table_writes_the_json_and_says_where(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.report import machine_after, publish
+
+    result = {"bench": "test", "machine": machine_after({"cpu_count": 2})}
+    path = publish("test", "belayer bench test", [Row("a", "1 s")], tmp_path / "r.json", result)
+    captured = capsys.readouterr()
+    assert "belayer bench test" in captured.out
+    assert captured.err == f"[bench test] wrote {path}\n"
+    written = json.loads(path.read_text())
+    assert list(written)[:2] == ["bench", "machine"]
+    assert set(written["machine"]) == {"cpu_count", "loadavg_after"}
+    assert {"commit", "date"} <= set(written)
+
+
+def test_judged_json_is_targets_intervals_and_verdicts_in_that_order() -> None:
+    from bench.stats import bootstrap, judged_json
+
+    targets = {"a_s": ("<=", 1.0)}
+    interval = bootstrap([0.1, 0.2, 0.15, 0.12], lambda v: sorted(v)[len(v) // 2])
+    judged = judged_json(targets, {"a_s": 0.15}, {"a_s": interval})
+    assert list(judged) == ["targets", "intervals", "verdicts"]
+    assert judged["targets"] == targets_json(targets)
+    assert judged["verdicts"] == {"a_s": PASS}
