@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import InvalidRequest, NotFound
-from workloads.actions import MATH_INSTRUCTION
 from workloads.base import (
     AnswerCheck,
-    ChatMessage,
     Outcome,
     Task,
     TaskLimits,
@@ -24,7 +22,7 @@ from workloads.base import (
 )
 from workloads.rows import read_rows, require_columns
 from workloads.scoring import score
-from workloads.table import RowTasks
+from workloads.table import RowTasks, chat_turn, math_chat
 
 MATH_LIMITS = TaskLimits(
     max_turns=1, action_timeout_s=1.0, observation_chars=64, max_response_tokens=64
@@ -105,10 +103,7 @@ class MathWorkload:
         return Task(
             id=f"math-{generator}-{tag}-{index}",
             workload=self.name,
-            prompt=[
-                ChatMessage(role="system", content=MATH_INSTRUCTION),
-                ChatMessage(role="user", content=entry["question"]),
-            ],
+            prompt=math_chat(entry["question"]),
             reward=AnswerCheck(
                 ground_truth=str(entry["answer"]),
                 checker="reasoning_gym",
@@ -183,17 +178,10 @@ class DapoWorkload(RowTasks):
             prompt = json.loads(prompt)
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequest("prompt must be a non-empty list of {role, content}", **where)
-        messages = []
-        for turn in prompt:
-            if not isinstance(turn, dict) or turn.get("role") not in (
-                "system",
-                "user",
-                "assistant",
-            ):
-                raise InvalidRequest("prompt turn needs a role system|user|assistant", **where)
-            if not isinstance(turn.get("content"), str):
-                raise InvalidRequest("prompt turn needs a string content", **where)
-            messages.append(ChatMessage(role=turn["role"], content=turn["content"]))
+        try:
+            messages = [chat_turn(turn) for turn in prompt]
+        except ValueError as exc:
+            raise InvalidRequest(f"prompt turn {exc}", **where) from None
         rm = row["reward_model"]
         if isinstance(rm, str):
             rm = json.loads(rm)
@@ -201,16 +189,11 @@ class DapoWorkload(RowTasks):
             raise InvalidRequest("missing column reward_model.ground_truth", **where)
         truth = str(rm["ground_truth"])
         extra = row.get("extra_info") or {}
-        return Task(
-            id=f"dapo-{i}",
-            workload=self.name,
-            prompt=messages,
-            reward=AnswerCheck(ground_truth=truth, checker="dapo"),
-            limits=TaskLimits(max_turns=1, max_response_tokens=1024),
-            reference_answer=truth,
-            metadata={
-                "source": str(self.path),
-                "row": str(i),
+        return self.row_task(
+            i,
+            messages,
+            truth,
+            {
                 "data_source": str(row.get("data_source") or ""),
                 "index": str(extra.get("index", "")) if isinstance(extra, dict) else "",
             },

@@ -38,7 +38,7 @@ PROMPT_COLUMN = "prompt"
 ANSWER_COLUMN = "answer"
 """The answer column when none is named."""
 TABLE_LIMITS = TaskLimits(max_turns=1, max_response_tokens=1024)
-"""Single turn; answers as long as a DAPO task's."""
+"""Single turn, answers up to 1024 tokens (``table`` and ``dapo`` tasks)."""
 ROLES = ("system", "user", "assistant")
 MATH_STYLE = ("math", "dapo", "table")
 """Workloads whose ``--dataset`` naming columns is read by ``table``."""
@@ -51,6 +51,7 @@ class RowTasks:
     scored by its answer check."""
 
     name: str
+    path: Path
     all: list[Task]
     train: list[Task]
     evaluation: list[Task]
@@ -70,6 +71,21 @@ class RowTasks:
 
     async def reward(self, task: Task, outcome: Outcome) -> float:
         return (await score(task, outcome)).reward
+
+    def row_task(
+        self, i: int, prompt: list[ChatMessage], truth: str, metadata: dict[str, str]
+    ) -> Task:
+        """Row ``i``'s single-turn task, id ``<name>-<i>``, scored by DAPO's answer check; its
+        metadata is the file and the row, then ``metadata``."""
+        return Task(
+            id=f"{self.name}-{i}",
+            workload=self.name,
+            prompt=prompt,
+            reward=AnswerCheck(ground_truth=truth, checker="dapo"),
+            limits=TABLE_LIMITS,
+            reference_answer=truth,
+            metadata={"source": str(self.path), "row": str(i), **metadata},
+        )
 
 
 class TableWorkload(RowTasks):
@@ -111,21 +127,12 @@ class TableWorkload(RowTasks):
         used = {
             (column_path(c, list(row)) or [c])[0] for c in (self.prompt_column, self.answer_column)
         }
-        metadata = {"source": str(self.path), "row": str(i)}
-        metadata.update(
-            (str(k), v if isinstance(v, str) else json.dumps(v, default=str))
+        others = {
+            str(k): v if isinstance(v, str) else json.dumps(v, default=str)
             for k, v in row.items()
             if k not in used and v is not None
-        )
-        return Task(
-            id=f"table-{i}",
-            workload=self.name,
-            prompt=prompt,
-            reward=AnswerCheck(ground_truth=truth, checker="dapo"),
-            limits=TABLE_LIMITS,
-            reference_answer=truth,
-            metadata=metadata,
-        )
+        }
+        return self.row_task(i, prompt, truth, others)
 
 
 def column_path(column: str, present: list[str]) -> list[str] | None:
@@ -162,25 +169,38 @@ def to_messages(value: Any, column: str, row: int) -> list[ChatMessage]:
     if isinstance(value, str):
         if not value.strip():
             raise mistyped(column, row, expected, value)
-        return [
-            ChatMessage(role="system", content=MATH_INSTRUCTION),
-            ChatMessage(role="user", content=value),
-        ]
+        return math_chat(value)
     if not isinstance(value, list | tuple) or not value:
         raise mistyped(column, row, expected, value)
     messages = []
     for turn in value:
-        if (
-            not isinstance(turn, dict)
-            or turn.get("role") not in ROLES
-            or not isinstance(turn.get("content"), str)
-        ):
+        try:
+            messages.append(chat_turn(turn))
+        except ValueError:
             raise mistyped(
                 column, row, "every turn needs a role system|user|assistant and a string content",
                 turn,
-            )  # fmt: skip
-        messages.append(ChatMessage(role=turn["role"], content=turn["content"]))
+            ) from None  # fmt: skip
     return messages
+
+
+def math_chat(question: str) -> list[ChatMessage]:
+    """The math chat of ``question``: the ``math`` workloads' system instruction, then the
+    question as the user's turn (``math`` and ``table`` prompts)."""
+    return [
+        ChatMessage(role="system", content=MATH_INSTRUCTION),
+        ChatMessage(role="user", content=question),
+    ]
+
+
+def chat_turn(turn: Any) -> ChatMessage:
+    """One ``{role, content}`` turn of a dataset's prompt (``table`` and ``dapo`` rows);
+    ``ValueError`` saying what it lacks (``needs a role …`` or ``needs a string content``)."""
+    if not isinstance(turn, dict) or turn.get("role") not in ROLES:
+        raise ValueError("needs a role system|user|assistant")
+    if not isinstance(turn.get("content"), str):
+        raise ValueError("needs a string content")
+    return ChatMessage(role=turn["role"], content=turn["content"])
 
 
 def to_answer(value: Any, column: str, row: int) -> str:
