@@ -6,22 +6,21 @@ dies or hangs (``services/worker/shadow.py``)."""
 
 import asyncio
 
-from common.service import main
+from common.service import main, run_service
 from services.worker.config import WorkerConfig
+from services.worker.service import WorkerProcess, WorkerService
+from services.worker.shadow import ShadowService
 
 
 async def run(
     config: WorkerConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
 ) -> None:
-    """The main worker or the shadow, as ``config.role`` says."""
-    if config.role == "shadow":
-        from services.worker import shadow
-
-        await shadow.run(config, stop=stop, ready=ready)
-    else:
-        from services.worker import service
-
-        await service.run(config, stop=stop, ready=ready)
+    """Run the main worker (``service.WorkerService``) or the shadow (``shadow.ShadowService``),
+    as ``config.role`` says, until ``stop``."""
+    process: WorkerProcess = (
+        ShadowService(config) if config.role == "shadow" else WorkerService(config)
+    )
+    await run_service(process, stop=stop, ready=ready)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from common.fastpub import FastPublisher
 from common.heartbeat import Identity, write_identity
 from common.limits import check_request
 from common.logging import get_logger
-from common.service import Service, run_service
+from common.service import Service
 from model.config import load_model_config
 from model.loader import load_safetensors
 from schemas.base import Ok
@@ -413,18 +413,31 @@ class Worker:
             self.publisher.close()
 
 
-class WorkerService(Service[WorkerConfig]):
-    """A main worker: prepare, claim the engine, serve it and register (``Worker``); on stop
-    the engine's subjects drain, then the engine thread stops."""
+class WorkerProcess(Service[WorkerConfig]):
+    """What a main worker and a shadow (``shadow.ShadowService``) share as services: the torch
+    threads set before anything runs, one ``Worker``, its engine stopped on close (once the
+    engine's subjects drained)."""
 
     drain_timeout_s = 2.0
 
-    def __init__(self, config: WorkerConfig) -> None:
-        super().__init__(config, name=f"worker:{config.engine_id}")
+    def __init__(self, config: WorkerConfig, *, name: str) -> None:
+        super().__init__(config, name=name)
         self.worker: Worker | None = None
 
     async def open(self) -> None:
         torch.set_num_threads(self.config.torch_threads)
+
+    async def close(self) -> None:
+        if self.worker is not None:
+            await self.worker.close()
+
+
+class WorkerService(WorkerProcess):
+    """A main worker: prepare, claim the engine, serve it and register (``Worker``); on stop
+    the engine's subjects drain, then the engine thread stops."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config, name=f"worker:{config.engine_id}")
 
     async def setup(self) -> None:
         config, js = self.config, self.js
@@ -443,14 +456,3 @@ class WorkerService(Service[WorkerConfig]):
                 build_warm_s=worker.timings.get("build_warm_s", 0.0),
             ),
         )
-
-    async def close(self) -> None:
-        if self.worker is not None:
-            await self.worker.close()
-
-
-async def run(
-    config: WorkerConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
-) -> None:
-    """Run a main worker until ``stop`` (see ``WorkerService``)."""
-    await run_service(WorkerService(config), stop=stop, ready=ready)

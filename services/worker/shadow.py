@@ -33,15 +33,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from common import events, subjects
 from common.bus import request
 from common.epoch import current_epoch
 from common.errors import BelayerError, Conflict
 from common.heartbeat import Identity, PidWatch, Verdict, assess, read_identity
 from common.logging import get_logger
-from common.service import Service, run_service
 from schemas.base import Ok
 from schemas.events import (
     EventBase,
@@ -56,7 +53,7 @@ from schemas.serving import EngineFailed
 from services.kv.client import fetch_arena
 from services.weights.client import fetch_manifest
 from services.worker.config import WorkerConfig
-from services.worker.service import Worker
+from services.worker.service import Worker, WorkerProcess
 
 
 @dataclass
@@ -255,22 +252,16 @@ class Shadow:
         self._t_ready = time.time()
 
 
-class ShadowService(Service[WorkerConfig]):
+class ShadowService(WorkerProcess):
     """Prepare a worker without claiming the engine, watch the main worker (``watch_loop``),
     take over when it fails, then serve as the engine's main worker until stopped. A stop
     during a handover lets the handover finish first."""
 
-    drain_timeout_s = 2.0
-
     def __init__(self, config: WorkerConfig) -> None:
         config = dataclasses.replace(config, role="shadow")
         super().__init__(config, name=f"shadow:{config.engine_id}")
-        self.worker: Worker | None = None
         self.shadow: Shadow | None = None
         self.handing_over = asyncio.Lock()
-
-    async def open(self) -> None:
-        torch.set_num_threads(self.config.torch_threads)
 
     async def setup(self) -> None:
         config = self.config
@@ -309,14 +300,3 @@ class ShadowService(Service[WorkerConfig]):
     async def drain(self) -> None:
         async with self.handing_over:  # a handover under way completes first
             await super().drain()
-
-    async def close(self) -> None:
-        if self.worker is not None:
-            await self.worker.close()
-
-
-async def run(
-    config: WorkerConfig, *, stop: asyncio.Event, ready: asyncio.Event | None = None
-) -> None:
-    """Run an engine's shadow until ``stop`` (see ``ShadowService``)."""
-    await run_service(ShadowService(config), stop=stop, ready=ready)
