@@ -49,14 +49,13 @@ from bench.node import belayer
 from bench.report import (
     Row,
     Target,
-    loadavg,
-    machine_info,
+    machine_after,
+    machine_at_start,
     percentile,
-    print_table,
+    publish,
     target_text,
     targets_json,
     timestamp,
-    write_json,
 )
 from bench.report import progress as report_progress
 from bench.serve import stop_node
@@ -519,8 +518,7 @@ def main(
 
     sizes = TINY if model is None else PRETRAINED
     hang = str(sizes.hang_threshold_s)
-    machine = machine_info()
-    progress(f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
+    machine = machine_at_start("handover")
     baseline_failures = max(1, min(3, failures))
     result: dict[str, Any] = {
         "bench": "handover",
@@ -591,9 +589,8 @@ def main(
     intervals = intervals_of(result)
     result["intervals"] = intervals_json(intervals)
     result["verdicts"] = judge_all(TARGETS, values, intervals, INVARIANTS)
-    result["machine"]["loadavg_after"] = loadavg()
-    print_table("belayer bench handover", report(result))
-    progress(f"wrote {write_json(json_path, result)}")
+    result["machine"] = machine_after(machine)
+    publish("handover", "belayer bench handover", report(result), json_path, result)
     return result
 
 

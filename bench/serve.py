@@ -46,14 +46,13 @@ from bench.node import belayer
 from bench.report import (
     Row,
     Target,
-    loadavg,
+    machine_after,
     machine_info,
-    print_table,
+    publish,
     ratio,
     target_text,
     targets_json,
     timestamp,
-    write_json,
 )
 from bench.report import progress as report_progress
 from bench.stats import (
@@ -467,7 +466,7 @@ def summarize(
             "attach_inprocess_s": node["attach"]["runs"],
             "cold_load_s": cold["runs"],
         },
-        "machine": {**machine_before, "loadavg_after": loadavg()},
+        "machine": machine_after(machine_before),
     }
     reports = [n["worker_reported"]["attach_s"] for n in (node, node_det)
                if n.get("worker_reported", {}).get("attach_s") is not None]  # fmt: skip
@@ -552,8 +551,7 @@ def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
         machine,
         up_det=ups["--deterministic"],
     )
-    print_table("belayer bench serve", build_rows(result))
-    progress(f"wrote {write_json(json_path, result)}")
+    publish("serve", "belayer bench serve", build_rows(result), json_path, result)
     return result
 
 

@@ -44,13 +44,12 @@ from typing import Any
 from bench.report import (
     Row,
     Target,
-    machine_info,
-    print_table,
+    machine_at_start,
     progress,
+    publish,
     target_text,
     targets_json,
     timestamp,
-    write_json,
 )
 from bench.stats import Interval, bootstrap, interval_verdict
 
@@ -243,8 +242,7 @@ def main(
     """Both nodes, interleaved steps, the table and the JSON."""
     from services.rl.node import stop_node
 
-    machine = machine_info()
-    progress(NAME, f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
+    machine = machine_at_start(NAME)
     tmp = Path(tempfile.mkdtemp(prefix="belayer-bench-train-"))
     belayer = Side("belayer", "belayer", "risk-aware", tmp / "belayer")
     baseline = Side("baseline", "baseline", "never", tmp / "baseline")
@@ -314,8 +312,8 @@ def report(
         "steps": belayer.steps + baseline.steps,
     }  # fmt: skip
     result["verdicts"] = {k: interval_verdict(intervals[k], *TARGETS[k]) for k in TARGETS}
-    print_table(f"bench {NAME}: time per step, Belayer vs baseline", rows(result, noise))
-    write_json(json_path, result)
+    title = f"bench {NAME}: time per step, Belayer vs baseline"
+    publish(NAME, title, rows(result, noise), json_path, result)
     return result
 
 

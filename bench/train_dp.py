@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import Row, machine_info, print_table, progress, timestamp, write_json
+from bench.report import Row, machine_at_start, progress, publish, timestamp
 
 NAME = "train"
 
@@ -77,8 +77,7 @@ def main(
     from services.trainer.ranks import Ranks
     from services.trainer.update import grpo_step, new_state, save_state
 
-    machine = machine_info()
-    progress(NAME, f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
+    machine = machine_at_start(NAME)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="belayer-bench-train-dp-"))
     model_dir = model or init_tiny_model(tmp / "tiny")
@@ -121,7 +120,8 @@ def main(
         "ranks_start_s": start_s, "speedup": statistics.median(one_t) / statistics.median(dp_t),
         "loss_max_abs_diff": max(abs(a - b) for a, b in zip(one_loss, dp_loss, strict=True)),
     }  # fmt: skip
-    print_table(
+    publish(
+        NAME,
         f"GRPO update: 1 process vs {procs} ranks ({groups}×{group_size} trajectories)",
         [
             Row("step time, 1 process (median)", f"{result['step_s_one_process']:.3f} s"),
@@ -130,6 +130,7 @@ def main(
             Row(f"{procs} ranks started in", f"{start_s:.1f} s"),
             Row("loss, max |1 process − ranks|", f"{result['loss_max_abs_diff']:.1e}"),
         ],
+        json_path,
+        result,
     )
-    write_json(json_path, result)
     return result

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import MISS, PASS, Row, machine_info, print_table, progress, timestamp, write_json
+from bench.report import MISS, PASS, Row, machine_at_start, progress, publish, timestamp
 
 NAME = "transparency"
 SEED = 7
@@ -187,8 +187,7 @@ def main(
     seed = SEED if seed is None else seed
     if workload not in FAULTS:
         raise ValueError(f"workload must be math or swe, got {workload!r}")
-    machine = machine_info()
-    progress(NAME, f"{machine['cpu_count']} CPUs, load average {machine['loadavg']}")
+    machine = machine_at_start(NAME)
     inject = default_inject(workload, steps) if inject is None else inject
     options = [f"--{k.replace('_', '-')}={v}" for k, v in
                (("tasks", tasks), ("n", n), ("held_out", held_out)) if v is not None]  # fmt: skip
@@ -217,8 +216,8 @@ def main(
         "problems": problems, "verdict": PASS if not problems else MISS,
         "verdict_basis": VERDICT_BASIS,
     }  # fmt: skip
-    print_table(f"bench {NAME}: {workload}, {steps} steps, with and without failures", rows(result))
-    write_json(json_path, result)
+    title = f"bench {NAME}: {workload}, {steps} steps, with and without failures"
+    publish(NAME, title, rows(result), json_path, result)
     return result
 
 
