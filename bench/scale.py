@@ -32,16 +32,25 @@ import statistics
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
-from bench.report import Row, machine_info, print_table, progress, timestamp, write_json
+from bench.report import Row, machine_info, progress, publish, timestamp
 from bench.scale_sim import ScaleConfig, Sim
 from bench.stats import bootstrap_many, ci_text, intervals_json
 
 NAME = "scale"
 SWEEP = (0.01, 0.02, 0.05)
 """Sandbox failure probabilities per environment step (the paper injects 0.01 in Fig. 12)."""
-FAILURES = {"sandbox_p": 0.01, "engine_failures_per_hour": 0.25}
+
+
+class Faults(TypedDict, total=False):
+    """The ``ScaleConfig`` fields a scenario sets (typed, so ``dataclasses.replace`` checks them)."""
+
+    sandbox_p: float
+    engine_failures_per_hour: float
+
+
+FAILURES: Faults = {"sandbox_p": 0.01, "engine_failures_per_hour": 0.25}
 """The 'with failures' step: the paper's sandbox probability and engine failures at 0.25 per
 engine-hour (an assumed stress rate: about one engine failure per step of 32 engines)."""
 SYSTEMS = ("belayer", "baseline")
@@ -59,12 +68,12 @@ COUNT_LABELS = {
 }  # fmt: skip
 
 
-def scenarios() -> dict[str, dict[str, float]]:
+def scenarios() -> dict[str, Faults]:
     """Scenario name → the ``ScaleConfig`` fields it sets."""
-    out: dict[str, dict[str, float]] = {"free": {}}
+    out: dict[str, Faults] = {"free": {}}
     for p in SWEEP:
         out[f"sandbox@{p}"] = {"sandbox_p": p}
-    out["failures"] = dict(FAILURES)
+    out["failures"] = FAILURES.copy()
     return out
 
 
@@ -132,7 +141,7 @@ def run_all(base: ScaleConfig, seeds: Sequence[int], jobs: int) -> dict[str, lis
     """Every (scenario, system) for every seed: key ``<scenario>/<system>`` → per-seed results
     in seed order (seed i of every key is one paired repeat)."""
     work = [
-        (dataclasses.replace(base, **fields), scenario, system, seed)  # type: ignore[arg-type]
+        (dataclasses.replace(base, **fields), scenario, system, seed)
         for seed in seeds
         for scenario, fields in scenarios().items()
         for system in SYSTEMS
@@ -213,10 +222,17 @@ def main(
         "counts": {k: {c: sum(r[c] for r in v) for c in COUNTS} for k, v in runs.items()},
         "runs": runs,
     }
-    print_table("bench scale: a SIMULATION at the paper's scale (production cores)",
-                report_rows(result))  # fmt: skip
-    write_json(json_path, result)
+    title = "bench scale: a SIMULATION at the paper's scale (production cores)"
+    publish(NAME, title, report_rows(result), json_path, result)
     return result
+
+
+def _secs(x: float) -> str:
+    return f"{x:.1f} s"
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.3f}"
 
 
 def _pct(x: float) -> str:
@@ -233,15 +249,13 @@ def _row(result: dict[str, Any], label: str, key: str, show: Any) -> Row:
 def report_rows(result: dict[str, Any]) -> list[Row]:
     """The table: Fig. 7 (failure-free step time, overhead), Fig. 12 (rollout-time increases),
     the step with failures, the counts."""
-    secs = lambda x: f"{x:.1f} s"  # noqa: E731
-    ratio = lambda x: f"{x:.3f}"  # noqa: E731
     rows = [
         Row(
             "SIMULATION (simulated clock; production router/controller/policy/trainer cores)",
             f"{len(result['seeds'])} seeds",
         ),
-        _row(result, "Fig. 7: failure-free step time, Belayer", "step_s_belayer", secs),
-        _row(result, "Fig. 7: failure-free step time, baseline", "step_s_baseline", secs),
+        _row(result, "Fig. 7: failure-free step time, Belayer", "step_s_belayer", _secs),
+        _row(result, "Fig. 7: failure-free step time, baseline", "step_s_baseline", _secs),
         _row(result, "Fig. 7: Belayer's failure-free step-time overhead", "step_overhead", _pct),
     ]
     for p in SWEEP:
@@ -251,11 +265,11 @@ def report_rows(result: dict[str, Any]) -> list[Row]:
             _row(result, f"Fig. 12: p = {p}: rollout-time increase, restart from scratch",
                  f"increase_scratch@{p}", _pct),
             _row(result, f"Fig. 12: p = {p}: Belayer's increase / restart-from-scratch's",
-                 f"increase_ratio@{p}", ratio),
+                 f"increase_ratio@{p}", _ratio),
         ]  # fmt: skip
     rows += [
-        _row(result, "with failures: step time, Belayer", "failures_step_s_belayer", secs),
-        _row(result, "with failures: step time, baseline", "failures_step_s_baseline", secs),
+        _row(result, "with failures: step time, Belayer", "failures_step_s_belayer", _secs),
+        _row(result, "with failures: step time, baseline", "failures_step_s_baseline", _secs),
         _row(result, "with failures: step time added, Belayer", "failures_added_belayer", _pct),
         _row(result, "with failures: step time added, baseline", "failures_added_baseline", _pct),
     ]
