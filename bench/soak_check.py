@@ -37,6 +37,8 @@ from pathlib import Path
 
 import msgspec
 
+from bench.report import percentile
+
 INVARIANTS = (
     "finished_once", "reference", "stream", "epochs", "split_brain", "recovered", "leftovers",
     "trajectories", "sandbox",
@@ -434,15 +436,6 @@ def request_waits(records: list[Record]) -> list[Slow]:
     return out
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (as ``bench.report.percentile``)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
 @dataclass(frozen=True)
 class KindRow:
     """One fault kind's line of the soak's table."""
@@ -482,10 +475,10 @@ def fault_table(records: list[Record]) -> list[KindRow]:
                 kind=kind,
                 count=len(fs),
                 recovered=len(times),
-                recover_p50_s=_percentile(times, 50),
-                recover_p99_s=_percentile(times, 99),
-                back_p50_s=_percentile(back, 50),
-                back_p99_s=_percentile(back, 99),
+                recover_p50_s=percentile(times, 50),
+                recover_p99_s=percentile(times, 99),
+                back_p50_s=percentile(back, 50),
+                back_p99_s=percentile(back, 99),
                 requests_hit=len(ws),
                 slow=sum(w > SLOW_S for w in ws),
                 wait_max_s=max(ws) if ws else None,
