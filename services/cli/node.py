@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeGuard
 
 import msgspec
 import typer
@@ -18,6 +18,7 @@ from belayer.observe import UnknownEvent
 from common import events as event_types
 from common.auth import BusConfig
 from common.config import RunPaths, config_argv
+from common.device import DEVICE_CHOICES, DeviceChoice, resolve_device
 from common.errors import BelayerError
 from common.heartbeat import process_alive
 from common.node import read_node
@@ -27,6 +28,7 @@ from services.rl.node import NodeFailed, docker_usable, launch, shut_down
 from services.rl.run import run_paths
 from services.supervisor.config import SupervisorConfig, parse_engine_host
 from services.worker.config import WorkerConfig
+from services.worker.engine.backend import BACKENDS, EngineBackendName, check_backend
 from workloads import plugins
 from workloads.registry import load_workload
 from workloads.rewards import load_reward_functions
@@ -256,7 +258,9 @@ def up(
     reward_function: list[str] | None = UP_REWARD_FUNCTION,
 ) -> None:
     """Start a Belayer node: NATS (JetStream), weight store, KV arena, router, workers."""
-    check_up_args(recovery, role, nats_url, host_name, device, engine_backend)
+    device_choice, backend = check_up_args(
+        recovery, role, nats_url, host_name, device, engine_backend
+    )
     paths = run_paths(run_dir)
     node = read_node(paths)
     if node is not None and process_alive(node.supervisor_pid):
@@ -273,7 +277,9 @@ def up(
         model_dir=str(Path(model).resolve()) if model else "",
         engines=engines,
         training=training,
-        trainer=dataclasses.replace(NODE_DEFAULTS.trainer, procs=trainer_procs, device=device),  # type: ignore[arg-type]
+        trainer=dataclasses.replace(
+            NODE_DEFAULTS.trainer, procs=trainer_procs, device=device_choice
+        ),
         environment=(
             True if role == "env-host" else docker_usable() if environment is None else environment
         ),
@@ -292,7 +298,7 @@ def up(
             failure_window_s=failure_window,
             heartbeat_interval_s=heartbeat_interval,
         ),
-        worker=worker_config(hang_threshold, max_num_seqs, deterministic, device, engine_backend),
+        worker=worker_config(hang_threshold, max_num_seqs, deterministic, device_choice, backend),
         controller=dataclasses.replace(
             NODE_DEFAULTS.controller, workload_plugins=plugin_specs, reward_functions=reward_specs
         ),
@@ -334,9 +340,10 @@ def check_up_args(
     host_name: str = "",
     device: str = "cpu",
     engine_backend: str = "belayer",
-) -> None:
-    """The choices of ``belayer up`` that typer does not check: one line, exit 2."""
-    check_device_args(device, engine_backend)
+) -> tuple[DeviceChoice, EngineBackendName]:
+    """The choices of ``belayer up`` that typer does not check: one line, exit 2; the device
+    and engine backend, typed."""
+    checked = check_device_args(device, engine_backend)
     if recovery not in ("belayer", "baseline"):
         fail("--recovery must be 'belayer' or 'baseline'", 2)
     if role not in ("node", "env-host", "engine-host"):
@@ -347,6 +354,7 @@ def check_up_args(
         fail("--role engine-host needs --host-name (the node's --engine-host NAME:N)", 2)
     if role == "engine-host" and recovery != "belayer":
         fail("--role engine-host runs --recovery belayer (its shadows map its own store)", 2)
+    return checked
 
 
 def check_engine_hosts(specs: list[str]) -> tuple[str, ...]:
@@ -375,22 +383,30 @@ def bus_config(
         fail(str(exc), 2)
 
 
-def check_device_args(device: str, engine_backend: str) -> None:
+def check_device_args(device: str, engine_backend: str) -> tuple[DeviceChoice, EngineBackendName]:
     """``--device`` and ``--engine-backend``: one line, exit 2, for a bad choice or one this
-    machine cannot run (torch is imported only when a GPU is asked for)."""
-    from common.device import DEVICE_CHOICES, resolve_device
-    from services.worker.engine.backend import BACKENDS, check_backend
-
-    if device not in DEVICE_CHOICES:
+    machine cannot run (torch is imported only when a GPU is asked for); both, typed."""
+    if not is_device_choice(device):
         fail(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {device!r}", 2)
-    if engine_backend not in BACKENDS:
+    if not is_backend_name(engine_backend):
         fail(f"--engine-backend must be one of {', '.join(BACKENDS)}, got {engine_backend!r}", 2)
     if device == "cpu" and engine_backend == "belayer":
-        return
+        return device, engine_backend
     try:
         check_backend(engine_backend, resolve_device(device))
     except ValueError as exc:
         fail(str(exc), 2)
+    return device, engine_backend
+
+
+def is_device_choice(value: str) -> TypeGuard[DeviceChoice]:
+    """Whether ``value`` is a ``--device`` choice (then typed as the configs' field)."""
+    return value in DEVICE_CHOICES
+
+
+def is_backend_name(value: str) -> TypeGuard[EngineBackendName]:
+    """Whether ``value`` is an ``--engine-backend`` name (then typed as the worker's field)."""
+    return value in BACKENDS
 
 
 def node_role(role: str) -> Literal["node", "env-host", "engine-host"]:
@@ -402,8 +418,8 @@ def worker_config(
     hang_threshold: float,
     max_num_seqs: int,
     deterministic: bool,
-    device: str = "cpu",
-    engine_backend: str = "belayer",
+    device: DeviceChoice = "cpu",
+    engine_backend: EngineBackendName = "belayer",
 ) -> WorkerConfig:
     """The node's workers: the defaults with ``belayer up``'s worker and engine options
     (``device`` and ``engine_backend`` checked by :func:`check_device_args`)."""
@@ -411,8 +427,8 @@ def worker_config(
     return dataclasses.replace(
         d,
         hang_threshold_s=hang_threshold,
-        device=device,  # type: ignore[arg-type]
-        engine_backend=engine_backend,  # type: ignore[arg-type]
+        device=device,
+        engine_backend=engine_backend,
         engine=dataclasses.replace(
             d.engine, max_num_seqs=max_num_seqs, deterministic=deterministic
         ),
