@@ -227,12 +227,8 @@ def main(
     return result
 
 
-def _secs(x: float) -> str:
-    return f"{x:.1f} s"
-
-
-def _ratio(x: float) -> str:
-    return f"{x:.3f}"
+_secs = "{:.1f} s".format
+_ratio = "{:.3f}".format
 
 
 def _pct(x: float) -> str:
