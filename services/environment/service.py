@@ -23,25 +23,8 @@ from common.errors import BusUnavailable, Conflict, SandboxError
 from common.guard import isolated
 from common.logging import get_logger
 from common.service import Service, run_service
+from schemas import env as wire
 from schemas.base import Ok
-from schemas.env import (
-    CheckpointInfo,
-    EnvCheckpoint,
-    EnvCreate,
-    EnvCreated,
-    EnvDestroy,
-    EnvExec,
-    EnvExecResult,
-    EnvGc,
-    EnvHostInfo,
-    EnvList,
-    EnvListing,
-    EnvPing,
-    EnvRestore,
-    EnvRestored,
-    ReadyPointer,
-    SandboxLimits,
-)
 from schemas.events import CheckpointReady, SandboxRestored
 from services.environment import core
 from services.environment.config import EnvConfig
@@ -65,7 +48,7 @@ class KvReadyStore:
             self._kv = await self.js.key_value(subjects.BUCKET_SANDBOX_PREFIX)
         return self._kv
 
-    async def get(self, sandbox_id: str) -> tuple[ReadyPointer | None, int]:
+    async def get(self, sandbox_id: str) -> tuple[wire.ReadyPointer | None, int]:
         kv = await self.kv()
         try:
             entry = await kv.get(sandbox_id)
@@ -76,7 +59,7 @@ class KvReadyStore:
         if not entry.value:
             return None, int(entry.revision or 0)
         try:
-            pointer = msgspec.msgpack.decode(entry.value, type=ReadyPointer)
+            pointer = msgspec.msgpack.decode(entry.value, type=wire.ReadyPointer)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             # Not ours to trust (anyone on the bus can write the bucket): no ready pointer; the
             # next checkpoint replaces it (compare-and-set on this revision).
@@ -84,7 +67,7 @@ class KvReadyStore:
             return None, int(entry.revision or 0)
         return pointer, int(entry.revision or 0)
 
-    async def advance(self, pointer: ReadyPointer, expected_rev: int) -> int:
+    async def advance(self, pointer: wire.ReadyPointer, expected_rev: int) -> int:
         """Compare-and-set: succeeds only if the key is still at ``expected_rev``."""
         kv = await self.kv()
         value = msgspec.msgpack.encode(pointer)
@@ -110,7 +93,7 @@ class KvReadyStore:
         except (TimeoutError, nats.errors.Error) as exc:
             log.warning("ready_pointer_delete_failed", sandbox_id=sandbox_id, error=repr(exc))
 
-    async def announce(self, info: CheckpointInfo) -> None:
+    async def announce(self, info: wire.CheckpointInfo) -> None:
         event = CheckpointReady(source=self.source, checkpoint=info)
         await events.publish(self.js, event, msg_id=f"checkpoint_ready-{info.checkpoint_id}")
 
@@ -128,26 +111,26 @@ class EnvironmentService:
         self.changed = asyncio.Event()
         """Set when the number of sandboxes changed (the registration is refreshed)."""
 
-    def info(self) -> EnvHostInfo:
+    def info(self) -> wire.EnvHostInfo:
         live = sum(
             1 for r in self.manager.records.values() if r.status is not SandboxState.DESTROYED
         )
-        return EnvHostInfo(
+        return wire.EnvHostInfo(
             host=self.config.node, capacity=self.config.max_sandboxes, sandboxes=live,
             ts=time.time(),
         )  # fmt: skip
 
-    async def on_ping(self, _req: EnvPing, _msg: Msg) -> EnvHostInfo:
+    async def on_ping(self, _req: wire.EnvPing, _msg: Msg) -> wire.EnvHostInfo:
         return self.info()
 
-    def limits(self, lim: SandboxLimits) -> core.Limits:
+    def limits(self, lim: wire.SandboxLimits) -> core.Limits:
         cfg = self.config
         return core.check_limits(
             core.Limits(memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids),
             core.Limits(memory_mb=cfg.max_memory_mb, cpus=cfg.max_cpus, pids=cfg.max_pids),
         )
 
-    async def on_create(self, req: EnvCreate, _msg: Msg) -> EnvCreated:
+    async def on_create(self, req: wire.EnvCreate, _msg: Msg) -> wire.EnvCreated:
         start = time.monotonic()
         limits = self.limits(req.limits)
         rec = await self.manager.create(
@@ -158,18 +141,18 @@ class EnvironmentService:
             sandbox_id=req.sandbox_id,
         )
         self.changed.set()
-        return EnvCreated(
+        return wire.EnvCreated(
             sandbox_id=rec.id,
             container_id=rec.container_id,
             image=rec.image,
             duration_s=time.monotonic() - start,
         )
 
-    async def on_exec(self, req: EnvExec, _msg: Msg) -> EnvExecResult:
+    async def on_exec(self, req: wire.EnvExec, _msg: Msg) -> wire.EnvExecResult:
         out = await self.manager.exec(
             req.sandbox_id, req.command, req.timeout_s or self.config.exec_timeout_s, req.workdir
         )
-        return EnvExecResult(
+        return wire.EnvExecResult(
             sandbox_id=req.sandbox_id,
             stdout=out.stdout.decode(errors="replace"),
             stderr=out.stderr.decode(errors="replace"),
@@ -179,17 +162,17 @@ class EnvironmentService:
             timed_out=out.timed_out,
         )
 
-    async def on_checkpoint(self, req: EnvCheckpoint, _msg: Msg) -> CheckpointInfo:
+    async def on_checkpoint(self, req: wire.EnvCheckpoint, _msg: Msg) -> wire.CheckpointInfo:
         return await self.manager.checkpoint(
             req.sandbox_id, req.prefix, req.trajectory_id, req.timeout_s
         )
 
-    async def on_restore(self, req: EnvRestore, _msg: Msg) -> EnvRestored:
+    async def on_restore(self, req: wire.EnvRestore, _msg: Msg) -> wire.EnvRestored:
         taken = None
         if req.from_store:  # the sandbox's host died: take it over from the checkpoint store
             taken = SandboxRecord(
                 id=core.validate_sandbox_id(req.sandbox_id), image=req.image or self.config.image,
-                container_id="", limits=self.limits(req.limits or SandboxLimits()),
+                container_id="", limits=self.limits(req.limits or wire.SandboxLimits()),
                 trajectory_id=req.trajectory_id, state=SandboxState.FAILED.value,
                 created_at=time.time(),
             )  # fmt: skip
@@ -204,7 +187,7 @@ class EnvironmentService:
             )  # fmt: skip
             msg_id = f"sandbox_restored-{r.record.id}-{r.record.container_id}"
             await events.publish(self.js, event, msg_id=msg_id)
-        return EnvRestored(
+        return wire.EnvRestored(
             sandbox_id=r.record.id,
             container_id=r.record.container_id,
             checkpoint_id=r.manifest.checkpoint_id,
@@ -215,15 +198,15 @@ class EnvironmentService:
             candidates=r.attempts,
         )
 
-    async def on_destroy(self, req: EnvDestroy, _msg: Msg) -> Ok:
+    async def on_destroy(self, req: wire.EnvDestroy, _msg: Msg) -> Ok:
         await self.manager.destroy(req.sandbox_id)
         self.changed.set()
         return Ok(detail=f"destroyed {req.sandbox_id}")
 
-    async def on_list(self, _req: EnvList, _msg: Msg) -> EnvListing:
-        return EnvListing(sandboxes=self.manager.sandboxes())
+    async def on_list(self, _req: wire.EnvList, _msg: Msg) -> wire.EnvListing:
+        return wire.EnvListing(sandboxes=self.manager.sandboxes())
 
-    async def on_gc(self, req: EnvGc, _msg: Msg) -> Ok:
+    async def on_gc(self, req: wire.EnvGc, _msg: Msg) -> Ok:
         n = await self.manager.gc_trajectory(req.trajectory_id)
         return Ok(detail=f"removed {n} checkpoints")
 
@@ -303,13 +286,13 @@ class EnvService(Service[EnvConfig]):
             self.adopting = asyncio.create_task(adopt_when_reachable(manager, self.stop_requested))
         svc = EnvironmentService(config, manager, self.js)
         routes: list[tuple[str, Any, Handler]] = [
-            ("create", EnvCreate, svc.on_create),
-            ("exec", EnvExec, svc.on_exec),
-            ("checkpoint", EnvCheckpoint, svc.on_checkpoint),
-            ("restore", EnvRestore, svc.on_restore),
-            ("destroy", EnvDestroy, svc.on_destroy),
-            ("list", EnvList, svc.on_list),
-            ("gc", EnvGc, svc.on_gc),
+            ("create", wire.EnvCreate, svc.on_create),
+            ("exec", wire.EnvExec, svc.on_exec),
+            ("checkpoint", wire.EnvCheckpoint, svc.on_checkpoint),
+            ("restore", wire.EnvRestore, svc.on_restore),
+            ("destroy", wire.EnvDestroy, svc.on_destroy),
+            ("list", wire.EnvList, svc.on_list),
+            ("gc", wire.EnvGc, svc.on_gc),
         ]
         for op, typ, handler in routes:  # any one host (a queue group), and this host
             await self.server.serve(
@@ -319,7 +302,7 @@ class EnvService(Service[EnvConfig]):
                 subjects.env_host(config.node, op), typ, handler, concurrent=True
             )
         await self.server.serve(
-            subjects.env_host(config.node, "ping"), EnvPing, svc.on_ping, concurrent=True
+            subjects.env_host(config.node, "ping"), wire.EnvPing, svc.on_ping, concurrent=True
         )
         self.registering = asyncio.create_task(register(svc, self.js, self.stop_requested))
         log.info("sandboxes_adopted", node=config.node, sandboxes=len(manager.records))
