@@ -252,13 +252,7 @@ class Supervisor(Service[SupervisorConfig]):
                     stop_timeout=TRAINER_STOP_TIMEOUT_S),
                 lambda nc: request(nc, subjects.trainer_status(), TrainerStatusRequest(), TrainerStatus, timeout=1),
             )  # fmt: skip
-        self.watchers = [
-            asyncio.create_task(self.watch(child), name=f"watch_{child.name}")
-            for child in self.children.values()
-            if not child.name.startswith(("worker-", "shadow-"))
-        ]
-        self.engines.watch_all()
-        await self.engines.subscribe()
+        await self._watch_children()
         if c.metrics_port >= 0:
             self.metrics = MetricsEndpoint(c.metrics_port, c.metrics_addr, log)
             self.metrics_url = await self.metrics.start(self.nc)
@@ -266,6 +260,17 @@ class Supervisor(Service[SupervisorConfig]):
         self._write_node()
         await self.publish(NodeReady(engines=self.engine_ids, run_id=self.run_id))
         log.info("node_ready", nats_url=self.nats_url, engines=self.engine_ids, run_id=self.run_id)
+
+    async def _watch_children(self) -> None:
+        """Watch every child: the engines' workers and shadows through ``self.engines`` (with
+        the handover events it follows), the others here."""
+        self.watchers = [
+            asyncio.create_task(self.watch(child), name=f"watch_{child.name}")
+            for child in self.children.values()
+            if not child.name.startswith(("worker-", "shadow-"))
+        ]
+        self.engines.watch_all()
+        await self.engines.subscribe()
 
     async def _setup_env_host(self) -> None:
         """A host that joined a deployment to run only its sandboxes: the environment service
@@ -301,13 +306,7 @@ class Supervisor(Service[SupervisorConfig]):
         )  # fmt: skip
         await self.engines.start_all()
         await self._wait_engines()
-        self.watchers = [
-            asyncio.create_task(self.watch(child), name=f"watch_{child.name}")
-            for child in self.children.values()
-            if not child.name.startswith(("worker-", "shadow-"))
-        ]
-        self.engines.watch_all()
-        await self.engines.subscribe()
+        await self._watch_children()
         self.ready = True
         self._write_node()
         log.info("engine_host_ready", nats_url=redact(self.nats_url), engines=self.engine_ids)
