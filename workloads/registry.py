@@ -11,7 +11,7 @@ generated or any sandbox starts).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from common.errors import InvalidRequest, NotFound
@@ -142,10 +142,11 @@ def _installed(name: str) -> str:
 
 def _check_options(name: str, target: Callable[..., Any], options: dict[str, Any]) -> None:
     """``InvalidRequest`` for an option ``target`` does not take or a required one missing."""
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):
-        params = {}  # type: ignore[assignment]  # a builtin without a signature: no parameters known
+        params = {}  # a builtin without a signature: no parameters known
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     if takes_any:
         return

@@ -39,6 +39,7 @@ from services.environment.client import with_private_env
 from workloads import FINISH_COMMAND, format_action, format_answer, load_workload
 from workloads.base import SandboxOps, Task
 from workloads.runner import run_episode
+from workloads.swe import SweWorkload
 from workloads.swe_families import TRAIN_FAMILIES
 
 log = get_logger(component="warm_start")
@@ -334,8 +335,8 @@ def swe_demonstrations(
             "variants": shown,
         }
     else:
-        swe = load_workload("swe-bundled", check_image=False)
-        tasks = sorted(swe.tasks(len(swe.train)), key=lambda t: t.id)  # type: ignore[attr-defined]
+        swe = SweWorkload(check_image=False, generated=False)  # the swe-bundled workload
+        tasks = sorted(swe.tasks(len(swe.train)), key=lambda t: t.id)
         variants = SWE_LONG_VARIANTS
         shown = {k: [[f(t) for t in tasks], r] for k, (f, r) in variants.items()}
         fingerprint = {"v": DEMO_VERSION, "kind": kind, "variants": shown, "thoughts": THOUGHTS}
