@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from common.auth import (
+    BusConfig,
     authorization_conf,
     engine_host_identities,
     ensure_identities,
@@ -52,8 +53,8 @@ def preflight(config: SupervisorConfig) -> None:
         fail(one_line(str(exc)))
 
 
-async def _probe(url: str, bus: object) -> None:
-    nc = await connect(url, name="up-preflight", bus=bus, timeout=JOIN_TIMEOUT_S, reconnect=False)  # type: ignore[arg-type]  # bus: a BusConfig, typed object here
+async def _probe(url: str, bus: BusConfig) -> None:
+    nc = await connect(url, name="up-preflight", bus=bus, timeout=JOIN_TIMEOUT_S, reconnect=False)
     await nc.close()
 
 
