@@ -1,10 +1,11 @@
 """What every benchmark shares: progress lines, the result table, the JSON file, the machine.
 
 Each benchmark module exposes ``main(json_path, **options) -> dict``: it measures (progress on
-stderr via :func:`progress`), prints one table of :class:`Row` with :func:`print_table`,
-writes the result with :func:`write_json` and returns it. Every result carries ``bench`` (its
-name), ``timestamp`` and ``machine`` (:func:`machine_info`); a benchmark with targets also
-carries ``targets`` (key → ``{"op", "bound"}``, :func:`targets_json`), ``verdicts``
+stderr via :func:`progress`; :func:`machine_at_start` says the machine first), then
+:func:`publish` prints one table of :class:`Row` (:func:`print_table`) and writes the result
+(:func:`write_json`), which it returns. Every result carries ``bench`` (its name),
+``timestamp`` and ``machine`` (:func:`machine_info`; :func:`machine_after` adds the load at
+the end); a benchmark with targets also carries ``targets`` (key → ``{"op", "bound"}``, :func:`targets_json`), ``verdicts``
 (key → ``PASS``/``MISS``/``UNSURE``) and ``intervals`` (key → the judged value's bootstrap 95 %
 interval, ``bench.stats``). :func:`write_json` stamps every result with ``commit`` (the
 checkout's ``git rev-parse HEAD``, null outside a git checkout) and ``date`` (``YYYY-MM-DD``):
