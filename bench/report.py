@@ -7,9 +7,10 @@ stderr via :func:`progress`; :func:`machine_at_start` says the machine first), t
 ``timestamp`` and ``machine`` (:func:`machine_info`; :func:`machine_after` adds the load at
 the end); a benchmark with targets also carries ``targets`` (key → ``{"op", "bound"}``,
 :func:`targets_json`), ``verdicts`` (key → ``PASS``/``MISS``/``UNSURE``) and ``intervals``
-(key → the judged value's bootstrap 95 % interval, ``bench.stats``). :func:`write_json` stamps every result with ``commit`` (the
-checkout's ``git rev-parse HEAD``, null outside a git checkout) and ``date`` (``YYYY-MM-DD``):
-a copy kept as ``docs/bench/<bench>-<date>.json`` says what it measured.
+(key → the judged value's bootstrap 95 % interval, ``bench.stats``). :func:`write_json`
+stamps every result with ``commit`` (the checkout's ``git rev-parse HEAD``, null outside a
+git checkout) and ``date`` (``YYYY-MM-DD``): a copy kept as ``docs/bench/<bench>-<date>.json``
+says what it measured.
 """
 
 from __future__ import annotations
