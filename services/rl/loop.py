@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -394,6 +395,21 @@ async def kill_shadow(nc: Any, ctx: RunContext, step: int, text: str) -> None:
     log.warning("shadow_killed", pid=pid, engine=name, step=step)
 
 
+def shadow_replaced(kill: dict[str, Any]) -> Callable[[EventBase], bool]:
+    """Matches the ``shadow_ready`` of the shadow that replaced the one ``kill`` killed (its
+    engine, another pid, after the kill)."""
+
+    def match(e: EventBase) -> bool:
+        return (
+            isinstance(e, ShadowReady)
+            and e.engine_id == kill["engine_id"]
+            and e.pid != kill["pid"]
+            and e.ts >= kill["t"]
+        )
+
+    return match
+
+
 async def settle_kills(events: EventTail, ctx: RunContext, step: int) -> None:
     """Wait (bounded) for the recovery of this step's shadow kills."""
     for k in ctx.kills:
@@ -401,14 +417,7 @@ async def settle_kills(events: EventTail, ctx: RunContext, step: int) -> None:
             continue
         try:
             ready = await events.wait_until(
-                lambda e, k=k: (
-                    isinstance(e, ShadowReady)  # type: ignore[misc]  # a lambda with a default argument
-                    and e.engine_id == k["engine_id"]
-                    and e.pid != k["pid"]
-                    and e.ts >= k["t"]
-                ),
-                60.0,
-                f"shadow_ready after {k['injection']}",
+                shadow_replaced(k), 60.0, f"shadow_ready after {k['injection']}"
             )
             k["recovered_t"] = ready.ts
         except Timeout as exc:
