@@ -135,13 +135,7 @@ def train_step(
     for minibatch in minibatches:
         optimizer.zero_grad(set_to_none=True)
         for item in minibatch:
-            loss = loss_fn(item)
-            if not bool(torch.isfinite(loss)):
-                raise FloatingPointError(
-                    f"non-finite loss {float(loss.detach())} in micro-batch {micro}"
-                )
-            loss.backward()
-            total += float(loss.detach())
+            total += backward_micro(loss_fn(item), micro)
             micro += 1
         norm = _clip(params, max_grad_norm)
         grad_norm = float(norm)
@@ -159,6 +153,15 @@ def train_step(
         micro_batches=micro,
         seconds=time.perf_counter() - t0,
     )
+
+
+def backward_micro(loss: Tensor, micro: int) -> float:
+    """Backpropagate micro-batch ``micro``'s loss (gradients accumulate); its value.
+    ``FloatingPointError`` naming the micro-batch for a non-finite loss, before any backward."""
+    if not bool(torch.isfinite(loss)):
+        raise FloatingPointError(f"non-finite loss {float(loss.detach())} in micro-batch {micro}")
+    loss.backward()
+    return float(loss.detach())
 
 
 def _clip(params: list[nn.Parameter], max_norm: float) -> Tensor:
