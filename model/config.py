@@ -135,7 +135,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             torch_dtype=dtype,
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=_as_tuple(raw.get("eos_token_id")),
+            eos_token_id=token_ids(raw.get("eos_token_id")),
             model_type=str(model_type),
         )
         if cfg.num_attention_heads % cfg.num_key_value_heads:
@@ -161,7 +161,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     return cfg
 
 
-def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """A config's token id field (``eos_token_id``: one id, a list or none) as a tuple."""
     if value is None:
         return ()
     if isinstance(value, int):

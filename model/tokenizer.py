@@ -7,6 +7,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from model.config import token_ids
+
 # Used only when neither generation_config.json nor config.json names an EOS token.
 _FALLBACK_EOS = ("<|im_end|>", "<|endoftext|>")
 
@@ -55,17 +57,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     for name in ("generation_config.json", "config.json"):
         path = root / name
         if path.exists():
-            eos = _as_ids(json.loads(path.read_text()).get("eos_token_id"))
+            eos = token_ids(json.loads(path.read_text()).get("eos_token_id"))
             if eos:
                 break
     if not eos:
         eos = tuple(i for t in _FALLBACK_EOS if (i := tok.token_to_id(t)) is not None)
     return Tokenizer(tok, eos)
-
-
-def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
