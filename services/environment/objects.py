@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import shutil
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import nats.errors
@@ -31,6 +32,18 @@ from services.environment import criu_ops as ops
 log = get_logger(component="env.objects")
 PACK_PREFIX = ".pack-"
 """Temporary tar files beside the checkpoint directories (removed after each transfer)."""
+
+
+@contextlib.contextmanager
+def _transfer(doing: str, checkpoint_id: str, pack: Path) -> Iterator[None]:
+    """One transfer through the object store: a bus failure in it is ``BusUnavailable``
+    ("cannot <doing>"), and the temporary tar ``pack`` is removed however it ends."""
+    try:
+        yield
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusUnavailable(f"cannot {doing}: {exc!r}", checkpoint_id=checkpoint_id) from None
+    finally:
+        pack.unlink(missing_ok=True)
 
 
 class CheckpointObjects:
@@ -58,17 +71,10 @@ class CheckpointObjects:
         """Store the checkpoint in ``directory`` (blocking work off the event loop)."""
         obs = await self.store()
         pack = directory.parent / f"{PACK_PREFIX}{checkpoint_id}.tar"
-        try:
+        with _transfer("store the checkpoint in the object store", checkpoint_id, pack):
             await asyncio.to_thread(pack_checkpoint, directory, pack)
             with pack.open("rb") as f:
                 await obs.put(checkpoint_id, f)
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise BusUnavailable(
-                f"cannot store the checkpoint in the object store: {exc!r}",
-                checkpoint_id=checkpoint_id,
-            ) from None
-        finally:
-            pack.unlink(missing_ok=True)
 
     async def fetch(self, checkpoint_id: str, directory: Path) -> None:
         """Fetch a checkpoint into ``directory`` (which must not exist yet): written under a
@@ -77,27 +83,22 @@ class CheckpointObjects:
         directory.parent.mkdir(parents=True, exist_ok=True)
         pack = directory.parent / f"{PACK_PREFIX}{checkpoint_id}.tar"
         tmp = directory.parent / f"{core.TMP_PREFIX}{checkpoint_id}"
-        try:
-            with pack.open("wb") as f:
-                await obs.get(checkpoint_id, writeinto=f)
-            await asyncio.to_thread(unpack_checkpoint, pack, tmp)
-            tmp.rename(directory)
-        except nats.js.errors.ObjectNotFoundError:
-            raise NotFound(
-                "checkpoint not in the object store", checkpoint_id=checkpoint_id
-            ) from None
-        except nats.js.errors.DigestMismatchError:
-            raise CheckpointInvalid(
-                "checkpoint object digest mismatch", checkpoint_id=checkpoint_id
-            ) from None
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise BusUnavailable(
-                f"cannot fetch the checkpoint from the object store: {exc!r}",
-                checkpoint_id=checkpoint_id,
-            ) from None
-        finally:
-            pack.unlink(missing_ok=True)
-            ops.remove_tree(tmp)
+        with _transfer("fetch the checkpoint from the object store", checkpoint_id, pack):
+            try:
+                with pack.open("wb") as f:
+                    await obs.get(checkpoint_id, writeinto=f)
+                await asyncio.to_thread(unpack_checkpoint, pack, tmp)
+                tmp.rename(directory)
+            except nats.js.errors.ObjectNotFoundError:
+                raise NotFound(
+                    "checkpoint not in the object store", checkpoint_id=checkpoint_id
+                ) from None
+            except nats.js.errors.DigestMismatchError:
+                raise CheckpointInvalid(
+                    "checkpoint object digest mismatch", checkpoint_id=checkpoint_id
+                ) from None
+            finally:
+                ops.remove_tree(tmp)
         log.info("checkpoint_fetched", checkpoint_id=checkpoint_id)
 
     async def delete(self, checkpoint_id: str) -> None:
