@@ -1,5 +1,6 @@
 """Client side of the router: ``generate`` (send a request, collect the streamed replies, and
-ride through a router restart) and ``router_status`` (its engine registry and counters).
+ride through a router restart), ``router_status`` (its engine registry and counters) and
+``report_engine_failed`` (a shadow's or a supervisor's word that an engine's worker is gone).
 
 The router never generates a request id twice: resubmitting the same request re-attaches to it
 (a catch-up delta of every token so far, then the live ones) or replays its finished result.
@@ -11,6 +12,7 @@ their index: every token reaches ``on_delta`` exactly once, in order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,10 +24,11 @@ from nats.aio.msg import Msg
 from common import subjects
 from common.bus import request
 from common.codec import decode, encode, raise_error
-from common.errors import BusUnavailable, Overloaded, Timeout
+from common.errors import BelayerError, BusUnavailable, Overloaded, Timeout
 from common.logging import get_logger
-from schemas.base import ErrorReply
+from schemas.base import ErrorReply, Ok
 from schemas.serving import (
+    EngineFailed,
     GenerateReply,
     GenerateRequest,
     GenerateResult,
@@ -210,6 +213,15 @@ async def router_status(nc: NATS, *, timeout: float = 5.0, request_id: str = "")
         RouterStatus,
         timeout=timeout,
     )
+
+
+async def report_engine_failed(nc: NATS, failed: EngineFailed, *, timeout: float) -> None:
+    """Tell the router that ``failed.engine_id``'s main worker at ``failed.epoch`` died or hung,
+    so nothing more is placed on it (a report about an already replaced worker is ignored).
+    Best effort: a report the router did not take within ``timeout`` (none answers, or it
+    refuses) is dropped."""
+    with contextlib.suppress(BelayerError):
+        await request(nc, subjects.router_engine_failed(), failed, Ok, timeout=timeout)
 
 
 async def _still_working(nc: NATS, request_id: str, stream: _Stream) -> bool:

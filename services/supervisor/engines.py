@@ -33,8 +33,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from common import events, subjects
-from common.bus import request
+from common import events
 from common.codec import decode
 from common.config import RunPaths
 from common.epoch import current_epoch
@@ -43,7 +42,6 @@ from common.guard import isolated
 from common.heartbeat import read_identity
 from common.logging import get_logger
 from common.tasks import keep
-from schemas.base import Ok
 from schemas.events import (
     EngineFailedEvent,
     EngineRetired,
@@ -57,7 +55,7 @@ from schemas.events import (
     ServiceRestarted,
 )
 from schemas.serving import EngineFailed, EngineInfo
-from services.router.client import router_status
+from services.router.client import report_engine_failed, router_status
 from services.supervisor.config import SupervisorConfig
 from services.supervisor.policy import (
     HandoverAction,
@@ -226,20 +224,14 @@ class Engines:
         if found is None or found[0].pid != child.pid or self.host.nc is None:
             return
         ident = found[0]
-        with contextlib.suppress(BelayerError):
-            await request(
-                self.host.nc,
-                subjects.router_engine_failed(),
-                EngineFailed(
-                    engine_id=slot.engine_id,
-                    epoch=ident.epoch,
-                    pid=ident.pid,
-                    reason="exited",
-                    detected_at=time.time(),
-                ),
-                Ok,
-                timeout=1.0,
-            )
+        failed = EngineFailed(
+            engine_id=slot.engine_id,
+            epoch=ident.epoch,
+            pid=ident.pid,
+            reason="exited",
+            detected_at=time.time(),
+        )
+        await report_engine_failed(self.host.nc, failed, timeout=1.0)
 
     # --- failed handovers --------------------------------------------------------------------
     def _guard_if_running(self, slot: Slot, old_pid: int) -> None:

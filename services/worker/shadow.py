@@ -33,13 +33,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import events, subjects
-from common.bus import request
+from common import events
 from common.epoch import current_epoch
-from common.errors import BelayerError, Conflict
+from common.errors import Conflict
 from common.heartbeat import Identity, PidWatch, Verdict, assess, read_identity
 from common.logging import get_logger
-from schemas.base import Ok
 from schemas.events import (
     EventBase,
     HandoverComplete,
@@ -51,6 +49,7 @@ from schemas.events import (
 )
 from schemas.serving import EngineFailed
 from services.kv.client import fetch_arena
+from services.router.client import report_engine_failed
 from services.weights.client import fetch_manifest
 from services.worker.config import WorkerConfig
 from services.worker.service import Worker, WorkerProcess
@@ -170,20 +169,14 @@ class Shadow:
         """1. detect: tell the router right away so nothing more is placed on the dead
         worker; announce it."""
         old = d.identity
-        with contextlib.suppress(BelayerError):
-            await request(
-                self.worker.nc,
-                subjects.router_engine_failed(),
-                EngineFailed(
-                    engine_id=self.engine_id,
-                    epoch=old.epoch,
-                    pid=old.pid,
-                    reason="exited" if d.verdict is Verdict.DEAD else "hung",
-                    detected_at=d.detected_at,
-                ),
-                Ok,
-                timeout=self.config.bus_check_timeout_s,
-            )
+        failed = EngineFailed(
+            engine_id=self.engine_id,
+            epoch=old.epoch,
+            pid=old.pid,
+            reason="exited" if d.verdict is Verdict.DEAD else "hung",
+            detected_at=d.detected_at,
+        )
+        await report_engine_failed(self.worker.nc, failed, timeout=self.config.bus_check_timeout_s)
         await self.event(
             HandoverDetected(
                 source=self.source,
