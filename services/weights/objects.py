@@ -49,12 +49,17 @@ async def open_bucket(
     return await js.create_object_store(bucket, config=config)
 
 
-class _Reader(io.RawIOBase):
-    """Reads a flat ``uint8`` tensor in place (no copy of the whole version)."""
+class _Bytes(io.RawIOBase):
+    """A position in the bytes of a flat ``uint8`` tensor, in place (no copy of the whole
+    version)."""
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.view = buf.numpy().data.cast("B")
         self.pos = 0
+
+
+class _Reader(_Bytes):
+    """Reads a flat ``uint8`` tensor in place."""
 
     def readable(self) -> bool:
         return True
@@ -66,12 +71,8 @@ class _Reader(io.RawIOBase):
         return n
 
 
-class _Writer(io.RawIOBase):
+class _Writer(_Bytes):
     """Writes object chunks into a flat ``uint8`` tensor, refusing more than it holds."""
-
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.view = buf.numpy().data.cast("B")
-        self.pos = 0
 
     def writable(self) -> bool:
         return True
