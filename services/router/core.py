@@ -265,12 +265,7 @@ class RouterCore:
         actions.append(EmitEvent(registered))
         if eng.status is EngineStatus.UNHEALTHY:
             return actions
-        interrupted = [self.active[r] for r in sorted(eng.assigned) if r in self.active]
-        eng.assigned.clear()
-        for req in interrupted:
-            req.resumes += 1
-            self.counters["resumes"] += 1
-            req.engine_id = None
+        interrupted = self._take_back(eng)
         if interrupted:
             resumed = ev.RequestsResumed(
                 engine_id=engine_id,
@@ -351,14 +346,9 @@ class RouterCore:
     def mark_unhealthy(self, engine_id: str, *, reason: str) -> list[Action]:
         eng = self.engines[engine_id]
         eng.status = EngineStatus.UNHEALTHY
-        moved = [self.active[r] for r in sorted(eng.assigned) if r in self.active]
-        eng.assigned.clear()
-        for req in moved:
-            req.resumes += 1
-            self.counters["resumes"] += 1
-            req.engine_id = None
-            if req.pinned_engine == engine_id:
-                req.pinned_engine = None
+        moved = self._take_back(eng)
+        for req in (r for r in moved if r.pinned_engine == engine_id):
+            req.pinned_engine = None  # its engine is unhealthy: any healthy engine will do
         unhealthy = ev.EngineUnhealthy(
             engine_id=engine_id,
             reason=reason,
@@ -370,6 +360,16 @@ class RouterCore:
         for req in moved:
             actions += self._place([req])
         return actions
+
+    def _take_back(self, eng: EngineState) -> list[RequestState]:
+        """The active requests ``eng`` held, no longer on any engine (each one resume more)."""
+        reqs = [self.active[r] for r in sorted(eng.assigned) if r in self.active]
+        eng.assigned.clear()
+        for req in reqs:
+            req.resumes += 1
+            self.counters["resumes"] += 1
+            req.engine_id = None
+        return reqs
 
     def _take_pending(self) -> list[RequestState]:
         if self.hold_pending:
