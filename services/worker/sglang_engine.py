@@ -34,6 +34,7 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from services.worker.engine.backend import EngineBackend
 from services.worker.engine.llm_engine import StepOutput
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def new_tokens(meta: dict[str, Any], seen: int) -> tuple[list[int], list[float],
     return [int(p[1]) for p in fresh], [float(p[0]) for p in fresh], max(total, seen)
 
 
-class SglangEngine:
+class SglangEngine(EngineBackend):
     """SGLang's offline engine, driven as the worker's engine (see the module doc)."""
 
     def __init__(
@@ -117,30 +118,23 @@ class SglangEngine:
         self._lock = threading.Lock()
 
     # --- requests -------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        generated_offset: int = 0,
-    ) -> None:
-        """Stream one request; a resumed one's prompt already holds its ``generated_offset``
-        earlier tokens (SGLang simply prefills them)."""
+    def _is_live(self, request_id: str) -> bool:
         with self._lock:
-            if request_id in self._live:
-                raise ValueError(f"duplicate request id {request_id!r}")
-        if not prompt_token_ids:
-            raise ValueError(f"{request_id}: empty prompt")
-        if generated_offset < 0 or generated_offset > len(prompt_token_ids):
-            raise ValueError(f"generated_offset={generated_offset} outside the prompt")
-        if len(prompt_token_ids) >= self.config.max_model_len:
+            return request_id in self._live
+
+    def _queue(self, rid: str, prompt: list[int], sampling: SamplingParams, offset: int) -> None:
+        """Stream one request; a resumed one's prompt already holds its ``offset`` earlier
+        tokens (SGLang simply prefills them)."""
+        if not prompt:
+            raise ValueError(f"{rid}: empty prompt")
+        if len(prompt) >= self.config.max_model_len:
             raise ValueError(
-                f"{request_id}: prompt of {len(prompt_token_ids)} tokens leaves no room under "
+                f"{rid}: prompt of {len(prompt)} tokens leaves no room under "
                 f"max_model_len={self.config.max_model_len}"
             )
-        coro = self._stream(request_id, list(prompt_token_ids), sampling_params(sampling))
+        coro = self._stream(rid, list(prompt), sampling_params(sampling))
         with self._lock:
-            self._live[request_id] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._live[rid] = asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     async def _stream(self, rid: str, input_ids: list[int], params: dict[str, Any]) -> None:
         seen = 0

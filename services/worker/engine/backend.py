@@ -21,8 +21,9 @@ Importing this module imports neither torch nor sglang.
 from __future__ import annotations
 
 import importlib.util
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -36,8 +37,10 @@ EngineBackendName = Literal["belayer", "sglang"]
 BACKENDS: tuple[str, ...] = get_args(EngineBackendName)
 
 
-class EngineBackend(Protocol):
-    """What the worker's scheduling loop and its handover need from an engine."""
+class EngineBackend(ABC):
+    """What the worker's scheduling loop and its handover need from an engine. Every backend
+    derives from it: :meth:`add_request` makes the checks common to all of them, then the
+    backend queues the request (:meth:`_queue`)."""
 
     def add_request(
         self,
@@ -46,32 +49,50 @@ class EngineBackend(Protocol):
         sampling: SamplingParams,
         generated_offset: int = 0,
     ) -> None:
-        """Queue a request; ``ValueError`` (one line) for one the engine can never serve."""
-        ...
+        """Queue a request. ``generated_offset`` = tokens at the end of the prompt that a
+        previous worker generated (a resume). ``ValueError`` (one line) for one the engine can
+        never serve: a duplicate id, an offset outside the prompt, or the backend's own
+        refusals (an empty prompt, one that leaves no room under ``max_model_len``, …)."""
+        if self._is_live(request_id):
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if generated_offset < 0 or generated_offset > len(prompt_token_ids):
+            raise ValueError(f"generated_offset={generated_offset} outside the prompt")
+        self._queue(request_id, prompt_token_ids, sampling, generated_offset)
 
+    @abstractmethod
+    def _is_live(self, request_id: str) -> bool:
+        """Whether ``request_id`` is queued or running (not finished, not aborted)."""
+
+    @abstractmethod
+    def _queue(self, rid: str, prompt: list[int], sampling: SamplingParams, offset: int) -> None:
+        """Queue a request that passed :meth:`add_request`'s checks (or refuse it)."""
+
+    @abstractmethod
     def abort_request(self, request_id: str) -> bool:
         """Stop a request; the next step reports it finished with ``abort``."""
-        ...
 
+    @abstractmethod
     def step(self) -> list[StepOutput]:
         """New tokens (and finishes) since the last step, one output per request."""
-        ...
 
+    @abstractmethod
     def has_unfinished(self) -> bool: ...
 
     @property
+    @abstractmethod
     def num_running(self) -> int: ...
 
     @property
+    @abstractmethod
     def num_waiting(self) -> int: ...
 
+    @abstractmethod
     def warmup(self) -> None:
         """Pay first-call costs ahead of time; also the shadow's health check."""
-        ...
 
+    @abstractmethod
     def load_weights(self, params: dict[str, Tensor]) -> None:
         """Switch to another weight version between steps."""
-        ...
 
 
 def sglang_importable() -> bool:

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from model.config import ModelConfig
 from model.qwen3 import build_model, kv_cache_shape
+from services.worker.engine.backend import EngineBackend
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sampler import Sampler
@@ -60,7 +61,7 @@ class GenerationResult:
     finish_reason: str | None
 
 
-class LLMEngine:
+class LLMEngine(EngineBackend):
     """Continuous-batching inference over mapped weights and a mapped KV cache."""
 
     def __init__(
@@ -113,32 +114,22 @@ class LLMEngine:
         self.model = model
         self.runner.model = model
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        generated_offset: int = 0,
-    ) -> None:
-        """Queue a request. ``generated_offset`` = tokens at the end of the prompt that a
-        previous worker generated (resume); they shift the seeded sampler's token index.
+    def _is_live(self, request_id: str) -> bool:
+        return request_id in self._live
 
-        Raises ``ValueError`` on a duplicate id, an empty prompt, a prompt that leaves no room
-        under ``max_model_len``, or a request that could never fit the KV cache.
-        """
-        if request_id in self._live:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        if generated_offset < 0 or generated_offset > len(prompt_token_ids):
-            raise ValueError(f"generated_offset={generated_offset} outside the prompt")
+    def _queue(self, rid: str, prompt: list[int], sampling: SamplingParams, offset: int) -> None:
+        """The generated ``offset`` shifts the seeded sampler's token index. Also refused
+        (``ValueError``): token ids outside the vocabulary, an empty prompt, a prompt that
+        leaves no room under ``max_model_len``, a request that could never fit the KV cache."""
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"{request_id}: prompt has token ids outside [0, {vocab})")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"{rid}: prompt has token ids outside [0, {vocab})")
         if sampling.seed is None and not sampling.greedy:
             # A seed of its own: its draws are then (seed, j), whatever else is in the batch.
             sampling = dataclasses.replace(sampling, seed=self.sampler.new_seed())
-        seq = Sequence(request_id, list(prompt_token_ids), sampling, generated_offset)
+        seq = Sequence(rid, list(prompt), sampling, offset)
         self.scheduler.add(seq)
-        self._live[request_id] = seq
+        self._live[rid] = seq
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request; the next :meth:`step` reports it finished with ``abort``.
