@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from model.train_forward import token_logprobs
-from model.training import _clip, trainable_parameters
+from model.training import _clip, backward_micro, trainable_parameters
 from schemas.events_training import UpdateMetrics
 from services.trainer.config import GrpoConfig
 from services.trainer.core import (
@@ -239,13 +239,7 @@ def _train(
         if failed is None:
             try:
                 for it in items:
-                    loss = loss_fn(it)
-                    if not bool(torch.isfinite(loss)):
-                        raise FloatingPointError(
-                            f"non-finite loss {float(loss.detach())} in micro-batch {it.index}"
-                        )
-                    loss.backward()
-                    local += float(loss.detach())
+                    local += backward_micro(loss_fn(it), it.index)
             except Exception as exc:
                 failed = exc
         has = [p.grad is not None for p in params]
