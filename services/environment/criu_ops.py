@@ -97,6 +97,20 @@ def freezer_path(init_pid: int) -> Path | None:
     return None
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def container_freezer(container_id: str, root: Path = CGROUP_ROOT) -> Path | None:
+    """The freezer control file of a Docker container found by its id alone, without asking
+    Docker (whose inspect can hang on a wedged container): cgroup v1 or v2, with the
+    ``cgroupfs`` (``docker/<id>``) or ``systemd`` (``system.slice/docker-<id>.scope``) driver."""
+    for rel in (f"docker/{container_id}", f"system.slice/docker-{container_id}.scope"):
+        for control in (root / "freezer" / rel / "freezer.state", root / rel / "cgroup.freeze"):
+            if control.exists():
+                return control
+    return None
+
+
 async def freeze(control: Path, timeout: float = 5.0) -> None:
     """Freeze every task of the cgroup and wait until the kernel reports it frozen."""
     v1 = control.name == "freezer.state"

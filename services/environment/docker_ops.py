@@ -14,6 +14,7 @@ import signal
 import socket
 import struct
 import tarfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ import requests.exceptions
 from common.errors import Conflict, NotFound, SandboxError
 from services.environment.config import EnvConfig
 from services.environment.core import Limits
+from services.environment.criu_ops import container_freezer, is_frozen, thaw
 
 T = TypeVar("T")
 
@@ -44,6 +46,8 @@ INIT_COMMAND = [
 ]
 RACE_MARKERS = ("already exists", "content sha256")
 NOBODY = 65534
+THAW_POLL_S = 0.05
+"""How often ``remove`` thaws a frozen container again while Docker removes it."""
 
 
 @dataclass(frozen=True)
@@ -223,7 +227,34 @@ class DockerOps:
         return os.path.join(self._root, "containers", container_id)
 
     def remove(self, container_id: str) -> None:
-        """Force-remove (kills first); a missing container is fine."""
+        """Force-remove (kills first); a missing container is fine. A frozen container is
+        thawed by hand first: a ``docker pause`` that lands while an exec is starting leaves
+        that exec's ``runc init`` stuck in the frozen cgroup, and Docker's own kill, unpause
+        and inspect of the container then wait for it forever. The container goes anyway, so
+        whatever the thaw lets run has no effect that outlives it."""
+        control = container_freezer(container_id)
+        if control is None or not is_frozen(control):
+            self._remove(container_id)
+            return
+        # A pause Docker has queued behind the stuck exec freezes the cgroup again once the
+        # exec is through: keep the cgroup thawed until the removal is done.
+        removed = threading.Event()
+
+        def keep_thawed() -> None:
+            while not removed.is_set():
+                if is_frozen(control):
+                    thaw(control)
+                removed.wait(THAW_POLL_S)
+
+        thawer = threading.Thread(target=keep_thawed, name="thaw-for-remove", daemon=True)
+        thawer.start()
+        try:
+            self._remove(container_id)
+        finally:
+            removed.set()
+            thawer.join()
+
+    def _remove(self, container_id: str) -> None:
         try:
             with translate("remove", container_id=container_id):
                 self.api.remove_container(container_id, force=True, v=True)
@@ -233,6 +264,13 @@ class DockerOps:
     def kill(self, container_id: str) -> None:
         with translate("kill", container_id=container_id):
             self.api.kill(container_id)
+
+    def paused(self, container_id: str) -> bool:
+        """Whether Docker has the container paused, from its container list (unlike inspect,
+        the list answers while an exec caught by the pause holds the container)."""
+        with translate("paused", container_id=container_id):
+            rows = self.api.containers(all=True, filters={"id": container_id})
+        return bool(rows) and rows[0].get("State") == "paused"
 
     def pause(self, container_id: str) -> None:
         with translate("pause", container_id=container_id):

@@ -335,7 +335,7 @@ class SandboxManager:
         control = self._freezers[cid]
         if control is None or not ops.is_frozen(control):
             return
-        if (await asyncio.to_thread(self.docker.inspect, cid))["State"].get("Paused"):
+        if await asyncio.to_thread(self.docker.paused, cid):
             raise Conflict(
                 "the sandbox is paused (docker pause): unpause it before exec",
                 sandbox_id=rec.id,

@@ -5,8 +5,11 @@ die during a checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from pathlib import Path
 
+import docker.errors
 import pytest
 
 from common.errors import BelayerError, Conflict, SandboxError
@@ -154,3 +157,58 @@ async def test_container_dying_during_a_checkpoint_is_failed_not_running(env) ->
     assert r.prefix == 2 or r.checkpoint_id == first.checkpoint_id
     assert (await c.exec(sid, "cat /root/f")).stdout.strip() == "one"
     assert (await _info(c, sid)).state == "running"
+
+
+def _wedge(dk, cid: str, control: Path) -> threading.Thread:
+    """Freeze the container's cgroup the moment an exec's ``runc init`` joins it (runc refuses
+    an exec that *starts* in a frozen cgroup, so the freeze must land mid-start, as the soak's
+    pause did); the exec is then stuck. Returns the thread blocked in that exec."""
+    tasks = control.with_name("tasks")
+    base = set(tasks.read_text().split())
+    for _ in range(300):  # an exec that got through before the freeze: try again
+        t = threading.Thread(
+            target=lambda: dk.api.exec_start(dk.api.exec_create(cid, ["true"])["Id"]),
+            daemon=True,
+        )
+        t.start()
+        caught = False
+        while t.is_alive() and not caught:
+            if set(tasks.read_text().split()) - base:
+                control.write_text("FROZEN")
+                caught = True
+        t.join(1.5)
+        if t.is_alive():
+            return t
+        if caught:
+            ops.thaw(control)
+    raise AssertionError("300 execs started and none was caught mid-start")
+
+
+@pytest.mark.timeout(120)
+async def test_a_sandbox_wedged_by_a_pause_during_exec_start_is_destroyed(env) -> None:
+    """A ``docker pause`` that lands while an exec is starting leaves the exec's ``runc init``
+    stuck in the frozen cgroup, and Docker's own unpause, inspect and kill wait for it (the
+    soak found it). Built here on purpose: the cgroup frozen as an exec starts, a pause queued
+    behind it. Destroying the sandbox must still remove its container, and the stuck calls end."""
+    c, dk = env.client, require_docker()
+    sid = (await c.create()).sandbox_id
+    cid = (await _info(c, sid)).container_id
+    control = ops.container_freezer(cid)
+    assert control is not None, f"no freezer found for container {cid[:12]}"
+    stuck = await asyncio.to_thread(_wedge, dk, cid, control)
+
+    def pause() -> None:  # refused once the container is gone: that is fine here
+        with contextlib.suppress(docker.errors.APIError):
+            dk.api.pause(cid)
+
+    queued = threading.Thread(target=pause, daemon=True)
+    queued.start()
+    try:
+        await c.destroy(sid)
+        assert dk.api.containers(all=True, filters={"id": cid}) == []
+        await asyncio.to_thread(stuck.join, 30)
+        await asyncio.to_thread(queued.join, 30)
+        assert not stuck.is_alive() and not queued.is_alive()
+    finally:
+        if control.exists():
+            ops.thaw(control)
