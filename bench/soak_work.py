@@ -98,9 +98,6 @@ class SandboxLane:
     def __init__(self, nc: Any, run_dir: Path, history: Any) -> None:
         self.env = EnvClient(nc, timeout=30.0)
         self._kicked = asyncio.Event()
-        self.gate = asyncio.Lock()
-        """Held during each call to the environment service (``sandbox-pause`` waits for it:
-        a ``docker pause`` landing while ``runc exec`` starts in the container wedges it)."""
         self.checkpoints = run_dir / "env" / "checkpoints"
         self.history = history
         self.sandbox_id = ""
@@ -118,15 +115,14 @@ class SandboxLane:
 
     async def _call(self, aw: Any) -> Any:
         """``aw``, or ``BusUnavailable`` as soon as the lane is kicked."""
-        async with self.gate:
-            op = asyncio.ensure_future(aw)
-            kicked = asyncio.ensure_future(self._kicked.wait())
-            try:
-                await asyncio.wait({op, kicked}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                kicked.cancel()
-                if not op.done():
-                    op.cancel()
+        op = asyncio.ensure_future(aw)
+        kicked = asyncio.ensure_future(self._kicked.wait())
+        try:
+            await asyncio.wait({op, kicked}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            kicked.cancel()
+            if not op.done():
+                op.cancel()
         if self._kicked.is_set():
             self._kicked.clear()
             if not op.done() or op.cancelled() or op.exception() is not None:
@@ -234,9 +230,7 @@ async def sandbox_fault(kind: str, lane: SandboxLane, env_pid: int) -> tuple[str
         mid = lane.writing()
         os.kill(env_pid, signal.SIGKILL)
         return ("environment (mid-write)" if mid else "environment (no write seen)"), env_pid
-    if kind == "sandbox-pause":
-        async with lane.gate:  # between two calls of the lane (see ``SandboxLane.gate``)
-            await asyncio.to_thread(docker_fault, kind, lane.container_id)
-    else:
-        await asyncio.to_thread(docker_fault, kind, lane.container_id)
+    # A pause lands whenever it falls, an exec starting included (the environment service
+    # reports it as the sandbox's failure and removes the wedged container).
+    await asyncio.to_thread(docker_fault, kind, lane.container_id)
     return f"sandbox {lane.sandbox_id} ({lane.container_id[:12]})", 0

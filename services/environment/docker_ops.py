@@ -337,8 +337,13 @@ class DockerOps:
         truncated = False
         killed = False
         deadline = start + timeout_s + 5.0
+        frozen = container_freezer(container_id)
+
+        def paused() -> bool:  # read on each second of silence: a stat, Docker only if frozen
+            return frozen is not None and is_frozen(frozen) and self.paused(container_id)
+
         try:
-            for stream, chunk in _frames(raw, deadline):
+            for stream, chunk in _frames(raw, deadline, stop=paused):
                 target = out if stream == 1 else err
                 room = cap - len(target)
                 if room > 0:
@@ -352,6 +357,14 @@ class DockerOps:
                 sock.close()
             except OSError:
                 pass
+        if time.monotonic() < deadline and paused():
+            # Paused as the command ran (or as it started: its runc init is stuck in the frozen
+            # cgroup, and Docker's inspect of it would wait too): the sandbox's failure.
+            raise Conflict(
+                "exec: the sandbox was paused (docker pause) while the command ran",
+                state="paused",
+                container_id=container_id,
+            )
         with translate("exec_inspect", container_id=container_id):
             info = self.api.exec_inspect(ex["Id"])
             if info.get("Running"):
@@ -419,8 +432,11 @@ def _raw_socket(sock: Any) -> socket.socket:
     return raw
 
 
-def _frames(sock: socket.socket, deadline: float) -> Iterator[tuple[int, bytes]]:
-    """Docker's multiplexed stream: 8-byte header (stream, 0, 0, 0, size BE32) + payload."""
+def _frames(
+    sock: socket.socket, deadline: float, stop: Callable[[], bool] = lambda: False
+) -> Iterator[tuple[int, bytes]]:
+    """Docker's multiplexed stream: 8-byte header (stream, 0, 0, 0, size BE32) + payload.
+    Ends early when ``stop()`` holds after a second of silence."""
     buf = bytearray()
 
     def read(n: int) -> bytes | None:
@@ -432,6 +448,8 @@ def _frames(sock: socket.socket, deadline: float) -> Iterator[tuple[int, bytes]]
             try:
                 data = sock.recv(65536)
             except TimeoutError:
+                if stop():
+                    return None
                 continue
             except OSError:
                 return None

@@ -212,3 +212,36 @@ async def test_a_sandbox_wedged_by_a_pause_during_exec_start_is_destroyed(env) -
     finally:
         if control.exists():
             ops.thaw(control)
+
+
+def _running(control: Path, argv: bytes) -> bool:
+    """A task of the container's cgroup runs ``argv`` (NUL-separated, as /proc shows it)."""
+    for pid in control.with_name("tasks").read_text().split():
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == argv:
+                return True
+    return False
+
+
+@pytest.mark.timeout(120)
+async def test_a_pause_while_a_command_runs_is_the_sandboxs_failure_not_a_timeout(env) -> None:
+    """``docker pause`` while an exec's command runs: the exec answers ``Conflict`` (state
+    paused: the sandbox failed, the caller restores) instead of waiting out the command's
+    timeout and reporting it as the command's own ``Timeout``."""
+    c, dk = env.client, require_docker()
+    sid = (await c.create()).sandbox_id
+    cid = (await _info(c, sid)).container_id
+    control = ops.container_freezer(cid)
+    assert control is not None, f"no freezer found for container {cid[:12]}"
+    call = asyncio.ensure_future(c.exec(sid, "sleep 45", timeout_s=60))
+    for _ in range(400):  # the command runs (bounded wait)
+        if _running(control, b"sleep\x0045\x00"):
+            break
+        await asyncio.sleep(0.05)
+    assert _running(control, b"sleep\x0045\x00"), "the command never started"
+    await asyncio.to_thread(dk.api.pause, cid)
+    with pytest.raises(Conflict, match="paused") as paused:
+        await call
+    assert paused.value.data.get("state") == "paused"
+    await c.destroy(sid)
+    assert dk.api.containers(all=True, filters={"id": cid}) == []
