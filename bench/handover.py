@@ -509,6 +509,20 @@ def report(result: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def nondeterministic_resumes(run_dir: Path, model_dir: Path, sizes: Sizes) -> dict[str, Any]:
+    """Sampled resumes on a node started with ``--no-deterministic`` (what holds without it)."""
+    try:
+        progress("starting a belayer node with --no-deterministic (1 engine)")
+        node = up(run_dir, model_dir, "--recovery", "belayer", "--no-deterministic",
+                  "--hang-threshold", str(sizes.hang_threshold_s))  # fmt: skip
+        progress(f"belayer: {sizes.sampled_rounds} sampled resumes, --no-deterministic")
+        return asyncio.run(measure_sampled(node["nats_url"], sizes, run_dir))
+    finally:
+        progress("stopping the --no-deterministic node: belayer down")
+        with contextlib.suppress(Exception):
+            stop_node(run_dir)
+
+
 def main(
     json_path: Path, *, failures: int = 10, heartbeat_s: float = 5.0, model: Path | None = None
 ) -> dict[str, Any]:
@@ -556,26 +570,13 @@ def main(
                     stop_node(run_dir)
             measured["summary"] = summarize(measured["failures"])
             result[mode] = measured
-        run_dir = Path(tmp) / "nondeterministic"
-        try:
-            progress("starting a belayer node with --no-deterministic (1 engine)")
-            node = up(run_dir, model_dir, "--recovery", "belayer", "--no-deterministic",
-                      "--hang-threshold", hang)  # fmt: skip
-            progress(f"belayer: {sizes.sampled_rounds} sampled resumes, --no-deterministic")
-            sampled = asyncio.run(measure_sampled(node["nats_url"], sizes, run_dir))
-        finally:
-            progress("stopping the --no-deterministic node: belayer down")
-            with contextlib.suppress(Exception):
-                stop_node(run_dir)
+        sampled = nondeterministic_resumes(Path(tmp) / "nondeterministic", model_dir, sizes)
         result["nondeterministic"] = {"sampled_resumes": sampled}
     b, base = result["belayer"]["summary"], result["baseline"]["summary"]
     bf, basef = b["first_token_s"]["p50"], base["first_token_s"]["p50"]
     result["speedup_first_token"] = basef / bf if bf and basef else None
-    tp_b, tp_base = (
-        result["belayer"]["throughput"]["tok_s"],
-        result["baseline"]["throughput"]["tok_s"],
-    )
-    result["throughput_vs_baseline_node"] = 1.0 - tp_b / tp_base
+    tok_s = {mode: result[mode]["throughput"]["tok_s"] for mode in ("belayer", "baseline")}
+    result["throughput_vs_baseline_node"] = 1.0 - tok_s["belayer"] / tok_s["baseline"]
     result["throughput_overhead"] = result["belayer"]["shadow_ab"]["overhead"]
     values = {
         "detect_p50_s": b["detect_s"]["p50"],

@@ -179,6 +179,13 @@ def init_tiny_model(
         "pad_token_id": eot,
     }
     _write_json(root / "config.json", config)
+    _write_generation_files(root, eot, im_end)
+    save_file(_random_weights(config, seed), str(root / "model.safetensors"))
+    return root
+
+
+def _write_generation_files(root: Path, eot: int | None, im_end: int | None) -> None:
+    """generation_config.json and tokenizer_config.json (with the chat template)."""
     _write_json(
         root / "generation_config.json",
         {
@@ -201,8 +208,6 @@ def init_tiny_model(
             "chat_template": _CHAT_TEMPLATE,
         },
     )
-    save_file(_random_weights(config, seed), str(root / "model.safetensors"))
-    return root
 
 
 # Qwen's ChatML layout, without tools or thinking blocks.

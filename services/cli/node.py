@@ -262,11 +262,7 @@ def up(
         recovery, role, nats_url, host_name, device, engine_backend
     )
     paths = run_paths(run_dir)
-    node = read_node(paths)
-    if node is not None and process_alive(node.supervisor_pid):
-        fail(
-            f"a node is already running from {paths.root} (supervisor pid {node.supervisor_pid}); run `belayer down` first"
-        )
+    refuse_if_running(paths)
     bus = bus_config(tls_cert, tls_key, tls_ca, replicas)
     plugin_specs = check_plugins(workload_plugin or [])
     reward_specs = check_reward_functions(reward_function or [])
@@ -307,6 +303,15 @@ def up(
     if not detach:
         run_in_foreground(config, paths)
     start_detached(config, paths, timeout)
+
+
+def refuse_if_running(paths: RunPaths) -> None:
+    """One node per run directory: a live supervisor there is a clear error."""
+    node = read_node(paths)
+    if node is not None and process_alive(node.supervisor_pid):
+        fail(
+            f"a node is already running from {paths.root} (supervisor pid {node.supervisor_pid}); run `belayer down` first"
+        )
 
 
 def check_plugins(specs: list[str]) -> tuple[str, ...]:

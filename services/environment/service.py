@@ -98,8 +98,9 @@ class KvReadyStore:
         await events.publish(self.js, event, msg_id=f"checkpoint_ready-{info.checkpoint_id}")
 
 
-class EnvironmentService:
-    """Request handlers (one per op). With ``js``, each restore also publishes
+class EnvHandlers:
+    """The environment's request handlers, one per op (``EnvService`` below is the process
+    that serves them). With ``js``, each restore also publishes
     ``sandbox_restored``."""
 
     def __init__(
@@ -226,7 +227,7 @@ async def adopt_when_reachable(manager: SandboxManager, stop: asyncio.Event) -> 
             await asyncio.wait_for(stop.wait(), 2.0)
 
 
-async def register(svc: EnvironmentService, js: JetStreamContext, stop: asyncio.Event) -> None:
+async def register(svc: EnvHandlers, js: JetStreamContext, stop: asyncio.Event) -> None:
     """Keep this host's registration (KV ``env_hosts``) fresh: every ``register_every_s`` and
     whenever its number of sandboxes changed; deleted on a graceful stop."""
     kv: KeyValue | None = None
@@ -284,7 +285,7 @@ class EnvService(Service[EnvConfig]):
             # dockerd answers, then the sandboxes of a previous run are adopted.
             log.warning("dockerd_unreachable", error=str(exc))
             self.adopting = asyncio.create_task(adopt_when_reachable(manager, self.stop_requested))
-        svc = EnvironmentService(config, manager, self.js)
+        svc = EnvHandlers(config, manager, self.js)
         routes: list[tuple[str, Any, Handler]] = [
             ("create", wire.EnvCreate, svc.on_create),
             ("exec", wire.EnvExec, svc.on_exec),

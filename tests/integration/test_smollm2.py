@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.llama_reference import hf_generate
 from model.chat import ChatFormat
 from model.config import load_model_config
 from model.loader import load_safetensors
@@ -111,22 +112,7 @@ def prompts(smollm2_dir: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_greedy(smollm2_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy ``generate`` of every prompt, alone, to EOS or NEW_TOKENS."""
-    from transformers import AutoModelForCausalLM
-
-    eos = list(load_tokenizer(smollm2_dir).eos_token_ids)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(
-                torch.tensor([p]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos[0],
-            )
-            out.append(ids[0, len(p) :].tolist())
-    return out
+    return hf_generate(smollm2_dir, prompts, NEW_TOKENS)
 
 
 def test_the_import_is_an_hf_directory_transformers_and_belayer_read_alike(
