@@ -113,6 +113,10 @@ class RunContext:
     """The bus connection the steps run over (set by ``train_loop``)."""
     ui: Any = field(default_factory=Quiet)
     """Progress hooks: ``phase(name, done, total)``, ``begin_step``, ``end_step``."""
+    max_tokens: int = 256
+    """Tokens per response of the step's rollouts."""
+    max_turns: int | None = None
+    """LLM turns per trajectory of the step's rollouts (None: the request's default)."""
 
 
 # --- the loop -------------------------------------------------------------------------------
@@ -151,7 +155,7 @@ async def run_step(ctx: RunContext, step: int, faults: StepFaults) -> StepRecord
     result = await run_rollout(nc, ctx, step, faults, ui, times)
     batch = await collect_rewards(nc, ctx, result, ui, times)
     trained = await await_train_step(nc, events, ctx, step, faults, ui, times)
-    await await_weights_switched(nc, ctx, trained, ui, times)
+    await await_weights_switched(nc, ctx, trained.version, ui, times)
     held = await eval_held_out(nc, ctx, step, ui, times)
     await settle_kills(events, ctx, step)
     line = step_record(ctx, step, faults, result, batch, trained, held, times, events, t_start)
@@ -163,11 +167,8 @@ def rollout_id(ctx: RunContext, step: int) -> str:
     return f"{ctx.state.run_id}-i{ctx.state.incarnations}-s{step}"
 
 
-async def run_rollout(
-    nc: Any, ctx: RunContext, step: int, faults: StepFaults, ui: Any, times: Phases
-) -> RolloutResult:
-    """The step's tasks × n through the controller, its injections with it."""
-    t0 = time.monotonic()
+def step_request(ctx: RunContext, step: int, faults: StepFaults) -> RolloutRequest:
+    """The step's rollout request: its tasks × n, its injections."""
     st = ctx.state
     req = RolloutRequest(
         workload=ctx.workload_name,
@@ -179,12 +180,23 @@ async def run_rollout(
         rewards=list(ctx.opts.rewards),
         reward_weights=list(ctx.opts.reward_weights),
         n=st.n,
-        sampling=SamplingParams(temperature=ctx.opts.temperature, max_tokens=256),
+        sampling=SamplingParams(temperature=ctx.opts.temperature, max_tokens=ctx.max_tokens),
         seed=derive_seed(st.seed, step) if ctx.rollout_seed is None else ctx.rollout_seed,
         policy=st.policy,
         failure_rate=ctx.failure_rate,
         inject=faults.rollout,
     )
+    if ctx.max_turns is not None:
+        req = msgspec.structs.replace(req, max_turns=ctx.max_turns)
+    return req
+
+
+async def run_rollout(
+    nc: Any, ctx: RunContext, step: int, faults: StepFaults, ui: Any, times: Phases
+) -> RolloutResult:
+    """The step's tasks × n through the controller, its injections with it."""
+    t0 = time.monotonic()
+    req = step_request(ctx, step, faults)
     accepted = await submit(nc, req)
     ui.phase("rollout", 0, accepted.trajectories)
     if faults.shadow_kill:
@@ -295,9 +307,10 @@ async def await_train_step(
 
 
 async def await_weights_switched(
-    nc: Any, ctx: RunContext, trained: TrainStep, ui: Any, times: Phases
+    nc: Any, ctx: RunContext, version: int, ui: Any, times: Phases
 ) -> None:
-    """Until every engine generates with the pushed version (a one-token probe each)."""
+    """Until every engine generates with weight ``version`` or later (a one-token probe
+    each)."""
     t0 = time.monotonic()
     deadline = t0 + SWITCH_S
     status = await router_status(nc, timeout=5.0)
@@ -308,7 +321,7 @@ async def await_weights_switched(
         for engine_id in sorted(pending):
             probe += 1
             req = GenerateRequest(
-                request_id=f"{ctx.state.run_id}-i{ctx.state.incarnations}-v{trained.version}-"
+                request_id=f"{ctx.state.run_id}-i{ctx.state.incarnations}-v{version}-"
                 f"{engine_id}-{probe}",
                 prompt_token_ids=ctx.chat.generation_header(),
                 sampling=SamplingParams(temperature=0.0, max_tokens=1),
@@ -317,7 +330,7 @@ async def await_weights_switched(
             )
             try:
                 result = await generate(nc, req, timeout=10.0)
-                if result.weight_version >= trained.version:
+                if result.weight_version >= version:
                     pending.discard(engine_id)
             except BelayerError as exc:  # the engine is coming back: probe again
                 log.info("switch_probe_failed", engine_id=engine_id, error=str(exc))
@@ -325,7 +338,7 @@ async def await_weights_switched(
         if pending:
             if time.monotonic() > deadline:
                 raise Timeout(
-                    f"engines {sorted(pending)} did not switch to version {trained.version}",
+                    f"engines {sorted(pending)} did not switch to version {version}",
                     timeout=SWITCH_S,
                 )
             await asyncio.sleep(0.05)  # the workers switch at their next step boundary
