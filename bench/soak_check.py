@@ -21,7 +21,11 @@ records back and returns each violation of:
   (once: no slot twice; not zero: none lost);
 - ``sandbox``: a restored sandbox holds what its checkpoint held, and no checkpoint the
   environment service acknowledged was lost (the restored prefix is at least the last one
-  acknowledged before the failure).
+  acknowledged before the failure);
+- ``injected``: every fault of the schedule was injected (one the soak could not make —
+  its target gone, the node's status unread — is this, not a failed recovery);
+- with a training lane (``--train``), ``trained_once``, ``trained_published``,
+  ``train_steps`` and ``train_lane`` (``bench/soak_train_check.py``).
 
 ``fault_table`` summarises the faults per kind: count, recovered, time until the faulted part
 worked again and until the node was whole again (p50/p99), and the streaming requests that waited longer than ``SLOW_S`` for
@@ -38,10 +42,19 @@ from pathlib import Path
 import msgspec
 
 from bench.report import percentile
+from bench.soak_train_check import (
+    TRAIN_INVARIANTS,
+    Trained,
+    TrainerResumedSeen,
+    TrainError,
+    TrainLane,
+    TrainLaneEnded,
+    check_training,
+)
 
 INVARIANTS = (
     "finished_once", "reference", "stream", "epochs", "split_brain", "recovered", "leftovers",
-    "trajectories", "sandbox",
+    "trajectories", "sandbox", "injected", *TRAIN_INVARIANTS,
 )  # fmt: skip
 """Every invariant ``check`` reports, in the order of the docstring."""
 SLOW_S = 2.0
@@ -99,9 +112,10 @@ class Reference(msgspec.Struct, tag="reference", kw_only=True):
 
 
 class Fault(msgspec.Struct, tag="fault", kw_only=True):
-    """One injected fault: ``back_t`` is when the faulted part worked again (the engine up
-    under another worker, the process restarted), ``recovered_t`` when the whole node was
-    (every process alive, every engine up, every shadow warm again); None: never."""
+    """One fault of the schedule: ``back_t`` is when the faulted part worked again (the engine
+    up under another worker, the process restarted), ``recovered_t`` when the whole node was
+    (every process alive, every engine up, every shadow warm again); None: never.
+    ``injected`` false: the soak could not make it (``detail`` says why)."""
 
     kind: str
     t: float
@@ -110,6 +124,13 @@ class Fault(msgspec.Struct, tag="fault", kw_only=True):
     recovered_t: float | None = None
     back_t: float | None = None
     detail: str = ""
+    injected: bool = True
+
+    @property
+    def made(self) -> bool:
+        """The fault was injected (an older history marks one that was not in ``detail``
+        only)."""
+        return self.injected and not self.detail.startswith("could not be injected")
 
 
 class EpochSeen(msgspec.Struct, tag="epoch", kw_only=True):
@@ -202,6 +223,11 @@ Record = (
     | RolloutEnded
     | CheckpointAcked
     | SandboxBack
+    | TrainLane
+    | Trained
+    | TrainerResumedSeen
+    | TrainError
+    | TrainLaneEnded
 )
 
 _ENCODER = msgspec.json.Encoder()
@@ -391,10 +417,15 @@ def check(records: list[Record]) -> list[Violation]:
     out += _check_rollouts(records)
     out += _check_sandbox(records)
     for f in records:
-        if isinstance(f, Fault) and f.recovered_t is None:
+        if isinstance(f, Fault) and not f.made:
+            out.append(Violation("injected", f"{f.kind} {f.target}", f.detail))
+        elif isinstance(f, Fault) and f.recovered_t is None:
             out.append(
                 Violation("recovered", f"{f.kind} {f.target}", f"never recovered ({f.detail})")
             )
+    published = {t.trajectory_id for t in records if isinstance(t, TrajectorySeen)}
+    kills = [f.t for f in records if isinstance(f, Fault) and f.kind == "trainer-kill" and f.made]
+    out += [Violation(*v) for v in check_training(records, published, kills)]
     for left in records:
         if isinstance(left, Leftovers):
             for what, items in (
@@ -422,7 +453,7 @@ def request_waits(records: list[Record]) -> list[Slow]:
     reqs = [r for r in _requests(records).values() if r.sub is not None and r.sub.stream]
     out = []
     for f in records:
-        if not isinstance(f, Fault):
+        if not isinstance(f, Fault) or not f.made:
             continue
         for req in reqs:
             assert req.sub is not None
@@ -442,6 +473,7 @@ class KindRow:
 
     kind: str
     count: int
+    """Faults of the kind in the schedule (injected or not)."""
     recovered: int
     recover_p50_s: float | None
     """Fault → the node whole again."""
@@ -454,6 +486,8 @@ class KindRow:
     slow: int
     """… of which waited longer than ``SLOW_S`` for their next token."""
     wait_max_s: float | None
+    not_injected: int = 0
+    """… of ``count``: faults the soak could not make (not counted as failed recoveries)."""
 
 
 def fault_table(records: list[Record]) -> list[KindRow]:
@@ -482,6 +516,7 @@ def fault_table(records: list[Record]) -> list[KindRow]:
                 requests_hit=len(ws),
                 slow=sum(w > SLOW_S for w in ws),
                 wait_max_s=max(ws) if ws else None,
+                not_injected=sum(not f.made for f in fs),
             )
         )
     return rows

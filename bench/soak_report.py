@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from bench import soak_check as sc
 from bench.report import Row, machine_info, print_table, timestamp
 from bench.report import progress as report_progress
+from bench.soak_train_check import trained_counts
 
 if TYPE_CHECKING:
     from bench.soak import SoakOptions
@@ -28,6 +29,7 @@ def report(opts: SoakOptions, records: list[sc.Record], info: dict[str, Any]) ->
     finished = [r for r in records if isinstance(r, sc.Finished)]
     kinds = info.get("kinds", [])
     not_fired = [k for k in kinds if k not in {r.kind for r in rows}]
+    trained_steps, trained_trajectories = trained_counts(records)
     verdict = "PASS" if not violations and not not_fired and finished else "FAIL"
     result: dict[str, Any] = {
         "bench": "soak",
@@ -40,6 +42,8 @@ def report(opts: SoakOptions, records: list[sc.Record], info: dict[str, Any]) ->
         "requests": len([r for r in records if isinstance(r, sc.Submitted)]),
         "finished": len(finished),
         "tokens": sum(len(r.tokens) for r in finished),
+        "trained_steps": trained_steps,
+        "trained_trajectories": trained_trajectories,
         "faults": [dataclasses.asdict(r) for r in rows],
         "kinds_not_fired": not_fired,
         "slow_requests": [dataclasses.asdict(w) for w in slow],
@@ -54,6 +58,7 @@ def report(opts: SoakOptions, records: list[sc.Record], info: dict[str, Any]) ->
     summary = [
         Row("requests (finished)", f"{result['requests']} ({result['finished']})"),
         Row("tokens delivered", str(result["tokens"])),
+        Row("train steps (trajectories trained)", f"{trained_steps} ({trained_trajectories})"),
         Row(f"requests waiting > {sc.SLOW_S:g} s after a fault (flagged)", str(len(slow))),
         *(Row(f"violations: {name}", str(by.get(name, 0)), "0", "PASS" if not by.get(name) else "MISS")
           for name in sc.INVARIANTS),
@@ -79,17 +84,17 @@ def print_kinds(rows: list[sc.KindRow]) -> None:
     from rich.table import Table
 
     table = Table(title=f"faults (slow: a stream waited > {sc.SLOW_S:g} s for its next token)")
-    heads = ("kind", "n", "recovered", "back p50 s", "back p99 s", "whole p50 s",
-             "whole p99 s", "hit", "slow", "max wait s")  # fmt: skip
+    heads = ("kind", "n", "not injected", "recovered", "back p50 s", "back p99 s",
+             "whole p50 s", "whole p99 s", "hit", "slow", "max wait s")  # fmt: skip
     for col in heads:
         table.add_column(
             col, justify="left" if col == "kind" else "right", no_wrap=col in ("kind", "recovered")
         )
     for r in rows:
         table.add_row(
-            r.kind, str(r.count), str(r.recovered), _s(r.back_p50_s), _s(r.back_p99_s),
-            _s(r.recover_p50_s), _s(r.recover_p99_s), str(r.requests_hit), str(r.slow),
+            r.kind, str(r.count), str(r.not_injected), str(r.recovered), _s(r.back_p50_s),
+            _s(r.back_p99_s), _s(r.recover_p50_s), _s(r.recover_p99_s), str(r.requests_hit), str(r.slow),
             _s(r.wait_max_s),
         )  # fmt: skip
-    width = max(100, shutil.get_terminal_size((100, 24)).columns)  # ten columns: not squeezed
+    width = max(110, shutil.get_terminal_size((110, 24)).columns)  # 11 columns: not squeezed
     Console(file=sys.stdout, width=width).print(table)

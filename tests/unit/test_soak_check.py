@@ -17,11 +17,22 @@ from bench.soak_check import (
     Leftovers,
     Record,
     Reference,
+    RolloutEnded,
+    RolloutSubmitted,
     Submitted,
+    TrajectorySeen,
     check,
     dump,
     fault_table,
     load,
+)
+from bench.soak_train_check import (
+    Trained,
+    TrainerResumedSeen,
+    TrainError,
+    TrainLane,
+    TrainLaneEnded,
+    trained_counts,
 )
 
 
@@ -179,3 +190,91 @@ def test_records_round_trip_through_jsonl(tmp_path: Path) -> None:
     path.write_bytes(b'{"type": "nonsense"}\n')
     with pytest.raises(ValueError, match=r"history\.jsonl:1"):
         load(path)
+
+
+def test_a_fault_not_injected_is_reported_as_such_not_as_a_failed_recovery() -> None:
+    records: list[Record] = [
+        Fault(
+            kind="sandbox-pause",
+            t=1.0,
+            target="e0",
+            pid=0,
+            injected=False,
+            detail="could not be injected: SandboxError('no live container')",
+        ),
+        # an older history marks it in its detail only
+        Fault(
+            kind="environment-kill",
+            t=2.0,
+            target="environment",
+            pid=0,
+            detail="could not be injected: BelayerError('the node does not answer')",
+        ),
+        Fault(kind="sandbox-pause", t=3.0, target="e0", pid=0, recovered_t=4.0, back_t=3.5),
+    ]
+    assert invariants(records) == ["injected", "injected"]
+    pause, env = fault_table(records)
+    assert (pause.count, pause.not_injected, pause.recovered) == (2, 1, 1)
+    assert (env.count, env.not_injected, env.recovered) == (1, 1, 0)
+
+
+def lane(t: float = 0.0) -> TrainLane:
+    return TrainLane(t=t, workload="math", tasks=2, n=2, base_step=0)
+
+
+def seen(*tids: str) -> list[Record]:
+    """Rollout ``r`` submitted, each of ``tids`` published in its slot, done."""
+    return [
+        RolloutSubmitted(rid="r", t=0.1, workload="math", slots=len(tids)),
+        *(TrajectorySeen(rollout="r", trajectory_id=tid, slot=i, attempt=0, t=0.5)
+          for i, tid in enumerate(tids)),
+        RolloutEnded(rid="r", t=0.6, completed=len(tids)),
+    ]  # fmt: skip
+
+
+def trained(step: int, *tids: str, t: float = 1.0, via: str = "event") -> Trained:
+    return Trained(step=step, rollout="r", trajectory_ids=list(tids), version=step, t=t, via=via)
+
+
+def test_a_clean_training_history_passes_and_is_counted() -> None:
+    records: list[Record] = [
+        lane(), *seen("a", "b", "c", "d"), trained(1, "a", "b"),
+        trained(2, "c", "d", via="resume"), TrainLaneEnded(t=3.0, steps=2),
+    ]  # fmt: skip
+    assert check(records) == []
+    assert trained_counts(records) == (2, 4)
+
+
+def test_a_trajectory_trained_twice_or_never_published_is_caught() -> None:
+    records: list[Record] = [
+        lane(), *seen("a", "b"), trained(1, "a", "b"), trained(2, "b", "x"),
+        TrainLaneEnded(t=3.0, steps=2),
+    ]  # fmt: skip
+    found = {(v.invariant, v.subject) for v in check(records)}
+    assert found == {("trained_once", "b"), ("trained_published", "step 2")}
+
+
+def test_train_steps_must_strictly_increase() -> None:
+    records: list[Record] = [
+        lane(), *seen("a", "b", "c"), trained(2, "a"), trained(2, "b"), trained(1, "c"),
+        TrainLaneEnded(t=3.0, steps=3),
+    ]  # fmt: skip
+    found = [(v.invariant, v.detail) for v in check(records)]
+    assert found == [("train_steps", "finished twice"), ("train_steps", "after step 2")]
+
+
+def test_the_lane_must_train_after_every_trainer_kill_and_never_fail() -> None:
+    kill = Fault(kind="trainer-kill", t=5.0, target="trainer", pid=9, recovered_t=6.0)
+    ok = [lane(), *seen("a"), trained(1, "a", t=7.0), kill, TrainLaneEnded(t=8.0, steps=1)]
+    assert check(ok) == []
+    stalled = [lane(), *seen("a"), trained(1, "a", t=4.0), kill, TrainLaneEnded(t=8.0, steps=1)]
+    assert invariants(stalled) == ["train_lane"]
+    failed: list[Record] = [*ok, TrainError(step=2, t=7.5, error="timeout: no train_step")]
+    assert [(v.invariant, v.subject) for v in check(failed)] == [("train_lane", "lane step 2")]
+    assert invariants([lane()]) == ["train_lane", "train_lane"]  # nothing trained, no end
+
+
+def test_a_history_without_training_checks_none_of_it() -> None:
+    assert check([*good(), TrainerResumedSeen(step=1, version=1, trained=4, replay_steps=0,
+                                              t=1.0)]) == []  # fmt: skip
+    assert trained_counts(good()) == (0, 0)
