@@ -168,11 +168,9 @@ class Schedule:
         """Do ``kind``; (target, pid, t)."""
         if kind in sw.SANDBOX_KINDS:
             assert self.lane is not None
-            v = await sn.view(self.viewer.nc) or self.viewer.latest
+            v = await sn.view_within(self.viewer.nc) or self.viewer.latest
             env_pid = v.procs["environment"][0] if v else 0
-            t = time.time()
-            target, pid = await sw.sandbox_fault(kind, self.lane, env_pid)
-            return target, pid, t
+            return await sw.sandbox_fault(kind, self.lane, env_pid)
         inj = await self.target.inject(self.viewer.nc, kind, engine)
         return inj.target, inj.pid, inj.t
 
@@ -234,9 +232,9 @@ class Schedule:
                 e, parts = await self._claim(kind, engine)
                 try:
                     target, pid, t = await self._inject(kind, e)
-                except (BelayerError, KeyError, OSError) as exc:  # counted as not recovered
+                except (BelayerError, KeyError, OSError) as exc:  # reported as not injected
                     self.busy -= parts
-                    fault = sc.Fault(kind=kind, t=time.time(), target=e, pid=0,
+                    fault = sc.Fault(kind=kind, t=time.time(), target=e, pid=0, injected=False,
                                      detail=f"could not be injected: {exc!r}")  # fmt: skip
                     self.history.write(fault)
                     self.faults.append(fault)

@@ -27,8 +27,8 @@ from typing import Any
 
 from bench import soak_check as sc
 from bench.soak_node import SANDBOX_KINDS as SANDBOX_KINDS
-from common.errors import BelayerError, BusUnavailable
-from schemas.rollout import RolloutRequest
+from common.errors import BelayerError, BusUnavailable, SandboxError, Timeout
+from schemas.rollout import RolloutAccepted, RolloutRequest
 from schemas.serving import SamplingParams
 from services.controller.client import submit, trajectories, wait
 from services.controller.fault_actions import docker_fault
@@ -36,8 +36,18 @@ from services.environment.client import EnvClient
 
 ROLLOUT_TIMEOUT_S = 600.0
 """A rollout not done this long after its submission counts as lost."""
+SUBMIT_WAIT_S = 60.0
+"""How long a rollout is submitted again while no controller answers."""
+SUBMIT_TRY_S = 15.0
+"""One submission's wait for its reply (the controller validates the tasks first)."""
 MID_WRITE_TIMEOUT_S = 30.0
 """How long ``checkpoint-interrupt`` waits for a checkpoint to be in progress."""
+TARGET_TIMEOUT_S = 30.0
+"""How long ``sandbox-kill`` / ``sandbox-pause`` look for the lane's live container (the lane
+between two sandboxes, or its container replaced as the fault lands) before the fault counts
+as not injected."""
+LIVE_STATES = ("running", "checkpointing")
+"""States of a sandbox whose container runs (``services/environment/core.py``)."""
 SANDBOX_FILE = "/root/soak-prefix"
 
 
@@ -50,6 +60,21 @@ def rollout_request(workload: str, rid: str, seed: int) -> RolloutRequest:
     )  # fmt: skip
 
 
+async def submit_through_restarts(nc: Any, req: RolloutRequest) -> RolloutAccepted:
+    """``submit``, again while no controller answers or a reply does not come in
+    ``SUBMIT_TRY_S`` (one is restarting: a request the killed one took gets no reply), up to
+    ``SUBMIT_WAIT_S``: the submission is idempotent for the rollout id (kept in the
+    controller's store)."""
+    deadline = time.monotonic() + SUBMIT_WAIT_S
+    while True:
+        try:
+            return await submit(nc, req, timeout=SUBMIT_TRY_S)
+        except (BusUnavailable, Timeout):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)  # the controller restarting: a bounded retry
+
+
 async def rollout_lane(
     nc: Any, workload: str, tag: str, seed: int, stop: asyncio.Event, history: Any
 ) -> int:
@@ -59,7 +84,9 @@ async def rollout_lane(
         rid = f"soak-{tag}-r{i}"
         i += 1
         try:
-            accepted = await submit(nc, rollout_request(workload, rid, seed * 1000 + i))
+            accepted = await submit_through_restarts(
+                nc, rollout_request(workload, rid, seed * 1000 + i)
+            )
         except BelayerError as exc:
             history.write(sc.RolloutSubmitted(rid=rid, t=time.time(), workload=workload, slots=0))
             history.write(sc.RolloutEnded(rid=rid, t=time.time(), error=f"submit: {exc}"))
@@ -107,6 +134,8 @@ class SandboxLane:
         """When the lane last got a checkpoint acknowledged."""
         self.last_back_t = 0.0
         """When the lane last worked again after a failure (restored, or a fresh sandbox)."""
+        self.between = True
+        """The lane has no sandbox it works in: starting, or restoring after a failure."""
 
     def kick(self) -> None:
         """The environment service was restarted: a call in flight to the old one gets no
@@ -133,6 +162,7 @@ class SandboxLane:
         created = await self._call(self.env.create(trajectory_id="soak-sandbox-lane"))
         self.sandbox_id, self.container_id = created.sandbox_id, created.container_id
         self.prefix = 0
+        self.between = False
 
     async def _step(self) -> None:
         k = self.prefix + 1
@@ -152,6 +182,7 @@ class SandboxLane:
     async def _recover(self, error: str) -> None:
         """Restore the ready checkpoint (or start a fresh sandbox when none is ready yet) and
         read the file back; retried until it works (the service may be restarting)."""
+        self.between = True
         while True:
             try:
                 if self.prefix == 0:
@@ -174,6 +205,7 @@ class SandboxLane:
                     )
                 )  # fmt: skip
                 self.prefix = max(self.prefix, restored)
+                self.between = False
                 return
             except BelayerError as exc:
                 error = f"{error[:200]}; then {exc.code}: {exc}"[:300]
@@ -202,6 +234,20 @@ class SandboxLane:
                 await asyncio.wait_for(self.env.destroy(self.sandbox_id), 30.0)
         return steps
 
+    async def live_container(self) -> str:
+        """The container the environment service runs the lane's sandbox in now, as it lists
+        it (empty: the lane is between sandboxes, or the sandbox is not running)."""
+        if self.between or not self.sandbox_id:
+            return ""
+        try:
+            listing = await self.env.list()
+        except BelayerError:
+            return ""
+        for sb in listing.sandboxes:
+            if sb.id == self.sandbox_id and sb.state in LIVE_STATES:
+                return sb.container_id
+        return ""
+
     def well_since(self, t: float) -> bool:
         """The lane worked again after ``t`` and a checkpoint was acknowledged since."""
         return self.last_back_t > t and self.last_ok_t > self.last_back_t
@@ -217,10 +263,10 @@ class SandboxLane:
         return False
 
 
-async def sandbox_fault(kind: str, lane: SandboxLane, env_pid: int) -> tuple[str, int]:
-    """Do ``kind`` to the lane's sandbox; (target, pid): the pid SIGKILLed (0 for a container).
-    ``checkpoint-interrupt`` waits (bounded) for a checkpoint in progress, then SIGKILLs the
-    environment service (``env_pid``)."""
+async def sandbox_fault(kind: str, lane: SandboxLane, env_pid: int) -> tuple[str, int, float]:
+    """Do ``kind`` to the lane's sandbox; (target, pid, t): the pid SIGKILLed (0 for a
+    container), when. ``checkpoint-interrupt`` waits (bounded) for a checkpoint in progress,
+    then SIGKILLs the environment service (``env_pid``)."""
     if kind == "checkpoint-interrupt":
         deadline = time.monotonic() + MID_WRITE_TIMEOUT_S
         while True:
@@ -228,9 +274,31 @@ async def sandbox_fault(kind: str, lane: SandboxLane, env_pid: int) -> tuple[str
                 break
             await asyncio.sleep(0.002)  # bounded poll of the checkpoint directory
         mid = lane.writing()
+        t = time.time()
         os.kill(env_pid, signal.SIGKILL)
-        return ("environment (mid-write)" if mid else "environment (no write seen)"), env_pid
-    # A pause lands whenever it falls, an exec starting included (the environment service
-    # reports it as the sandbox's failure and removes the wedged container).
-    await asyncio.to_thread(docker_fault, kind, lane.container_id)
-    return f"sandbox {lane.sandbox_id} ({lane.container_id[:12]})", 0
+        return ("environment (mid-write)" if mid else "environment (no write seen)"), env_pid, t
+    return await container_fault(kind, lane)
+
+
+async def container_fault(kind: str, lane: SandboxLane) -> tuple[str, int, float]:
+    """``docker kill`` or ``docker pause`` of the container the lane's sandbox runs in at this
+    moment: read from the environment service right before the fault; while the lane is
+    between sandboxes, or when Docker says the container is not running (replaced as the fault
+    landed), read again, up to ``TARGET_TIMEOUT_S`` (then ``SandboxError``: not injected).
+    A pause lands whenever it falls, an exec starting included (the environment service
+    reports it as the sandbox's failure and removes the wedged container)."""
+    deadline = time.monotonic() + TARGET_TIMEOUT_S
+    missed = "the lane had no live container"
+    while True:
+        cid = await lane.live_container()
+        if cid:
+            t = time.time()
+            try:
+                await asyncio.to_thread(docker_fault, kind, cid)
+                return f"sandbox {lane.sandbox_id} ({cid[:12]})", 0, t
+            except SandboxError as exc:  # replaced meanwhile: the next one is the target
+                missed = str(exc)
+        if time.monotonic() > deadline:
+            raise SandboxError(f"{kind}: no live container to fault in {TARGET_TIMEOUT_S:g} s "
+                               f"({missed})")  # fmt: skip
+        await asyncio.sleep(0.05)  # the lane is between sandboxes: a bounded poll
