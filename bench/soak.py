@@ -35,6 +35,7 @@ from typing import Any
 from bench import soak_check as sc
 from bench import soak_faults as sf
 from bench import soak_node as sn
+from bench import soak_train as st
 from bench import soak_work as sw
 from bench.report import progress as report_progress
 from bench.report import write_json
@@ -48,7 +49,7 @@ from common.errors import BelayerError, InvalidRequest
 from common.events import EventTail
 from common.node import NodeInfo, resolve_bus
 from schemas.serving import GenerateRequest, SamplingParams, StepBatch
-from services.rl.node import launch, running_node, shut_down
+from services.rl.node import NodeHandle, launch, running_node, shut_down
 from services.router.client import generate
 from services.supervisor.client import SupervisorConfig
 
@@ -80,6 +81,8 @@ class SoakOptions:
     """Fault kinds to inject (empty: every kind the node takes)."""
     seed: int = 0
     workload: str = "serve"
+    train: bool = False
+    """A training lane (``bench/soak_train.py``) instead of the rollout lane (math, swe)."""
     engines: int = 1
     """Engines of a node the soak starts."""
     concurrency: int = 4
@@ -247,6 +250,8 @@ async def _prepare(
         raise InvalidRequest(
             "--workload swe: the node runs no environment service (belayer up --env)"
         )
+    if opts.train and "trainer" not in names:
+        raise InvalidRequest("--train: the node runs no trainer (belayer up --training)")
     available = sn.kinds_for(set(names), node.recovery, sandboxes=opts.workload == "swe")
     kinds = opts.kinds or available
     if missing := [k for k in kinds if k not in available]:
@@ -260,10 +265,41 @@ async def _prepare(
     return target, kinds
 
 
+def work_lanes(
+    nc: Any,
+    events: Any,
+    node: NodeHandle,
+    opts: SoakOptions,
+    tag: str,
+    stop: asyncio.Event,
+    history: History,
+) -> list[asyncio.Task[int]]:
+    """The lane beyond generate requests: rollouts (math, swe), or with ``--train`` RL steps
+    (the trainer trains every published trajectory: the two lanes would feed one trainer)."""
+    if opts.workload == "serve":
+        return []
+    if not opts.train:
+        return [
+            asyncio.create_task(sw.rollout_lane(nc, opts.workload, tag, opts.seed, stop, history))
+        ]
+    lane = st.TrainLane(
+        nc,
+        events,
+        node,
+        opts.workload,
+        opts.seed,
+        history,
+        checkpoint_dir=node.paths.root / "trainer" if node.ours else None,
+        deterministic=node.ours and SupervisorConfig().worker.engine.deterministic,
+    )
+    return [asyncio.create_task(lane.run(stop))]
+
+
 async def soak_node(
-    node: NodeInfo, paths: RunPaths, opts: SoakOptions, history: History
+    node: NodeInfo, paths: RunPaths, opts: SoakOptions, history: History, *, ours: bool = False
 ) -> dict[str, Any]:
-    """Load, faults, references on the node; what the report needs of the run."""
+    """Load, faults, references on the node (``ours``: the soak started it); what the report
+    needs of the run."""
     url, bus = resolve_bus(None, role="operator", paths=paths)
     nc = await connect(url, name="soak", bus=bus, timeout=5.0)
     events = await EventTail(nc).start()
@@ -290,8 +326,7 @@ async def soak_node(
             asyncio.create_task(lane(nc, i, tag, opts.seed, stop, history))
             for i in range(opts.concurrency)
         ]
-        work = [asyncio.create_task(sw.rollout_lane(nc, opts.workload, tag, opts.seed, stop, history))
-                for _ in range(1 if opts.workload != "serve" else 0)]  # fmt: skip
+        work = work_lanes(nc, events, NodeHandle(paths, node, ours), opts, tag, stop, history)
         if box is not None:
             work.append(asyncio.create_task(box.run(stop)))
         t0 = time.time()
@@ -310,8 +345,9 @@ async def soak_node(
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         load_s = time.time() - t0
+        what = "train steps" if opts.train else "rollouts"
         progress(
-            f"{sent} requests, {done[0] if done and opts.workload != 'serve' else 0} rollouts in {load_s:.0f} s; fault-free references of each request"
+            f"{sent} requests, {done[0] if done and opts.workload != 'serve' else 0} {what} in {load_s:.0f} s; fault-free references of each request"
         )
         await references(nc, history)
         return {"run_id": node.run_id, "engines": list(engines), "kinds": list(kinds), "requests": sent,
@@ -324,16 +360,18 @@ async def soak_node(
 
 
 def soak_config(paths: RunPaths, opts: SoakOptions) -> SupervisorConfig:
-    """The node a soak starts: the defaults, ``opts.engines`` engines, no sandboxes, no
-    trainer, and no engine retired for failing twice in a row (the soak's faults are not a
-    sick machine's)."""
+    """The node a soak starts: the defaults, ``opts.engines`` engines, the environment service
+    with ``--workload swe``, the trainer with ``--train`` (``bench/soak_train.py``'s, its
+    checkpoints under ``<run dir>/trainer``), and no engine retired for failing twice in a row
+    (the soak's faults are not a sick machine's)."""
     d = SupervisorConfig()
     return dataclasses.replace(
         d,
         run_dir=str(paths.root),
         engines=opts.engines,
         environment=opts.workload == "swe",
-        training=False,
+        training=opts.train,
+        trainer=st.trainer_config(paths.root / "trainer", opts.seed) if opts.train else d.trainer,
         router=dataclasses.replace(d.router, failure_window_s=0.0),
     )
 
@@ -383,6 +421,8 @@ def check_options(opts: SoakOptions) -> None:
         raise InvalidRequest(
             f"unknown fault kind {', '.join(unknown)} (kinds: {', '.join(sn.ALL_KINDS)})"
         )
+    if opts.train and opts.workload == "serve":
+        raise InvalidRequest("--train trains on rollouts: give --workload math or swe")
     if opts.faults < 1 or opts.duration_s <= 0 or opts.concurrency < 1 or opts.engines < 1:
         raise InvalidRequest("--faults, --duration, --concurrency and --engines must be positive")
 
@@ -417,7 +457,9 @@ def _main(opts: SoakOptions, say: Callable[[str], None]) -> dict[str, Any]:
     shm_before = sn.shm_files(node.run_id) if tmp is None else set()
     interrupted = False
     try:
-        info = asyncio.run(_cancel_on_sigterm(soak_node(node, paths, opts, history)))
+        info = asyncio.run(
+            _cancel_on_sigterm(soak_node(node, paths, opts, history, ours=tmp is not None))
+        )
     except (asyncio.CancelledError, KeyboardInterrupt):
         interrupted = True
     finally:

@@ -25,6 +25,20 @@ _KINDS_HELP = (
     "service mid-checkpoint (those three with --workload swe); the others SIGKILL their process."
 )
 
+_WORKLOAD_HELP = (
+    "serve: generate requests; math: also math rollouts through the controller; swe: also swe "
+    "rollouts (Docker sandboxes) and a sandbox lane, checkpointed and restored, for the sandbox "
+    "faults (the node the soak starts then runs the environment service)."
+)
+_TRAIN_HELP = (
+    "With --workload math or swe: a training lane instead of the rollout lane, real RL steps "
+    "back to back (rollout, rewards, the trainer's update, every engine on the new weights; 2 "
+    "tasks x 2 samples at a negligible learning rate, so the load does not drift). The node "
+    "the soak starts then runs the trainer, and trainer-kill is drawn. Checked: no trajectory "
+    "trained twice, each trained one published, steps strictly increasing, the lane training "
+    "again after every trainer-kill and never failing."
+)
+
 
 def soak(
     faults: int = typer.Option(20, "--faults", min=1, help="Faults to inject."),
@@ -33,13 +47,8 @@ def soak(
     ),
     kinds: str = typer.Option("", "--kinds", help=_KINDS_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed of the fault schedule and of the load."),
-    workload: str = typer.Option(
-        "serve",
-        "--workload",
-        help="serve: generate requests; math: also math rollouts through the controller; swe: "
-        "also swe rollouts (Docker sandboxes) and a sandbox lane, checkpointed and restored, "
-        "for the sandbox faults (the node the soak starts then runs the environment service).",
-    ),
+    workload: str = typer.Option("serve", "--workload", help=_WORKLOAD_HELP),
+    train: bool = typer.Option(False, "--train", help=_TRAIN_HELP),
     engines: int = typer.Option(
         1, "--engines", min=1, max=8, help="Engines of a node the soak starts."
     ),
@@ -78,16 +87,20 @@ def soak(
     router, the weight store, the KV arena, the controller (the trainer and
     the environment service where they run); with --workload swe also the
     soak's sandbox (docker kill, docker pause) and a checkpoint mid-write.
-    Faults on different parts overlap; a part is faulted only when whole
-    again, and each fault's time to recover is measured.
+    With --train a training lane runs RL steps on the node's trainer and
+    trainer-kill is among the kinds. Faults on different parts overlap; a
+    part is faulted only when whole again, and each fault's time to recover
+    is measured.
 
     Then every request runs again without faults, and the history (JSONL) is
     checked: each request finished exactly once, with the tokens of its
     fault-free reference; its stream had no gap and no repeat; engine epochs
     only grew; no two workers streamed for one engine in one epoch; every
     rollout's slots were published exactly once; a restored sandbox held an
-    acknowledged checkpoint's state; nothing was left over (processes,
-    /dev/shm files, containers).
+    acknowledged checkpoint's state; every fault was injected; with --train,
+    no trajectory trained twice, each trained one published, train steps
+    strictly increasing, the lane trained after every trainer-kill and had
+    no error; nothing was left over (processes, /dev/shm files, containers).
 
     Prints a table per fault kind and the verdict; exit 1 on FAIL. A node of
     your own should run with --failure-window 0 (else a second worker fault
@@ -96,7 +109,7 @@ def soak(
     from bench.soak import SoakOptions
 
     opts = SoakOptions(
-        faults=faults, duration_s=duration, seed=seed, workload=workload, engines=engines,
+        faults=faults, duration_s=duration, seed=seed, workload=workload, train=train, engines=engines,
         concurrency=concurrency, run_dir=run_dir, out=out, history=history,
         kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()),
     )  # fmt: skip

@@ -3,7 +3,8 @@ from its run directory), loads it (generate requests and math rollouts through t
 controller), injects every process fault kind on real processes, checks every request's and
 trajectory's history and stops the node. The verdict must be PASS with 0 violations and every
 kind fired and recovered; what the checker judged is read back from the history, and the
-node's leftovers are looked for here as well. The swe workload adds a sandbox lane on real
+node's leftovers are looked for here as well. ``--train`` runs RL steps on the node's
+trainer, killed among the rest. The swe workload adds a sandbox lane on real
 Docker + CRIU and its faults: a sandbox killed, paused, a checkpoint interrupted mid-write. A
 SIGTERM in the middle of a soak stops it and the node it started, leaving nothing behind."""
 
@@ -29,6 +30,9 @@ from bench.soak_check import (
     RolloutSubmitted,
     SandboxBack,
     Submitted,
+    Trained,
+    TrainerResumedSeen,
+    TrainError,
     TrajectorySeen,
     load,
 )
@@ -154,6 +158,29 @@ def test_sandbox_faults_of_the_swe_workload_are_recovered(tmp_path: Path) -> Non
         all=True, filters={"label": f"belayer.node={node_label(run_id)}"}
     )
     assert not left, "sandbox containers left behind"
+
+
+def test_a_training_soak_passes_with_trainer_kills(tmp_path: Path) -> None:
+    """``--workload math --train``: real RL steps on the node's trainer while it, the weight
+    store, the controller and a worker are killed; every trajectory trained was published and
+    trained once, the steps strictly increased, and the lane trained again after the trainer
+    was killed and resumed; the weights did not move (learning rate 1e-12)."""
+    kinds = ("trainer-kill", "weights-kill", "controller-kill", "worker-kill")
+    result = run_soak(tmp_path, kinds, "--duration", "30", "--workload", "math", "--train")
+    records = load(Path(result["history"]))
+    steps = [r for r in records if isinstance(r, Trained)]
+    assert result["trained_steps"] == len(steps) >= 1
+    ids = [t for s in steps for t in s.trajectory_ids]
+    assert result["trained_trajectories"] == len(ids) == len(set(ids))
+    assert set(ids) <= {t.trajectory_id for t in records if isinstance(t, TrajectorySeen)}
+    assert [s.step for s in steps] == sorted({s.step for s in steps})
+    kill = next(f for f in records if isinstance(f, Fault) and f.kind == "trainer-kill")
+    assert any(r.t > kill.t for r in records if isinstance(r, TrainerResumedSeen))
+    assert any(s.t > kill.t for s in steps)
+    assert not [e for e in records if isinstance(e, TrainError)]
+    assert len({s.weights_sha256 for s in steps if s.weights_sha256}) == 1
+    assert_rollouts(records)
+    assert_nothing_left(result["node"]["run_id"], tmp_path)
 
 
 def recheck(history: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -3,6 +3,10 @@ hand, and which parts of a node each fault kind touches (``bench/soak_faults.py`
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from bench.soak_check import (
     CheckpointAcked,
     Record,
@@ -74,3 +78,23 @@ def test_sandbox_kinds_only_with_a_sandbox_lane_and_parts_per_kind() -> None:
     for kind in (*SANDBOX_KINDS, "environment-kill"):
         assert parts_of(kind, "e0", engines) == {"environment"}
     assert set(ALL_KINDS) >= {"sandbox-kill", "sandbox-pause", "checkpoint-interrupt"}
+
+
+def test_train_runs_the_trainer_and_draws_trainer_kill_and_is_refused_with_serve() -> None:
+    from bench.soak import SoakOptions, check_options, soak_config
+    from bench.soak_train import TRAIN_LR, TRAIN_SAMPLES, TRAIN_TASKS
+    from common.config import RunPaths
+    from common.errors import InvalidRequest
+
+    procs = {"router", "weights", "kv", "controller"}
+    assert "trainer-kill" not in kinds_for(procs, "belayer")
+    assert "trainer-kill" in kinds_for(procs | {"trainer"}, "belayer")
+    assert parts_of("trainer-kill", "e0", ("e0",)) == {"trainer"}
+    paths = RunPaths(Path("/tmp/soak-node"))
+    cfg = soak_config(paths, SoakOptions(workload="math", train=True))
+    assert cfg.training and not soak_config(paths, SoakOptions(workload="math")).training
+    t = cfg.trainer
+    assert (t.group_size, t.groups_per_step, t.optim.lr) == (TRAIN_SAMPLES, TRAIN_TASKS, TRAIN_LR)
+    assert t.checkpoint_dir == paths.root / "trainer"
+    with pytest.raises(InvalidRequest, match="--workload math or swe"):
+        check_options(SoakOptions(workload="serve", train=True))
