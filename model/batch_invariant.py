@@ -39,6 +39,7 @@ switch maps to SGLang's ``--enable-deterministic-inference`` (batch-invariant ke
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -149,16 +150,21 @@ def pad_rows(x: Tensor, dim: int, rows: int = MIN_GEMM_ROWS) -> tuple[Tensor, in
     return torch.cat([x, x.new_zeros(shape)], dim=dim), n
 
 
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``F.linear(x, weight)`` (no bias) whose rows do not depend on the other rows of ``x``."""
+def linear(x: Tensor, weight: Tensor, product: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """``F.linear(x, weight)`` (no bias) whose rows do not depend on the other rows of ``x``.
+
+    ``product``: computes ``F.linear(rows, weight)`` with its bits from ``min_rows`` rows up
+    (the engine's prepared :class:`model.fused.Projection`); ``F.linear`` itself by default.
+    """
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     n_out, k = weight.shape
+    run = product if product is not None else functools.partial(F.linear, weight=weight)
     if flat.shape[0] >= MIN_GEMM_ROWS:
-        return F.linear(flat, weight).reshape(*lead, n_out)
+        return run(flat).reshape(*lead, n_out)
     m = flat.shape[0]
     rows, n = pad_rows(flat.contiguous(), 0, padded_rows("linear", k, n_out, m, weight.dtype))
-    out = F.linear(rows, weight)
+    out = run(rows)
     return (out if rows.shape[0] == n else out[:n]).reshape(*lead, n_out)
 
 
@@ -211,13 +217,13 @@ def attend(q: Tensor, q_pos: Tensor, kv: Tensor, cache: dict[str, Tensor] | None
     c = kv.shape[4]
     need = max(padded_rows("qk", hd, c, m, q.dtype), padded_rows("pv", c, hd, m, q.dtype))
     qp, _ = pad_rows(q, 2, need)
-    pos, _ = pad_rows(q_pos, 1, need)  # padded rows see key 0 only; their output is dropped
     rows = qp.shape[2]
     qf = qp.reshape(s * kvh, rows, hd)
     scale = hd**-0.5
     chunks = kv.shape[1]
     hidden = cache.get(f"hidden-{rows}-{chunks}") if cache is not None else None
     if hidden is None:
+        pos, _ = pad_rows(q_pos, 1, need)  # padded rows see key 0 only; their output is dropped
         key_pos = torch.arange(chunks * c, device=q.device).view(chunks, 1, 1, 1, c)
         hidden = key_pos > pos[None, :, None, :, None]  # [chunks, S, 1, rows, C]
         if cache is not None:

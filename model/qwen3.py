@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from model import batch_invariant as bi
 from model.config import ModelConfig
+from model.fused import Projection
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -200,6 +201,10 @@ class Qwen3Attention(nn.Module):
         if cfg.family.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv: Projection | None = None
+        """The engine's q, k and v as one product (:func:`model.fused.prepare_for_inference`)."""
+        self.o: Projection | None = None
+        """The engine's output projection (likewise)."""
 
     def project_qkv(
         self, x: Tensor, cos: Tensor, sin_rot: Tensor, det: bool = False
@@ -211,11 +216,20 @@ class Qwen3Attention(nn.Module):
         batch-invariant matmul (the paged deterministic forward passes False: its rows are
         already padded, so the plain matmul is row-invariant).
         """
-        lead = x.shape[:-1]
+        lead, h, kvh, hd = x.shape[:-1], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is not None and not det:
+            # Views of one product, q and k rotated together: every op below is row-wise and
+            # elementwise-exact or a copy, so the bits are those of the separate products.
+            qkv = self.qkv(x).view(*lead, h + 2 * kvh, hd)
+            qk, v = qkv[..., : h + kvh, :], qkv[..., h + kvh :, :]
+            if self.q_norm is not None and self.k_norm is not None:
+                qk = torch.cat((self.q_norm(qk[..., :h, :]), self.k_norm(qk[..., h:, :])), -2)
+            qk = _apply_rope(qk, cos, sin_rot)
+            return qk[..., :h, :], qk[..., h:, :], v
         lin = bi.linear if det else _linear
-        q = lin(x, self.q_proj.weight).view(*lead, self.num_heads, self.head_dim)
-        k = lin(x, self.k_proj.weight).view(*lead, self.num_kv_heads, self.head_dim)
-        v = lin(x, self.v_proj.weight).view(*lead, self.num_kv_heads, self.head_dim)
+        q = lin(x, self.q_proj.weight).view(*lead, h, hd)
+        k = lin(x, self.k_proj.weight).view(*lead, kvh, hd)
+        v = lin(x, self.v_proj.weight).view(*lead, kvh, hd)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = _apply_rope(q, cos, sin_rot)
@@ -272,14 +286,17 @@ class Qwen3Attention(nn.Module):
             flat_cache[0].index_copy_(0, attn.slot_mapping, k[:n])
             flat_cache[1].index_copy_(0, attn.slot_mapping, v[:n])
             out = self._deterministic_attention(q[:n], attn, flat_cache, kv_slots)
-            return _linear(F.pad(out.reshape(n, -1), (0, 0, 0, t - n)), self.o_proj.weight)
+            return self._project_out(F.pad(out.reshape(n, -1), (0, 0, 0, t - n)))
         flat_cache[0].index_copy_(0, attn.slot_mapping, k)
         flat_cache[1].index_copy_(0, attn.slot_mapping, v)
         if attn.is_prefill:
             out = self._prefill_attention(q, k, v, attn.seq_lens)
         else:
             out = self._decode_attention(q, attn, block_cache)
-        return F.linear(out.reshape(t, -1), self.o_proj.weight)
+        return self._project_out(out.reshape(t, -1))
+
+    def _project_out(self, x: Tensor) -> Tensor:
+        return self.o(x) if self.o is not None else F.linear(x, self.o_proj.weight)
 
     def _prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: list[int]) -> Tensor:
         # Whole sequences from position 0: the fresh K/V are the full context, so no cache
@@ -331,7 +348,9 @@ class Qwen3Attention(nn.Module):
         kv = flat_cache.view(-1, hd).index_select(0, index)
         kv = kv.view(2, chunks, b, kvh, bi.ATTENTION_CHUNK, hd)
         rows = q.view(b, kvh, g, hd)
-        pos = (attn.context_lens - 1)[:, None].expand(b, g)
+        pos = cache.get("pos")
+        if pos is None:
+            pos = cache["pos"] = (attn.context_lens - 1)[:, None].expand(b, g)
         return bi.attend(rows, pos, kv, cache).reshape(b, self.num_heads, hd)
 
     def _decode_attention(self, q: Tensor, attn: AttentionMetadata, block_cache: Tensor) -> Tensor:
@@ -359,10 +378,21 @@ class Qwen3MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up: Projection | None = None
+        """The engine's gate and up as one product (:func:`model.fused.prepare_for_inference`)."""
+        self.down: Projection | None = None
+        """The engine's down projection (likewise)."""
 
     def forward(self, x: Tensor, det: bool = False, padded: bool = False) -> Tensor:
         """``det``: the batch-invariant SiLU and matmuls; ``padded``: ``x``'s rows are already
         enough for the plain matmul to be row-invariant (the paged deterministic forward)."""
+        if self.gate_up is not None and self.down is not None and (padded or not det):
+            gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+            # bi.silu's first op (clamp) is exact on the strided view; F.silu's scalar tail
+            # would fall per row on it, so it gets the contiguous copy the separate product gave.
+            act = bi.silu(gate) if det else F.silu(gate.contiguous())
+            return self.down(act * up)
         if det:
             lin = _linear if padded else bi.linear
             gate = bi.silu(lin(x, self.gate_proj.weight))
@@ -416,6 +446,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.deterministic = False
         """Batch-invariant forward (see the module docstring); set by :func:`build_model`."""
+        self.head: Projection | None = None
+        """The engine's output layer (:func:`model.fused.prepare_for_inference`)."""
         self._det_min_rows: int | None = None
         self.rope_cos: Tensor
         self.rope_sin: Tensor
@@ -498,7 +530,9 @@ class Qwen3ForCausalLM(nn.Module):
         their log-probability is −inf in the engine and the trainer alike."""
         if self.deterministic:
             with bi.one_thread():
-                logits = bi.linear(hidden, self.lm_head.weight)
+                logits = bi.linear(hidden, self.lm_head.weight, self.head)
+        elif self.head is not None:
+            logits = self.head(hidden)
         else:
             logits = F.linear(hidden, self.lm_head.weight)
         limit = self.config.output_vocab_size

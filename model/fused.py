@@ -1,0 +1,160 @@
+"""The engine's products laid out for speed: fused projections, MKL-packed weights.
+
+A decode step of a small model is a string of small matmuls, and on the CPU each one costs
+mostly what it takes to stream its weight through the cache (``docs/architecture.md``, "Engine
+speed: where the time goes"). :func:`prepare_for_inference` gives the engine's model, once per
+weight version:
+
+- **fused projections**: q, k and v read the same normed input, and so do the MLP's gate and up;
+  each group becomes one matrix (``torch.cat`` of the parameters), so one product instead of
+  three (two) and one call's overhead;
+- **packed weights**: each matrix, where MKL is there, pre-packed once for its GEMM
+  (``torch.ops.mkl._mkl_reorder_linear_weight``, which torch's own CPU freezing uses), so the
+  per-call repacking of the weight that ``F.linear`` does for a GEMM of a few rows is gone.
+
+Neither changes a bit. From :func:`model.batch_invariant.min_rows` rows up (where ``F.linear``
+runs the one GEMM kernel whose rows do not depend on the other rows), the columns of a fused
+product are those of the separate products and a packed product gives ``F.linear``'s bits;
+below it ``F.linear`` picks other kernels (a matrix-vector product for one row) whose results
+depend on the matrix's shape, so there a :class:`Projection` runs the separate matrices
+unpacked, as before. Both claims are measured on this repository's torch/MKL, and
+:func:`is_exact` checks them on this machine once per shape and process before a product is
+fused or packed. So greedy output, the fast mode's agreement with transformers and the
+deterministic mode's bitwise agreement with the trainer (whose dense forward keeps the separate
+parameters and plain ``F.linear``) all stay as they were.
+
+The prepared matrices are the engine's own copies (the parameters stay zero-copy views of the
+weight store's memory): each engine process holds the fused q/k/v and gate/up matrices and the
+packed forms besides the mapped weights. The checkpoint format does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model import batch_invariant as bi
+
+if TYPE_CHECKING:
+    from model.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
+
+_EXACT: dict[tuple[tuple[tuple[int, int], ...], bool], bool] = {}
+
+
+@dataclass(frozen=True)
+class Projection:
+    """``torch.cat([F.linear(x, w) for w in parts], -1)`` for the engine (no autograd), bit for bit.
+
+    ``weight`` stacks the ``parts`` (the same tensor when there is one); ``packed`` is its
+    MKL-packed form or None. From ``min_rows`` rows up the product runs on ``packed`` (else
+    ``weight``) in one call; below, on each part with ``F.linear``.
+    """
+
+    parts: tuple[Tensor, ...]
+    weight: Tensor
+    packed: Tensor | None = None
+    min_rows: int = bi.MIN_GEMM_ROWS
+
+    def __call__(self, x: Tensor) -> Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows < self.min_rows:
+            if len(self.parts) == 1:
+                return F.linear(x, self.weight)
+            return torch.cat([F.linear(x, w) for w in self.parts], dim=-1)
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, None, rows)
+
+
+def can_pack(weight: Tensor) -> bool:
+    """MKL packing is there for this weight (fp32 on the CPU, torch built with MKL)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_linear")
+    )
+
+
+def pack(weight: Tensor) -> Tensor:
+    """``weight`` ``[n, k]`` packed for MKL's sgemm (the packing does not depend on the rows)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight, bi.MIN_GEMM_ROWS)
+
+
+def floor_rows(shapes: tuple[tuple[int, int], ...]) -> int:
+    """The fewest rows from which the parts (``[n, k]`` each) and their stack all run the
+    row-invariant GEMM (:func:`model.batch_invariant.min_rows`)."""
+    k = shapes[0][1]
+    stacked = sum(n for n, _ in shapes)
+    return max(bi.min_rows("linear", k, n) for n in (stacked, *(n for n, _ in shapes)))
+
+
+def is_exact(shapes: tuple[tuple[int, int], ...], packed: bool) -> bool:
+    """Whether a :class:`Projection` of fp32 parts of these ``[n, k]`` shapes, stacked and
+    ``packed`` or not, gives the separate ``F.linear`` bits for every bucket of rows from
+    :func:`floor_rows` up and a few larger counts, on this machine (probed once per shapes and
+    process: the kernels depend on the shapes, not the values)."""
+    key = (shapes, packed)
+    found = _EXACT.get(key)
+    if found is None:
+        found = _EXACT[key] = _probe(shapes, packed)
+    return found
+
+
+def _probe(shapes: tuple[tuple[int, int], ...], packed: bool) -> bool:
+    k = shapes[0][1]
+    gen = torch.Generator().manual_seed(7_000_003 * k + sum(n for n, _ in shapes))
+    floor = floor_rows(shapes)
+    counts = [b for b in bi.ROW_BUCKETS if b >= floor] + [bi.MIN_GEMM_ROWS + 1, 37]
+    with torch.inference_mode(), bi.one_thread():
+        parts = tuple(torch.randn(n, k, generator=gen) for n, _ in shapes)
+        product = _projection(parts, packed, floor)
+        x = torch.randn(max(counts), k, generator=gen)
+        for m in counts:
+            rows = x[:m].clone()
+            separate = torch.cat([F.linear(rows, w) for w in parts], dim=-1)
+            if not torch.equal(product(rows), separate):
+                return False
+    return True
+
+
+def _projection(parts: tuple[Tensor, ...], packed: bool, floor: int) -> Projection:
+    weight = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return Projection(parts, weight, pack(weight) if packed else None, floor)
+
+
+def projection(weights: list[Tensor]) -> Projection:
+    """One product for ``weights`` (``[n, k]`` each, the same ``k``): stacked and packed where
+    :func:`is_exact` says so on this machine, stacked only, or as they are."""
+    parts, shapes = tuple(weights), tuple((w.shape[0], w.shape[1]) for w in weights)
+    floor = floor_rows(shapes)
+    if can_pack(weights[0]) and is_exact(shapes, True):
+        return _projection(parts, True, floor)
+    if len(parts) > 1 and is_exact(shapes, False):
+        return _projection(parts, False, floor)
+    return Projection(parts[:1], parts[0], None, floor) if len(parts) == 1 else _separate(parts)
+
+
+def _separate(parts: tuple[Tensor, ...]) -> Projection:
+    # Never one call: min_rows above every row count keeps the parts apart.
+    return Projection(parts, parts[0], None, min_rows=2**62)
+
+
+def prepare_for_inference(model: Qwen3ForCausalLM) -> None:
+    """Give ``model`` (built by :func:`model.qwen3.build_model`, not trained afterwards: the
+    prepared matrices are copies) its fused and packed products; its paged forward and
+    :meth:`~model.qwen3.Qwen3ForCausalLM.compute_logits` then use them. The dense (training)
+    forward keeps the parameters. Call again after the weights change."""
+    with torch.no_grad():
+        for module in model.model.layers:
+            layer = cast("Qwen3DecoderLayer", module)
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv = projection([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            attn.o = projection([attn.o_proj.weight])
+            mlp.gate_up = projection([mlp.gate_proj.weight, mlp.up_proj.weight])
+            mlp.down = projection([mlp.down_proj.weight])
+        model.head = projection([model.lm_head.weight])
