@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from common.errors import BelayerError, Conflict, Timeout
+from common.errors import BelayerError, BusUnavailable, Conflict, Timeout
 from common.events import EventTail
 from common.logging import get_logger
 from model.chat import ChatFormat
@@ -313,7 +313,14 @@ async def await_weights_switched(
     each)."""
     t0 = time.monotonic()
     deadline = t0 + SWITCH_S
-    status = await router_status(nc, timeout=5.0)
+    while True:
+        try:
+            status = await router_status(nc, timeout=5.0)
+            break
+        except (BusUnavailable, Timeout):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)  # the router is restarting: a bounded retry
     pending = {e.id for e in status.engines if e.state != "unhealthy"}
     ui.phase("push", 0, len(pending))
     probe = 0
