@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model import fused
 from model.config import load_model_config
 from model.fused import Projection, can_pack, floor_rows, is_exact, pack, prepare_for_inference
 from model.loader import load_safetensors
@@ -78,6 +79,16 @@ def test_prepared_products_give_the_plain_models_bits(
     assert prepared.head is not None
     assert torch.equal(step_logits(prepared, batch), step_logits(plain, batch))
     assert prepared.state_dict().keys() == plain.state_dict().keys()  # the format is unchanged
+
+
+def test_a_model_over_the_bound_is_left_as_it_is(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = build_model(load_model_config(model_dir), load_safetensors(model_dir))
+    monkeypatch.setattr(fused, "PREPARE_MAX_BYTES", 1024)
+    assert not prepare_for_inference(model)
+    assert model.head is None
+    assert all(layer.self_attn.qkv is None for layer in model.model.layers)  # type: ignore[union-attr]  # layers are Qwen3DecoderLayers
 
 
 @pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="torch built without MKL")

@@ -115,8 +115,9 @@ class LLMEngine(EngineBackend):
         self.runner.model = model
 
     def _build_model(self, params: dict[str, Tensor]) -> Qwen3ForCausalLM:
-        """The model over ``params`` with the engine's fused and packed products
-        (:mod:`model.fused`: same bits, fewer and cheaper matmuls)."""
+        """The model over ``params``, with the engine's fused and packed products where the
+        model is small enough for them to pay (:mod:`model.fused`: same bits, fewer and cheaper
+        matmuls)."""
         model = build_model(self.model_config, params, deterministic=self.config.deterministic)
         prepare_for_inference(model)
         return model
