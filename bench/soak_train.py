@@ -99,7 +99,28 @@ class TrainLane:
         self._resumes: set[tuple[float, int]] = set()
 
     async def run(self, stop: asyncio.Event) -> int:
-        """Steps until ``stop`` (the step in flight is finished); how many trained."""
+        """Steps until ``stop`` (the step in flight is finished); how many trained. A trainer
+        that never answers is the lane's error (``train_error`` of step 0), as any step's."""
+        step = trained = 0
+        try:
+            ctx = await self._start()
+            while not stop.is_set():
+                step += 1
+                try:
+                    trained += await self.step(ctx, step)
+                except BelayerError as exc:
+                    self._error(ctx, step, f"{exc.code}: {exc}")
+                    await asyncio.sleep(ERROR_PAUSE_S)  # a bounded pause, not synchronisation
+                self._record_resumes()
+        except BelayerError as exc:  # the lane could not start
+            self.history.write(sc.TrainError(step=0, t=time.time(), error=f"{exc.code}: {exc}"))
+        finally:
+            self._record_resumes()
+            self.history.write(sc.TrainLaneEnded(t=time.time(), steps=trained))
+        return trained
+
+    async def _start(self) -> RunContext:
+        """The lane's context, once the trainer answers (its group shape is the lane's)."""
         st = await wait_trainer(self.nc, TRAINER_WAIT_S)
         ctx = lane_context(
             self.node, self.workload, tasks=st.batch_size // st.group_size, n=st.group_size,
@@ -113,20 +134,7 @@ class TrainLane:
                 base_step=st.step,
             )
         )  # fmt: skip
-        step = trained = 0
-        try:
-            while not stop.is_set():
-                step += 1
-                try:
-                    trained += await self.step(ctx, step)
-                except BelayerError as exc:
-                    self._error(ctx, step, f"{exc.code}: {exc}")
-                    await asyncio.sleep(ERROR_PAUSE_S)  # a bounded pause, not synchronisation
-                self._record_resumes()
-        finally:
-            self._record_resumes()
-            self.history.write(sc.TrainLaneEnded(t=time.time(), steps=trained))
-        return trained
+        return ctx
 
     async def step(self, ctx: RunContext, step: int) -> int:
         """One RL step: rollout → rewards → the trainer's update → every engine on its

@@ -86,11 +86,10 @@ def check_training(
 ) -> Iterator[tuple[str, str, str]]:
     """``(invariant, subject, detail)`` for every broken training invariant: ``published`` are
     the trajectory ids rollouts published, ``kills`` the times of the ``trainer-kill`` faults
-    injected. Nothing when the history has no training lane."""
-    lanes = [r for r in records if isinstance(r, TrainLane)]
+    injected. Nothing when the history has no record of a training lane."""
+    if not any(isinstance(r, TrainLane | Trained | TrainError | TrainLaneEnded) for r in records):
+        return  # (a trainer_resumed alone: the node's trainer, no lane of this soak)
     steps = [r for r in records if isinstance(r, Trained)]
-    if not lanes and not steps:
-        return
     yield from _trained_once(steps)
     for s in steps:
         if missing := [t for t in s.trajectory_ids if t not in published]:

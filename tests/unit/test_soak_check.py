@@ -272,6 +272,11 @@ def test_the_lane_must_train_after_every_trainer_kill_and_never_fail() -> None:
     failed: list[Record] = [*ok, TrainError(step=2, t=7.5, error="timeout: no train_step")]
     assert [(v.invariant, v.subject) for v in check(failed)] == [("train_lane", "lane step 2")]
     assert invariants([lane()]) == ["train_lane", "train_lane"]  # nothing trained, no end
+    could_not_start: list[Record] = [
+        TrainError(step=0, t=1.0, error="invalid_request: the node runs no trainer"),
+        TrainLaneEnded(t=2.0, steps=0),
+    ]
+    assert [v.subject for v in check(could_not_start)] == ["lane step 0", "lane"]
 
 
 def test_a_history_without_training_checks_none_of_it() -> None:
