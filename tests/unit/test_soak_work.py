@@ -4,6 +4,7 @@ hand, and which parts of a node each fault kind touches (``bench/soak_faults.py`
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -98,3 +99,46 @@ def test_train_runs_the_trainer_and_draws_trainer_kill_and_is_refused_with_serve
     assert t.checkpoint_dir == paths.root / "trainer"
     with pytest.raises(InvalidRequest, match="--workload math or swe"):
         check_options(SoakOptions(workload="serve", train=True))
+
+
+async def test_a_sandbox_fault_aims_at_the_lane_s_container_of_the_moment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between sandboxes (no live container listed) the fault waits; a container Docker says
+    is not running any more (replaced as the fault landed) is read again: the fault lands on
+    the lane's next container, never on the stale one."""
+    from bench import soak_work
+    from common.errors import SandboxError
+
+    listed = iter(["", "", "old", "new"])  # what the environment service lists, read by read
+    faulted: list[str] = []
+
+    class Lane:
+        sandbox_id = "sb-1"
+
+        async def live_container(self) -> str:
+            return next(listed)
+
+    def docker_fault(kind: str, cid: str) -> None:
+        if cid == "old":
+            raise SandboxError(f"{kind} of {cid} failed: container not running")
+        faulted.append(cid)
+
+    monkeypatch.setattr(soak_work, "docker_fault", docker_fault)
+    target, pid, _t = await soak_work.container_fault("sandbox-pause", cast(Any, Lane()))
+    assert faulted == ["new"] and pid == 0 and "(new)" in target
+
+
+async def test_a_status_read_that_misses_its_deadline_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench import soak_node
+
+    answers = iter([None, None, soak_node.NodeView(procs={"environment": (7, True)}, engines={})])
+
+    async def view(_nc: Any) -> soak_node.NodeView | None:
+        return next(answers)
+
+    monkeypatch.setattr(soak_node, "view", view)
+    v = await soak_node.view_within(None)
+    assert v is not None and v.procs["environment"] == (7, True)
