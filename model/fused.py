@@ -157,9 +157,10 @@ def prepare_for_inference(model: Qwen3ForCausalLM) -> bool:
     prepared matrices are copies) its fused and packed products; its paged forward and
     :meth:`~model.qwen3.Qwen3ForCausalLM.compute_logits` then use them. The dense (training)
     forward keeps the parameters. Call again after the weights change. A model over
-    :data:`PREPARE_MAX_BYTES` is left as it is; returns whether it was prepared."""
+    :data:`PREPARE_MAX_BYTES`, or not on the CPU (the exactness probes run the CPU's kernels),
+    is left as it is; returns whether it was prepared."""
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    if size > PREPARE_MAX_BYTES:
+    if size > PREPARE_MAX_BYTES or model.lm_head.weight.device.type != "cpu":
         return False
     with torch.no_grad():
         for module in model.model.layers:
