@@ -119,6 +119,22 @@ def sandbox_command(workdir: str, command: str) -> str:
     return f"{NO_BYTECODE}\ncd {shlex.quote(workdir)} || exit 97\n{command}"
 
 
+_TEST_DURATION = re.compile(
+    r"\b(passed|failed|errors?|skipped|xfailed|xpassed|warnings?|deselected|no tests ran)"
+    r" in \d+(?:\.\d+)?s(?: \(\d+:\d\d:\d\d\))?"
+)
+"""pytest's summary clock (``1 failed, 2 passed in 0.07s``, ``in 61.00s (0:01:01)``)."""
+
+
+def without_durations(text: str) -> str:
+    """``text`` without the wall-clock time of pytest's summary line (``1 failed, 2 passed in
+    0.07s`` → ``1 failed, 2 passed``). The same command in the same sandbox state then gives
+    the same observation, so a response regenerated after a sandbox restore or a worker
+    handover sees what the lost one saw (failure transparency): the timing was the one part of
+    a test run's output that changed from run to run."""
+    return _TEST_DURATION.sub(r"\1", text)
+
+
 def _cut(text: str, limit: int) -> tuple[str, int]:
     if len(text) <= limit:
         return text, 0
@@ -136,14 +152,15 @@ def format_observation(
     truncated: bool = False,
 ) -> str:
     """The next user turn after a command: exit code (or the timeout), stdout, then stderr
-    under a ``[stderr]`` marker, cut to ``limit_chars`` in all with the cut marked. A
-    non-zero exit or a timeout of the agent's own command is an ordinary observation."""
+    under a ``[stderr]`` marker (test timings dropped: :func:`without_durations`), cut to
+    ``limit_chars`` in all with the cut marked. A non-zero exit or a timeout of the agent's
+    own command is an ordinary observation."""
     head = (
         f"exit_code: timeout (killed after {timeout_s:g} s)"
         if timed_out
         else f"exit_code: {exit_code}"
     )
-    body = stdout
+    body, stderr = without_durations(stdout), without_durations(stderr)
     if stderr:
         body = f"{body}{'' if not body or body.endswith(chr(10)) else chr(10)}[stderr]\n{stderr}"
     body, dropped = _cut(body, max(0, limit_chars - len(head) - 1))

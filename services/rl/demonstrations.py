@@ -57,12 +57,14 @@ MATH_DEMOS = 12_800
 drawn per example the warm start trains on (``SFT["math"]``: 400 steps × 32) rather than a
 small pool cycled; at one digit the draws hold 2,920 distinct questions."""
 
-SWE_DEMO_VERSION = 3
-"""Bumped when the ``swe`` recipe changes (2: generated tasks and the general recipe; 3: the
-sandbox writes no Python bytecode, so a fix is never hidden by a stale ``__pycache__``)."""
+SWE_DEMO_VERSION = 4
+"""Bumped when the ``swe`` and ``swe-long`` recipes change (2: generated tasks and the general
+recipe; 3: the sandbox writes no Python bytecode, so a fix is never hidden by a stale
+``__pycache__``; 4: observations drop pytest's run time, ``workloads.actions.without_durations``)."""
 
-SWE_DEMO_PER_FAMILY = 3
-"""``swe`` demonstrations per training family."""
+SWE_DEMO_PER_FAMILY = 8
+"""``swe`` demonstrations per training family (3 until the observations lost pytest's clock: the
+model retrained on those 33 no longer followed its recipe on new instances; on 88 it does)."""
 
 SWE_DEMO_SEED = 1000
 """Seed of the demonstrated training instances (a run's default seed 0 draws others)."""
@@ -339,7 +341,13 @@ def swe_demonstrations(
         tasks = sorted(swe.tasks(len(swe.train)), key=lambda t: t.id)
         variants = SWE_LONG_VARIANTS
         shown = {k: [[f(t) for t in tasks], r] for k, (f, r) in variants.items()}
-        fingerprint = {"v": DEMO_VERSION, "kind": kind, "variants": shown, "thoughts": THOUGHTS}
+        fingerprint = {
+            "v": DEMO_VERSION,
+            "swe_v": SWE_DEMO_VERSION,
+            "kind": kind,
+            "variants": shown,
+            "thoughts": THOUGHTS,
+        }
     key = _digest({**fingerprint, "tasks": [_task_fingerprint(t) for t in tasks]})
 
     def make() -> list[Demonstration]:

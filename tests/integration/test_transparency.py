@@ -5,8 +5,13 @@ and once with a rollout worker SIGKILLed in step 1 and the trainer SIGKILLed mid
 2, ends with the same weights' sha256; every step trained the same batch (its sha256) with the
 same rewards and bitwise the same loss, and the weights moved.
 
-No sandbox kill here: a swe run needs the SWE model's sandboxes (minutes per run on 2 cores);
-``belayer bench transparency --workload swe`` covers it.
+The sandbox kill has a test of its own: the same 2-step swe run (the warm-started SWE model,
+real Docker sandboxes) with a worker SIGKILL and trajectory #0's sandbox SIGKILLed after its
+first action in step 1 and the trainer SIGKILLed in step 2 rolls out, scores and trains bitwise
+the same batches. Its weights cannot show it: this model solves no instance at this size, so
+every reward is 0 and no step has a gradient (the math test above is the one whose weights
+move). What it caught: pytest's run time in the observations (``in 0.07s``) made a trajectory
+regenerated after the sandbox restore see other text than the lost one.
 """
 
 from __future__ import annotations
@@ -80,3 +85,38 @@ def test_a_worker_kill_and_a_trainer_kill_leave_no_trace_in_the_weights(
         assert s["batch_sha256"]["faulted"] == s["batch_sha256"]["clean"]
     assert any(s["grad_norm"] for s in result["per_step"])  # the weights moved: compared something
     assert result["verdict"] == "PASS", result["problems"]
+
+
+SWE_INJECT = "worker-kill@step=1,sandbox-kill@step=1,trainer-kill@step=2"
+SWE_SEED = 1000
+"""The demonstrated instances: the model's episodes there are short (about a minute a run)."""
+
+
+@pytest.mark.docker
+def test_a_sandbox_kill_leaves_no_trace_in_what_is_trained(
+    warm_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    model = warm_model("swe")
+    out = tmp_path / "transparency-swe.json"
+    code, stdout, stderr = bench(
+        "--workload", "swe", "--steps", "2", "--seed", str(SWE_SEED), "--model", str(model),
+        "--tasks", "2", "--n", "2", "--held-out", "1", "--inject", SWE_INJECT, "--out", str(out),
+        "--json",
+    )  # fmt: skip
+    assert code == 0, stderr[-4000:]
+    result = json.loads(stdout)
+    faulted = result["runs"]["faulted"]
+    assert result["runs"]["clean"]["errors"] == [] and faulted["errors"] == []
+    assert sorted(faulted["fired"]) == sorted(SWE_INJECT.split(",")), faulted
+    assert faulted["failures_recovered"] == 3 and faulted["trainer_restarts"] == 1
+    # the killed sandbox's trajectory was recovered (restored, or restarted from its image)
+    assert faulted["env_restores"] + faulted["restarts_from_scratch"] >= 1, faulted
+    for s in result["per_step"]:
+        assert len(s["rewards"]["clean"]) == 4
+        for what in ("batch_sha256", "rewards", "loss", "weights_sha256"):
+            assert s[what]["faulted"] == s[what]["clean"], (what, s)
+    # the one problem allowed: no gradient (every reward 0), so the weights could not differ
+    assert result["problems"] in (
+        [],
+        ["no step of the clean run had a gradient: the weights never moved"],
+    )

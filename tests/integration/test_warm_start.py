@@ -7,6 +7,7 @@ inputs is a copy, not a training."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -19,7 +20,15 @@ from model.loader import load_safetensors
 from model.tokenizer import load_tokenizer
 from model.warm_start import STAMP_FILE, demonstrations_digest, read_stamp
 from services.cli.model_cmd import evaluate_math, evaluate_swe
-from services.rl.demonstrations import cache_root, general_actions, swe_demonstrations
+from services.environment.client import with_private_env
+from services.rl.demonstrations import (
+    SWE_DEMO_PER_FAMILY,
+    cache_root,
+    general_actions,
+    plain_variants,
+    record_swe,
+    swe_demonstrations,
+)
 from tests.model_fixtures import warm_start_cli
 from workloads import BashAction, SubmitAction, load_workload, parse_action
 from workloads.swe_families import TRAIN_FAMILIES
@@ -65,7 +74,7 @@ def test_math_warm_start_answers_in_the_convention_and_solves_some(
 @pytest.mark.docker
 @pytest.mark.timeout(1500)
 def test_swe_warm_start_is_built_from_real_sandbox_observations_and_acts(
-    warm_model: Callable[[str], Path], tmp_path: Path
+    warm_model: Callable[[str], Path],
 ) -> None:
     model_dir = warm_model("swe")
     _loads(model_dir)
@@ -75,24 +84,24 @@ def test_swe_warm_start_is_built_from_real_sandbox_observations_and_acts(
     # The demonstrations it was trained on are the cached recording …
     cached = swe_demonstrations(cache_root())
     assert demonstrations_digest(cached) == stamp["demonstrations_digest"]
-    # … and recording them again in fresh real sandboxes gives the same transcripts (pytest's
-    # own timing line aside): the observations are what the sandbox really printed.
-    fresh = swe_demonstrations(tmp_path / "cache")
-
-    def stable(text: str) -> str:
-        return "\n".join(x for x in text.splitlines() if " passed in " not in x)
-
-    assert [(d.task_id, d.variant) for d in fresh] == [(d.task_id, d.variant) for d in cached]
-    for new, old in zip(fresh, cached, strict=True):
-        assert [(r, stable(c)) for r, c in new.messages] == [
-            (r, stable(c)) for r, c in old.messages
-        ]
+    assert len(cached) == SWE_DEMO_PER_FAMILY * len(TRAIN_FAMILIES)
+    # … and recording the first instance of each family again in fresh real sandboxes gives
+    # exactly the same transcripts: the observations are what the sandbox really printed, with
+    # no clock in them (the same command in the same state reads the same).
+    swe = load_workload("swe", check_image=False)
+    tasks = [swe.task(d.task_id) for d in cached]
+    first = {
+        t.metadata["family"]: (t, d) for t, d in reversed(list(zip(tasks, cached, strict=True)))
+    }
+    tasks = [t for t, _d in first.values()]
+    fresh = asyncio.run(with_private_env(lambda ops: record_swe(ops, tasks, plain_variants())))
+    assert [(d.task_id, d.variant, d.messages) for d in fresh] == [
+        (d.task_id, d.variant, d.messages) for _t, d in first.values()
+    ]
     # Generated training instances of every training family, never a held-out one; each the
     # general recipe: the failing test run, the module, the fix, the passing run, submit.
-    swe = load_workload("swe", check_image=False)
-    tasks = [swe.task(d.task_id) for d in fresh]
     assert {t.metadata["split"] for t in tasks} == {"train"}
-    assert {t.metadata["family"] for t in tasks} == set(TRAIN_FAMILIES)
+    assert set(first) == set(TRAIN_FAMILIES)
     for demo, task in zip(fresh, tasks, strict=True):
         replies = [c for r, c in demo.messages if r == "assistant"]
         assert [parse_action(r) for r in replies] == [
@@ -100,6 +109,7 @@ def test_swe_warm_start_is_built_from_real_sandbox_observations_and_acts(
         ] + [SubmitAction()]
         seen = [c for r, c in demo.messages[len(task.prompt) :] if r == "user"]
         assert seen[0].startswith("exit_code: 1") and "1 failed" in seen[0]
+        assert " in 0." not in seen[0] and " in 0." not in seen[3]  # pytest's clock dropped
         assert seen[1] == "exit_code: 0\n" + task.sandbox.files[task.metadata["module"]].decode()  # type: ignore[union-attr]  # SWE: has a sandbox
         assert (
             seen[2] == "exit_code: 0" and seen[3].startswith("exit_code: 0") and "passed" in seen[3]

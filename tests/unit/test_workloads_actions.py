@@ -79,3 +79,20 @@ def test_sandbox_command_cds_on_its_own_line() -> None:
 
 def test_registry_knows_the_builtin_workloads() -> None:
     assert {"math", "dapo", "swe", "swe-gym"} <= set(workload_names())
+
+
+def test_a_test_run_observes_the_same_text_however_long_it_took() -> None:
+    """pytest's summary clock is the one part of a test run's output that changes from run to
+    run; the observation drops it, so a response regenerated after a restore sees what the lost
+    one saw (failure transparency), and everything else of the output stays."""
+    fast = "..F\nFAILED t.py::test_x - assert 1 == 2\n1 failed, 2 passed in 0.07s\n"
+    slow = "..F\nFAILED t.py::test_x - assert 1 == 2\n1 failed, 2 passed in 61.00s (0:01:01)\n"
+    a = act.format_observation(fast, "", 1, limit_chars=1000)
+    assert a == act.format_observation(slow, "", 1, limit_chars=1000)
+    assert a == "exit_code: 1\n..F\nFAILED t.py::test_x - assert 1 == 2\n1 failed, 2 passed\n"
+    banner = "===== 3 passed, 1 warning in 0.12s =====\n"
+    assert act.format_observation("", banner, 0, limit_chars=1000).endswith(
+        "[stderr]\n===== 3 passed, 1 warning =====\n"
+    )
+    # Text that merely looks like it is left alone.
+    assert "passed in time" in act.format_observation("passed in time\n", "", 0, limit_chars=100)
