@@ -39,6 +39,7 @@ from bench import soak_train as st
 from bench import soak_work as sw
 from bench.report import progress as report_progress
 from bench.report import write_json
+from bench.soak_cluster import NatsFaults, local_servers
 from bench.soak_report import report
 from common import subjects
 from common.bus import connect
@@ -237,9 +238,10 @@ async def references(nc: Any, history: History) -> None:
 
 
 async def _prepare(
-    nc: Any, node: NodeInfo, opts: SoakOptions, events: Any
-) -> tuple[sn.Target, tuple[str, ...]]:
-    """The target (the node as found) and the kinds to inject; refuses kinds it does not take."""
+    nc: Any, node: NodeInfo, opts: SoakOptions, events: Any, bus: Any
+) -> tuple[sn.Target, tuple[str, ...], NatsFaults | None]:
+    """The target (the node as found), the kinds to inject and, on a cluster with servers on
+    this machine, the hands on those; refuses kinds it does not take."""
     v = await sn.view(nc)
     if v is None:
         raise BelayerError("the node's supervisor or router does not answer")
@@ -252,7 +254,10 @@ async def _prepare(
         )
     if opts.train and "trainer" not in names:
         raise InvalidRequest("--train: the node runs no trainer (belayer up --training)")
-    available = sn.kinds_for(set(names), node.recovery, sandboxes=opts.workload == "swe")
+    servers = local_servers(node.nats_url)
+    available = sn.kinds_for(
+        set(names), node.recovery, sandboxes=opts.workload == "swe", cluster=bool(servers)
+    )
     kinds = opts.kinds or available
     if missing := [k for k in kinds if k not in available]:
         raise InvalidRequest(
@@ -262,7 +267,7 @@ async def _prepare(
         names=names, engines=tuple(sorted(v.engines)), shadows=node.recovery == "belayer",
         events=events,
     )  # fmt: skip
-    return target, kinds
+    return target, kinds, NatsFaults(servers, bus) if servers else None
 
 
 def work_lanes(
@@ -305,7 +310,7 @@ async def soak_node(
     events = await EventTail(nc).start()
     target: sn.Target | None = None
     try:
-        target, kinds = await _prepare(nc, node, opts, events)
+        target, kinds, nats = await _prepare(nc, node, opts, events, bus)
         engines = target.engines
         progress(f"node {node.run_id}: engines {', '.join(engines)}; faults: {', '.join(kinds)}")
         shm_before = sn.shm_files(node.run_id)
@@ -332,7 +337,8 @@ async def soak_node(
         t0 = time.time()
         try:
             plan = list(schedule(kinds, opts.faults, engines, opts.seed))
-            faults = await sf.Schedule(target, viewer, box, history).run(plan, opts.duration_s)
+            schedule_ = sf.Schedule(target, viewer, box, history, nats)
+            faults = await schedule_.run(plan, opts.duration_s)
             await asyncio.sleep(
                 max(0.0, t0 + opts.duration_s - time.time())
             )  # the load runs its time

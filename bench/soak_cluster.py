@@ -156,3 +156,32 @@ async def answers(url: str, bus: BusConfig, timeout: float = 2.0) -> bool:
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+class NatsFaults:
+    """The soak's hands on the cluster: each ``nats-kill`` takes the next local server in turn."""
+
+    def __init__(self, servers: list[LocalServer], bus: BusConfig) -> None:
+        self.servers = list(servers)
+        self.bus = bus
+        self._next = 0
+
+    async def inject(self) -> tuple[str, int, float]:
+        """SIGKILL the next server and start it again; (``nats:<port>``, the killed pid, when)."""
+        i = self._next % len(self.servers)
+        self._next += 1
+        server = self.servers[i]
+        t, self.servers[i] = await asyncio.to_thread(kill_and_restart, server)
+        return f"nats:{server.port}", server.pid, t
+
+    async def back(self, target: str, timeout: float) -> float | None:
+        """Unix time the server ``target`` (``nats:<port>``) answered again; None past
+        ``timeout``."""
+        port = int(target.removeprefix("nats:"))
+        url = next(s.url for s in self.servers if s.port == port)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await answers(url, self.bus):
+                return time.time()
+            await asyncio.sleep(0.05)  # the probe's pace, bounded by the timeout
+        return None

@@ -27,6 +27,7 @@ from bench import soak_check as sc
 from bench import soak_node as sn
 from bench import soak_work as sw
 from bench.report import progress as report_progress
+from bench.soak_cluster import NatsFaults
 from common.errors import BelayerError
 
 POLL_S = 0.05
@@ -81,6 +82,8 @@ def parts_of(kind: str, engine: str, engines: tuple[str, ...]) -> frozenset[str]
         return frozenset({f"engine:{engine}"})
     if kind in sw.SANDBOX_KINDS:
         return frozenset({"environment"})
+    if kind in sn.CLUSTER_KINDS:  # every service's bus connection fails over
+        return frozenset({"nats", *(f"engine:{e}" for e in engines)})
     service = sn.SERVICE_KINDS[kind]
     if kind in WIDE:
         return frozenset({service, *(f"engine:{e}" for e in engines)})
@@ -91,12 +94,18 @@ class Schedule:
     """Injects the faults of the schedule, overlapping their recoveries."""
 
     def __init__(
-        self, target: sn.Target, viewer: Viewer, lane: sw.SandboxLane | None, history: Any
+        self,
+        target: sn.Target,
+        viewer: Viewer,
+        lane: sw.SandboxLane | None,
+        history: Any,
+        nats: NatsFaults | None = None,
     ) -> None:
         self.target = target
         self.viewer = viewer
         self.lane = lane
         self.history = history
+        self.nats = nats
         self.busy: set[str] = set()
         self.faults: list[sc.Fault] = []
         self.retired = False
@@ -171,6 +180,9 @@ class Schedule:
             v = await sn.view_within(self.viewer.nc) or self.viewer.latest
             env_pid = v.procs["environment"][0] if v else 0
             return await sw.sandbox_fault(kind, self.lane, env_pid)
+        if kind in sn.CLUSTER_KINDS:
+            assert self.nats is not None
+            return await self.nats.inject()
         inj = await self.target.inject(self.viewer.nc, kind, engine)
         return inj.target, inj.pid, inj.t
 
@@ -186,6 +198,9 @@ class Schedule:
                     lambda _v: lane.back_since(t) is not None, RECOVER_TIMEOUT_S
                 )
                 back = lane.back_since(t) if back else None
+            elif kind in sn.CLUSTER_KINDS:
+                assert self.nats is not None
+                back = await self.nats.back(target, RECOVER_TIMEOUT_S)
             else:
                 inj = sn.Injected(
                     kind if kind != "checkpoint-interrupt" else "environment-kill",
@@ -202,6 +217,8 @@ class Schedule:
             whole = await self.viewer.until(
                 lambda v: self.whole(v, parts, gone=pid, since=since), RECOVER_TIMEOUT_S
             )
+            if whole is not None and back is not None:
+                whole = max(whole, back)  # the last view may predate the part's return
             fault = sc.Fault(
                 kind=kind, t=t, target=target, pid=pid, recovered_t=whole, back_t=back,
                 detail="" if whole else f"not whole {RECOVER_TIMEOUT_S:g} s after the fault",

@@ -39,20 +39,28 @@ SERVICE_KINDS = {
 SANDBOX_KINDS = ("sandbox-kill", "sandbox-pause", "checkpoint-interrupt")
 """Faults aimed at the soak's sandbox lane (``bench/soak_work.py``): ``docker kill`` and
 ``docker pause`` of its container, the environment service SIGKILLed mid-checkpoint."""
-ALL_KINDS = (*WORKER_KINDS, *SERVICE_KINDS, *SANDBOX_KINDS)
+CLUSTER_KINDS = ("nats-kill",)
+"""Faults aimed at the bus of a node joined to a NATS cluster: one of the cluster's servers
+that run on this machine SIGKILLed and started again (``bench/soak_cluster.py``)."""
+ALL_KINDS = (*WORKER_KINDS, *SERVICE_KINDS, *SANDBOX_KINDS, *CLUSTER_KINDS)
 READ_S = 10.0
 """How long a fault tries to read the node's status (each try 1 s per service) before it
 counts as not injected: a busy machine's supervisor or router may miss one deadline."""
 
 
-def kinds_for(procs: set[str], recovery: str, sandboxes: bool = False) -> tuple[str, ...]:
+def kinds_for(
+    procs: set[str], recovery: str, sandboxes: bool = False, cluster: bool = False
+) -> tuple[str, ...]:
     """The kinds a node of these processes takes: the service kinds of the services it runs;
     the shadow kinds only with shadows (belayer recovery); the sandbox kinds with a sandbox
-    lane (the swe workload, on a node running the environment service)."""
+    lane (the swe workload, on a node running the environment service); ``nats-kill`` on a
+    cluster with a server on this machine."""
     out = [k for k in WORKER_KINDS if recovery == "belayer" or k == "worker-kill"]
     out += [k for k, name in SERVICE_KINDS.items() if name in procs]
     if sandboxes and "environment" in procs:
         out += SANDBOX_KINDS
+    if cluster:
+        out += CLUSTER_KINDS
     return tuple(out)
 
 

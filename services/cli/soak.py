@@ -22,7 +22,9 @@ _KINDS_HELP = (
     + ", ".join(ALL_KINDS)
     + ". worker-hang is a SIGSTOP of the main worker; sandbox-kill and sandbox-pause are docker "
     "kill and pause of the soak's sandbox, checkpoint-interrupt a SIGKILL of the environment "
-    "service mid-checkpoint (those three with --workload swe); the others SIGKILL their process."
+    "service mid-checkpoint (those three with --workload swe); nats-kill SIGKILLs one server "
+    "of the node's NATS cluster that runs on this machine and starts it again as it was started "
+    "(a node joined with belayer up --join URL,URL,...); the others SIGKILL their process."
 )
 
 _WORKLOAD_HELP = (
@@ -88,7 +90,9 @@ def soak(
     the environment service where they run); with --workload swe also the
     soak's sandbox (docker kill, docker pause) and a checkpoint mid-write.
     With --train a training lane runs RL steps on the node's trainer and
-    trainer-kill is among the kinds. Faults on different parts overlap; a
+    trainer-kill is among the kinds. On a node joined to a NATS cluster
+    (belayer up --join) nats-kill SIGKILLs one of the cluster's servers that
+    run on this machine and starts it again. Faults on different parts overlap; a
     part is faulted only when whole again, and each fault's time to recover
     is measured.
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.soak_cluster import listening_pid
 from common import subjects
 from common.auth import BusConfig
 from common.bus import connect
 from common.errors import BelayerError, Unauthorized
+from common.heartbeat import process_alive
 from common.natsserver import ClusterSpec, NatsServer, TlsFiles, free_port, start_nats_server
 from schemas.rollout import RolloutRequest
 from services.controller.client import submit, trajectories, wait
@@ -124,6 +128,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         for s in servers:
             s.stop()
+            stop_restarted(s.port)
+
+
+def stop_restarted(port: int) -> None:
+    """A server a soak started again (not this process's child) still serving ``port``:
+    SIGTERM it and wait until it is gone."""
+    pid = listening_pid(port)
+    if pid is None:
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while process_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # bounded wait for its shutdown
+    if process_alive(pid):
+        os.kill(pid, signal.SIGKILL)
 
 
 async def test_streams_are_replicated_and_tls_is_required(cluster: Cluster) -> None:
@@ -265,3 +284,38 @@ def test_the_documented_cluster_configs_are_valid(tmp_path: Path) -> None:
         )
         assert r.returncode == 0, r.stderr + r.stdout
         assert 'include "auth.conf"' in text
+
+
+def test_a_soak_kills_and_restarts_cluster_servers_and_loses_nothing(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`belayer soak --kinds nats-kill` on the node joined to the cluster: each fault SIGKILLs
+    one of the three servers (found by the port it listens on) and starts it again as it was
+    started; every request of the load finishes once with its fault-free reference's tokens
+    (the soak's checker), each server is back and the node whole after each fault."""
+    # An earlier test of this module kills a server for good: start it again first.
+    for s in cluster.servers:
+        if s.process.poll() is not None:
+            s.process = subprocess.Popen(
+                s.process.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+    asyncio.run(jetstream_ready(cluster.urls, cluster.bus("client")))
+    before = {s.port: s.process.pid for s in cluster.servers}
+    out = tmp_path / "soak.json"
+    proc = cli(
+        "soak", "--kinds", "nats-kill", "--faults", "3", "--duration", "24", "--concurrency",
+        "2", "--seed", "2", "--out", str(out), "--json", run_dir=cluster.node.run_dir,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"soak failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    result = json.loads(proc.stdout)
+    assert result["verdict"] == "PASS" and result["violations"] == [], result["violations"]
+    (row,) = result["faults"]
+    assert row["kind"] == "nats-kill" and row["count"] == 3 and row["recovered"] == 3, row
+    assert row["not_injected"] == 0 and row["back_p50_s"] <= row["recover_p50_s"]
+    assert result["finished"] == result["requests"] > 0
+    # Each server was killed once (three faults, taken in turn) and runs again under a new pid.
+    after = {port: listening_pid(port) for port in before}
+    assert all(after[p] not in (None, before[p]) for p in before), (before, after)
+    st = json.loads(cli("status", "--json", run_dir=cluster.node.run_dir).stdout)
+    assert st["state"] == "ready"
