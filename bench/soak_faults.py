@@ -214,8 +214,9 @@ class Schedule:
                 if inj.kind == "environment-kill" and self.lane is not None:
                     self.lane.kick()  # its call in flight to the killed service gets no reply
             since = t if "environment" in parts else 0.0
+            left = max(0.0, t + RECOVER_TIMEOUT_S - time.time())  # the 60 s count from the fault
             whole = await self.viewer.until(
-                lambda v: self.whole(v, parts, gone=pid, since=since), RECOVER_TIMEOUT_S
+                lambda v: self.whole(v, parts, gone=pid, since=since), left
             )
             if whole is not None and back is not None:
                 whole = max(whole, back)  # the last view may predate the part's return
