@@ -9,9 +9,11 @@ import asyncio
 import contextlib
 import shutil
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
-from common.errors import BelayerError, CheckpointInvalid, NotFound, SandboxError
+from common.errors import BelayerError, CheckpointInvalid, Conflict, NotFound, SandboxError
 from common.heartbeat import process_alive
 from schemas.env import CheckpointInfo
 from services.environment import core, quiescent
@@ -20,6 +22,8 @@ from services.environment.archive import validate_archive
 from services.environment.config import EnvConfig
 from services.environment.core import Manifest, SandboxRecord, SandboxState
 from services.environment.docker_ops import DockerOps
+
+T = TypeVar("T")
 
 LAYER = "layer"
 """The method of a checkpoint that is the writable layer alone (a quiescent sandbox)."""
@@ -77,19 +81,22 @@ async def capture(
     if control is None:
         raise SandboxError("cannot find the container's freezer cgroup", sandbox_id=rec.id)
     t0 = time.monotonic()
+    watch = _PauseWatch(docker, rec, armed=not paused)
     await ops.freeze(control)
     try:
         if config.layer_only_when_quiescent and not paused:
             why = await quiescent.reason(control, pid, baseline)
             method = LAYER if why is None else method
         t1 = time.monotonic()
-        fs_bytes = await ops.archive_layer(upper, tmp / core.FS_ARCHIVE, timeout=60.0)
+        fs_bytes = await watch.bound(ops.archive_layer(upper, tmp / core.FS_ARCHIVE, timeout=60.0))
         t2 = time.monotonic()
-        await _dump_processes(docker, config, rec.container_id, method, root, tmp)
+        await watch.bound(
+            _dump_processes(docker, config, rec.container_id, method, root, tmp), dump=True
+        )
         progress.dumped = True
         t3 = time.monotonic()
     finally:
-        if not paused:
+        if not paused and not watch.seen:  # Docker's pause keeps its freeze
             ops.thaw(control)
     t4 = time.monotonic()
     ops.remove_tree(tmp / "work")
@@ -113,6 +120,59 @@ async def capture(
     if config.fsync:
         await asyncio.to_thread(ops.fsync_tree, tmp, skip_pages=not config.fsync_page_images)
     return manifest
+
+
+PAUSE_POLL_S = 0.25
+"""How often a checkpoint of a running sandbox asks Docker whether it was paused meanwhile."""
+
+
+class _PauseWatch:
+    """A ``docker pause`` that lands while a running sandbox is being checkpointed: runc's
+    checkpoint of a container Docker pauses under it can hang to the checkpoint's deadline (and
+    thawing it afterwards would leave Docker saying paused about a running container). Each
+    step of the capture is raced against Docker's container list, read every
+    ``PAUSE_POLL_S``; the pause stops the capture at once as the sandbox's failure
+    (``Conflict``, state ``paused``, as an exec's), and the freeze is left to Docker."""
+
+    def __init__(self, docker: DockerOps, rec: SandboxRecord, *, armed: bool) -> None:
+        self.docker = docker
+        self.rec = rec
+        self.armed = armed
+        self.seen = False
+
+    async def _paused(self) -> None:
+        while True:
+            await asyncio.sleep(PAUSE_POLL_S)  # the poll's pace
+            if await asyncio.to_thread(self.docker.paused, self.rec.container_id):
+                self.seen = True
+                return
+
+    async def bound(self, step: Awaitable[T], *, dump: bool = False) -> T:
+        """``step``'s result, unless Docker pauses the sandbox first (``Conflict``). A ``dump``
+        stopped half-way (CRIU killed among the container's processes) leaves them in no state
+        to trust: the sandbox is then failed, to be restored."""
+        if not self.armed:
+            return await step
+        work = asyncio.ensure_future(step)
+        watcher = asyncio.ensure_future(self._paused())
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, watcher):
+                if not task.done():
+                    task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, BelayerError):
+                await asyncio.gather(work, watcher, return_exceptions=False)
+        if work.done() and not work.cancelled():
+            return work.result()
+        if dump:
+            self.rec.move(SandboxState.FAILED)
+        raise Conflict(
+            "the sandbox was paused (docker pause) during its checkpoint"
+            + (", mid-dump: it failed, restore it" if dump else ": unpause it or restore"),
+            sandbox_id=self.rec.id,
+            state="failed" if dump else "paused",
+        )
 
 
 async def _dump_processes(

@@ -245,3 +245,46 @@ async def test_a_pause_while_a_command_runs_is_the_sandboxs_failure_not_a_timeou
     assert paused.value.data.get("state") == "paused"
     await c.destroy(sid)
     assert dk.api.containers(all=True, filters={"id": cid}) == []
+
+
+@pytest.mark.timeout(240)
+async def test_a_pause_during_a_checkpoint_is_answered_at_once_not_at_its_deadline(env) -> None:
+    """``docker pause`` while a running sandbox is being checkpointed (the soak found it): runc's
+    dump under the pause hung until the checkpoint's deadline, then a cooldown refused every
+    checkpoint. Now the checkpoint answers at once — its checkpoint, or ``Conflict`` (paused;
+    failed when the dump was cut short) — and the sandbox restores and runs. The pause is
+    retried at later moments of the checkpoint until one lands while it is in flight."""
+    c, dk = env.client, require_docker()
+    sid = (await c.create(files={"/root/counter.py": COUNTER})).sandbox_id
+    assert (await c.exec(sid, START_COUNTER)).exit_code == 0
+    await c.checkpoint(sid, 1)
+    base = env.config.checkpoint_root / sid
+    landed = []
+    for k in range(2, 40):
+        cid = (await _info(c, sid)).container_id
+        pending = asyncio.ensure_future(c.checkpoint(sid, k, timeout_s=30))
+        for _ in range(2000):  # until the checkpoint is being written (bounded)
+            if pending.done() or any(p.name.startswith(".tmp-") for p in base.iterdir()):
+                break
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.01 * (k % 20))  # a later moment of the capture each time
+        try:
+            await asyncio.to_thread(dk.api.pause, cid)
+        except docker.errors.APIError:  # refused: the checkpoint's own freeze held it
+            await pending
+            continue
+        in_flight = not pending.done()
+        try:
+            await pending
+            outcome = "checkpoint"
+        except Conflict as exc:
+            outcome = exc.data["state"]
+        if in_flight:
+            landed.append(outcome)
+        r = await c.restore(sid)  # paused (or failed): the ready checkpoint, in a fresh container
+        assert r.candidates[-1].outcome == "restored"
+        assert (await c.exec(sid, BUMP, timeout_s=30)).exit_code == 0
+        if len(landed) >= 3:
+            break
+    assert landed, "no pause landed while a checkpoint was in flight"
+    assert set(landed) <= {"checkpoint", "paused", "failed"}, landed
