@@ -71,21 +71,25 @@ async def capture(
     if control is None and not process_alive(pid):
         # Killed between the inspect and here: its cgroup went with it. Docker may not have
         # noticed yet, so this is the death the caller must hear of, not a missing cgroup.
-        rec.move(SandboxState.FAILED)
-        raise SandboxError(
-            "the sandbox's container died during the checkpoint, before the dump completed "
-            "(the checkpoint is dropped; full_restore the sandbox)",
-            sandbox_id=rec.id,
-            dump_completed=False,
-        )
+        raise _died_before_dump(rec)
     if control is None:
         raise SandboxError("cannot find the container's freezer cgroup", sandbox_id=rec.id)
     t0 = time.monotonic()
     watch = _PauseWatch(docker, rec, armed=not paused)
-    await ops.freeze(control)
+    try:
+        await ops.freeze(control)
+    except OSError:  # the cgroup went away under the freeze: killed meanwhile?
+        if process_alive(pid):
+            raise
+        raise _died_before_dump(rec) from None
     try:
         if config.layer_only_when_quiescent and not paused:
-            why = await quiescent.reason(control, pid, baseline)
+            try:
+                why = await quiescent.reason(control, pid, baseline)
+            except OSError:  # its cgroup or /proc entries went away: killed meanwhile?
+                if process_alive(pid):
+                    raise
+                raise _died_before_dump(rec) from None
             method = LAYER if why is None else method
         t1 = time.monotonic()
         fs_bytes = await watch.bound(ops.archive_layer(upper, tmp / core.FS_ARCHIVE, timeout=60.0))
@@ -120,6 +124,17 @@ async def capture(
     if config.fsync:
         await asyncio.to_thread(ops.fsync_tree, tmp, skip_pages=not config.fsync_page_images)
     return manifest
+
+
+def _died_before_dump(rec: SandboxRecord) -> SandboxError:
+    """The sandbox (now ``failed``) lost its container before the process dump completed."""
+    rec.move(SandboxState.FAILED)
+    return SandboxError(
+        "the sandbox's container died during the checkpoint, before the dump completed "
+        "(the checkpoint is dropped; full_restore the sandbox)",
+        sandbox_id=rec.id,
+        dump_completed=False,
+    )
 
 
 PAUSE_POLL_S = 0.25
