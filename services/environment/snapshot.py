@@ -158,7 +158,11 @@ class _PauseWatch:
     async def _paused(self) -> None:
         while True:
             await asyncio.sleep(PAUSE_POLL_S)  # the poll's pace
-            if await asyncio.to_thread(self.docker.paused, self.rec.container_id):
+            try:
+                paused = await asyncio.to_thread(self.docker.paused, self.rec.container_id)
+            except BelayerError:  # Docker did not answer this time: not known to be paused
+                continue
+            if paused:
                 self.seen = True
                 return
 
@@ -178,8 +182,8 @@ class _PauseWatch:
                     task.cancel()
             with contextlib.suppress(asyncio.CancelledError, BelayerError):
                 await asyncio.gather(work, watcher, return_exceptions=False)
-        if work.done() and not work.cancelled():
-            return work.result()
+        if not self.seen or (work.done() and not work.cancelled()):
+            return work.result()  # finished (or failed) first: its own outcome
         if dump:
             self.rec.move(SandboxState.FAILED)
         raise Conflict(
