@@ -122,8 +122,9 @@ def test_swe_warm_start_is_built_from_real_sandbox_observations_and_acts(
     assert report.parse_rate > 0.5, report.as_dict()
     # It follows the recipe (the tests first, then an edit); whether it solves instances it
     # never saw is what GRPO is for — the warm start measured 0 of 11 (docs/workloads.md).
+    # Sampled at T = 1 it edits in about 2 of 3 episodes (6 and 8 of 11 in two draws): over a
+    # quarter (3 of 11) misses a model with that rate about once in 400 builds, and catches one
+    # that stopped editing (a retrain once edited in 0 of 11).
     assert all(a[0] == "python3 -m pytest -q" for a in report.actions), report.actions
-    assert (
-        sum(any(x.startswith("sed -i 's/") for x in a) for a in report.actions)
-        > len(report.actions) // 2
-    ), report.actions
+    edits = sum(any(x.startswith("sed -i 's/") for x in a) for a in report.actions)
+    assert 4 * edits > len(report.actions), report.actions
