@@ -1,7 +1,9 @@
 """``belayer soak``'s fault schedule: faults on different parts of the node overlap, a part is
 never faulted before it is whole again.
 
-Fault *i* is injected no sooner than *i* × duration / faults, in the schedule's order. Each
+Fault *i* is due *i* × duration / faults into the run; up to ``LOOKAHEAD`` due faults wait at
+once, and the first of them (in the schedule's order) that can be injected is — a later one
+passes an earlier one only on parts the earlier one cannot use, so none is starved. Each
 fault touches *parts* of the node: a worker kind its engine; ``router-kill``, ``kv-kill`` and
 ``weights-kill`` their service and every engine (a handover needs all three); the sandbox
 kinds and ``environment-kill`` the environment (the sandbox lane lives there); any other
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench import soak_check as sc
@@ -90,6 +93,24 @@ def parts_of(kind: str, engine: str, engines: tuple[str, ...]) -> frozenset[str]
     return frozenset({service})
 
 
+LOOKAHEAD = 4
+"""Due faults that wait at once: a later one goes first when an earlier one waits for parts
+it does not need (an engine re-warming its shadow holds no controller kill back)."""
+
+
+@dataclass
+class Waiting:
+    """A due fault of the schedule, not injected yet."""
+
+    i: int
+    kind: str
+    engine: str
+    deadline: float
+    """Monotonic time past which it is injected even if its parts are not whole."""
+    settled: dict[str, float] = field(default_factory=dict)
+    """Engine → since when the fault's parts (on that engine) are free and whole."""
+
+
 class Schedule:
     """Injects the faults of the schedule, overlapping their recoveries."""
 
@@ -150,28 +171,48 @@ class Schedule:
                 return e
         return None
 
-    async def _claim(self, kind: str, engine: str) -> tuple[str, frozenset[str]]:
-        """Wait until the fault's parts are free and whole (free, and ``RECOVER_TIMEOUT_S``
-        gone by: injected anyway, said so); claim them."""
-        deadline = time.monotonic() + RECOVER_TIMEOUT_S
-        settled: dict[str, float] = {}  # engine → since when its parts are free and whole
-        while True:
-            e = self.free_engine(engine) if kind in sn.WORKER_KINDS else engine
-            if e is not None:
-                parts = parts_of(kind, e, self.target.engines)
-                v = self.viewer.latest
-                now = time.monotonic()
-                if not parts & self.busy and v is not None and self.whole(v, parts):
-                    settled.setdefault(e, now)
-                else:
-                    settled.pop(e, None)
-                whole = e in settled and now - settled[e] >= SETTLE_S
-                if not parts & self.busy and (whole or now > deadline):
-                    if not whole:
-                        progress(f"{kind}: not whole {RECOVER_TIMEOUT_S:g} s on; injecting anyway")
-                    self.busy |= parts
-                    return e, parts
-            await asyncio.sleep(POLL_S)  # until a recovery frees the parts
+    def _try_claim(self, w: Waiting, reserved: frozenset[str]) -> tuple[str, frozenset[str]] | None:
+        """Claim the fault's parts if they are free, not reserved by an earlier waiting fault,
+        and whole for ``SETTLE_S`` (or ``RECOVER_TIMEOUT_S`` went by since it was due: injected
+        anyway, said so); None: not yet."""
+        e = self.free_engine(w.engine) if w.kind in sn.WORKER_KINDS else w.engine
+        if e is None:
+            return None
+        parts = parts_of(w.kind, e, self.target.engines)
+        if parts & (self.busy | reserved):
+            w.settled.pop(e, None)
+            return None
+        v = self.viewer.latest
+        now = time.monotonic()
+        if v is not None and self.whole(v, parts):
+            w.settled.setdefault(e, now)
+        else:
+            w.settled.pop(e, None)
+        whole = e in w.settled and now - w.settled[e] >= SETTLE_S
+        if not whole and now <= w.deadline:
+            return None
+        if not whole:
+            progress(f"{w.kind}: not whole {RECOVER_TIMEOUT_S:g} s on; injecting anyway")
+        self.busy |= parts
+        return e, parts
+
+    def _next_claim(self, waiting: list[Waiting]) -> tuple[Waiting, str, frozenset[str]] | None:
+        """The first waiting fault (in the schedule's order) that can be injected now. A later
+        one passes an earlier one only on parts the earlier one cannot use (``reserved``), so
+        a fault waiting for its engines is never starved by the faults behind it."""
+        reserved: frozenset[str] = frozenset()
+        for w in waiting:
+            got = self._try_claim(w, reserved)
+            if got is not None:
+                return w, *got
+            reserved |= self.reserves(w)
+        return None
+
+    def reserves(self, w: Waiting) -> frozenset[str]:
+        """The parts a waiting fault may take: a worker kind any engine, the others theirs."""
+        if w.kind in sn.WORKER_KINDS:
+            return frozenset(f"engine:{e}" for e in self.target.engines)
+        return parts_of(w.kind, w.engine, self.target.engines)
 
     async def _inject(self, kind: str, engine: str) -> tuple[str, int, float]:
         """Do ``kind``; (target, pid, t)."""
@@ -236,37 +277,57 @@ class Schedule:
             self.busy -= parts
 
     async def run(self, plan: list[tuple[str, str]], duration_s: float) -> list[sc.Fault]:
-        """Every fault of ``plan`` (kind, engine), fault i no sooner than i × duration / n."""
+        """Every fault of ``plan`` (kind, engine), fault i no sooner than i × duration / n; up to
+        ``LOOKAHEAD`` due faults wait at once, and the first of them that can be injected is."""
         t0 = time.monotonic()
         interval = duration_s / max(1, len(plan))
         pending: set[asyncio.Task[None]] = set()
+        waiting: list[Waiting] = []
+        due = 0  # the next fault of the plan not yet waiting
         try:
-            for i, (kind, engine) in enumerate(plan):
-                await asyncio.sleep(max(0.0, t0 + i * interval - time.monotonic()))  # the pacing
+            while due < len(plan) or waiting:
+                now = time.monotonic()
+                while due < len(plan) and len(waiting) < LOOKAHEAD and t0 + due * interval <= now:
+                    kind, engine = plan[due]
+                    waiting.append(Waiting(due, kind, engine, now + RECOVER_TIMEOUT_S))
+                    due += 1
                 if self.retired:
                     progress("an engine was retired as unhealthy (a node of your own needs "
                              "`belayer up --failure-window 0`): no more faults")  # fmt: skip
                     break
-                e, parts = await self._claim(kind, engine)
-                try:
-                    target, pid, t = await self._inject(kind, e)
-                except (BelayerError, KeyError, OSError) as exc:  # reported as not injected
-                    self.busy -= parts
-                    fault = sc.Fault(kind=kind, t=time.time(), target=e, pid=0, injected=False,
-                                     detail=f"could not be injected: {exc!r}")  # fmt: skip
-                    self.history.write(fault)
-                    self.faults.append(fault)
-                    progress(f"fault {i + 1}/{len(plan)}: {kind}: {fault.detail}")
+                got = self._next_claim(waiting)
+                if got is None:
+                    await asyncio.sleep(POLL_S)  # the pacing, or until a recovery frees parts
                     continue
-                except BaseException:
-                    self.busy -= parts
-                    raise
-                task = asyncio.create_task(self._recover(i, len(plan), kind, target, pid, t, parts))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
+                w, e, parts = got
+                waiting.remove(w)
+                task = await self._start(w, e, parts, len(plan))
+                if task is not None:
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
             if pending:
                 await asyncio.gather(*pending)
         finally:
             for task in pending:
                 task.cancel()
         return self.faults
+
+    async def _start(
+        self, w: Waiting, e: str, parts: frozenset[str], n: int
+    ) -> asyncio.Task[None] | None:
+        """Inject ``w`` on its claimed parts; the task that waits for its recovery (None: it
+        could not be injected, recorded as such)."""
+        try:
+            target, pid, t = await self._inject(w.kind, e)
+        except (BelayerError, KeyError, OSError) as exc:  # reported as not injected
+            self.busy -= parts
+            fault = sc.Fault(kind=w.kind, t=time.time(), target=e, pid=0, injected=False,
+                             detail=f"could not be injected: {exc!r}")  # fmt: skip
+            self.history.write(fault)
+            self.faults.append(fault)
+            progress(f"fault {w.i + 1}/{n}: {w.kind}: {fault.detail}")
+            return None
+        except BaseException:
+            self.busy -= parts
+            raise
+        return asyncio.create_task(self._recover(w.i, n, w.kind, target, pid, t, parts))
