@@ -305,7 +305,7 @@ async def test_controller_restart_mid_rollout(warm_node: Node) -> None:
         req = RolloutRequest(
             workload="swe", rollout_id="ctl-restart", task_ids=MULTI_STEP, n=2, policy="always",
             sampling=SAMPLING, seed=5,
-            inject=[FaultSpec(kind="controller-kill", trigger="turn", value=2, text="controller-kill@turn=2")],
+            inject=[FaultSpec(kind="controller-kill", trigger="turn", value=1, text="controller-kill@turn=1")],
             max_turns=8,
         )  # fmt: skip
         await submit(nc, req)
