@@ -252,6 +252,13 @@ class TrainStep(UpdateMetrics, kw_only=True, tag="TrainStep.v1"):
     """sha256 of the batch in training order: each sample's slot, index, tokens, loss mask,
     weight versions, reward and temperature (no ids: they name the run); empty from an older
     trainer."""
+    republished: bool = False
+    """Published again by a restarted trainer from its checkpoint: the first publication may
+    have been lost (the trainer was killed between the step's checkpoint and this event). Its
+    fields are the checkpoint's record of the step, its ``version`` the checkpoint's weights'
+    (as the store numbers them at the resume); ``checkpoint_s`` and ``push_s`` are 0 (not
+    known when the record was written) and ``step_s`` runs up to the checkpoint. A consumer
+    that counts steps counts a step once (the first publication may have arrived)."""
 
 
 class LogprobMismatch(TrainerEvent, tag="LogprobMismatch.v1"):

@@ -157,12 +157,17 @@ def event_samples(ev: EventBase) -> list[Sample]:
             Sample("belayer_failure_recovery_seconds", (fault,), ev.seconds),
         ]
     if isinstance(ev, TrainStep):
-        return [
-            Sample("belayer_trainer_steps", (), 1),
-            Sample("belayer_trainer_step_seconds", (), ev.recompute_s + ev.train_s),
+        gauges = [
             Sample("belayer_trainer_loss", (), ev.loss),
             Sample("belayer_trainer_reward_mean", (), ev.reward_mean),
             Sample("belayer_trainer_logprob_diff_max", (), ev.logprob_diff_max),
+        ]
+        if ev.republished:  # its first publication may have been counted: the gauges only
+            return gauges
+        return [
+            Sample("belayer_trainer_steps", (), 1),
+            Sample("belayer_trainer_step_seconds", (), ev.recompute_s + ev.train_s),
+            *gauges,
         ]
     return []
 

@@ -111,6 +111,10 @@ class TrainerConfig(ServiceConfig):
     hold_before_checkpoint_s: float = 0.0
     """Failure-injection window: wait this long between a step's update and its checkpoint
     (so a kill lands mid-step); 0 in normal runs."""
+    hold_after_checkpoint_s: float = 0.0
+    """Failure-injection window: wait this long after a step's checkpoint is durable (its
+    ``trainer_checkpointed``), before its push, its acks and its ``train_step`` (so a kill
+    lands after the checkpoint and before the event); 0 in normal runs."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW and gradient clipping."""
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
@@ -129,8 +133,10 @@ class TrainerConfig(ServiceConfig):
             raise ValueError(f"procs must be between 1 and 64, got {self.procs}")
         if not self.logprob_diff_bound > 0 or not self.ack_wait_s > 0:
             raise ValueError("logprob_diff_bound and ack_wait_s must be > 0")
-        if self.temperature < 0 or self.hold_before_checkpoint_s < 0:
-            raise ValueError("temperature and hold_before_checkpoint_s must be >= 0")
+        if min(self.temperature, self.hold_before_checkpoint_s, self.hold_after_checkpoint_s) < 0:
+            raise ValueError(
+                "temperature, hold_before_checkpoint_s and hold_after_checkpoint_s must be >= 0"
+            )
 
     def resolved_device(self) -> str:
         """``cpu`` or ``cuda`` for ``device`` (imports torch for ``auto``/``cuda``);

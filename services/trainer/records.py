@@ -1,6 +1,7 @@
 """The trainer's side of its records on the bus: a ``Trajectory`` as the trainer's ``Sample``,
-acks, the dead-letter copy, the texts of refusals, the ``train_step`` event of an update, and
-the weights of the older versions a batch's tokens came from."""
+acks, the dead-letter copy, the texts of refusals, the ``train_step`` event of an update (and
+its record in the step's checkpoint, published again at a resume), and the weights of the older
+versions a batch's tokens came from."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import msgspec
 import nats.errors
+import torch
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -23,12 +25,13 @@ from common.errors import BusUnavailable, NotFound, Timeout
 from model.config import ModelConfig
 from model.qwen3 import Qwen3ForCausalLM, build_model
 from schemas.base import ID_PATTERN
-from schemas.events import TrainStep
+from schemas.events import LogprobMismatch, TrainStep
 from schemas.events_training import UpdateMetrics
 from schemas.rollout import Trajectory
 from schemas.weights import WeightManifest
 from services.trainer.core import Sample, Verdict, without_trailing_context
-from services.weights.client import fetch_manifest, map_weights
+from services.trainer.update import weights_equal
+from services.weights.client import fetch_manifest, map_weights, push_weights
 
 STORE_WAIT_S = 60.0
 """How long a restarting weight store is waited for."""
@@ -109,6 +112,17 @@ def stale(s: Sample, version: int) -> str:
     return f"oldest weight version {s.oldest_version} too old for version {version}"
 
 
+def logprob_mismatch(result: UpdateMetrics, version: int, bound: float) -> LogprobMismatch | None:
+    """The ``logprob_mismatch`` event of an update whose training and rollout log-probabilities
+    (of weight ``version``) differ by more than ``bound``; None when they agree."""
+    if result.logprob_diff_max <= bound:
+        return None
+    return LogprobMismatch(
+        step=result.step, version=version, logprob_diff_max=result.logprob_diff_max,
+        logprob_diff_mean=result.logprob_diff_mean, bound=bound,
+    )  # fmt: skip
+
+
 def train_step(
     metrics: UpdateMetrics,
     *,
@@ -135,6 +149,38 @@ def train_step(
     )  # fmt: skip
 
 
+TRAIN_STEP_META = "train_step"
+"""The key of a step's checkpoint ``meta`` that holds its ``train_step`` event as known before
+the checkpoint (``checkpoint_record``); a trainer resuming from that checkpoint publishes it
+again (``republished``): the first publication may have been lost."""
+
+
+def checkpoint_record(event: TrainStep) -> dict[str, Any]:
+    """What a step's checkpoint records of its ``train_step`` event (plain JSON values; no
+    ``ts`` or ``source``: a republication is built, and published by the trainer, anew)."""
+    record: dict[str, Any] = msgspec.to_builtins(event)
+    for key in ("ts", "source", "republished"):
+        record.pop(key, None)
+    return record
+
+
+def republished(meta: dict[str, Any], version: int) -> TrainStep | None:
+    """The ``train_step`` event of the step a checkpoint holds, from its ``meta``, marked
+    ``republished``, ``version`` the checkpoint's weights' number at the resume; None when the
+    checkpoint records none (step 0's, an older trainer's), an unreadable one, or another
+    step's."""
+    record = meta.get(TRAIN_STEP_META)
+    if not isinstance(record, dict):
+        return None
+    try:
+        event = msgspec.convert(record, TrainStep)
+    except msgspec.ValidationError:
+        return None
+    if event.step != meta.get("step"):
+        return None
+    return msgspec.structs.replace(event, version=version, republished=True, ts=time.time())
+
+
 def batch_sha256(batch: Sequence[Sample]) -> str:
     """The digest of what an update trains on, in its order (``TrainStep.batch_sha256``): two
     runs that train the same batches agree on it step for step, whatever their ids."""
@@ -144,6 +190,48 @@ def batch_sha256(batch: Sequence[Sample]) -> str:
                    s.weight_versions, s.reward, s.temperature]  # fmt: skip
         digest.update(json.dumps(content).encode() + b"\n")
     return digest.hexdigest()
+
+
+async def store_manifest(nc: NATS) -> WeightManifest:
+    """The store's current manifest; a (re)starting store is waited for, up to
+    ``STORE_WAIT_S``."""
+    deadline = time.monotonic() + STORE_WAIT_S
+    while True:
+        try:
+            return await fetch_manifest(nc, timeout=2.0)
+        except (BusUnavailable, Timeout):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)  # the weight store is (re)starting: bounded wait
+
+
+async def store_has(nc: NATS, version: int, ours: dict[str, torch.Tensor]) -> bool:
+    """Whether the store's ``version`` is bitwise ``ours`` (unknown: True)."""
+    try:
+        theirs = map_weights(await fetch_manifest(nc, version, timeout=5.0))
+    except NotFound:
+        return True  # collected: trust the numbering (replay is deterministic)
+    return await asyncio.to_thread(weights_equal, ours, theirs)
+
+
+async def push_retrying(
+    nc: NATS,
+    weights: dict[str, torch.Tensor],
+    base: int,
+    run_id: str,
+    stopping: asyncio.Event,
+    log: Any,
+) -> WeightManifest:
+    """Push ``weights`` as ``base + 1``, retried while the store is unreachable (until
+    ``stopping``); the store's manifest (it may have renumbered them)."""
+    while True:
+        try:
+            return await push_weights(nc, weights, base, run_id)
+        except (BusUnavailable, Timeout) as exc:
+            if stopping.is_set():
+                raise
+            log.warning("push_retry", base_version=base, error=str(exc))
+            await asyncio.sleep(0.5)  # the weight store is restarting: retry
 
 
 async def generating_models(

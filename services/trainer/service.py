@@ -10,9 +10,9 @@
 - **Step.** ``train_step_started``, the batch's plan made durable (``journal``, with its
   count of tries), ``update.grpo_step`` in a thread (the event loop keeps heartbeating), a
   ``logprob_mismatch`` error event when training and inference disagree beyond the bound, the
-  checkpoint every ``checkpoint_every`` steps, the push (version + 1, compare-and-set on the
-  base), and only then the acks of every trajectory the checkpoint holds; ``train_step``
-  carries the step's metrics.
+  checkpoint every ``checkpoint_every`` steps (recording the step's ``train_step`` event as
+  known before it), the push (version + 1, compare-and-set on the base), and only then the
+  acks of every trajectory the checkpoint holds; ``train_step`` carries the step's metrics.
 - **A failed update** (``_run_step``): trajectories failing on their own
   (``update.find_poison``) are dead-lettered with their groups, a one-off failure is retried, a
   batch failed ``step_attempts`` times is dead-lettered (``core.after_step_failure``); one that
@@ -21,13 +21,16 @@
   rank lost stops the trainer (``RankLost``), and the restarted one resumes as below.
 - **Resume.** From the latest checkpoint: its trained ids are dedup'd, a checkpoint whose push
   did not happen is pushed, planned steps after it are redone from the same trajectories
-  (pushes the store already has are checked bit for bit, not repeated).
+  (pushes the store already has are checked bit for bit, not repeated). The checkpoint's step's
+  ``train_step`` is published again from its record (``republished``): a trainer killed after
+  the checkpoint and before the event never published it, and has nothing left to redo.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import time
 from pathlib import Path
@@ -42,19 +45,15 @@ from common import events, subjects
 from common.codec import decode
 from common.errors import (
     BelayerError,
-    BusUnavailable,
     Conflict,
     FatalError,
     InvalidRequest,
-    NotFound,
-    Timeout,
 )
 from common.service import Service, run_service
 from model.config import ModelConfig, load_model_config
 from model.training import publishable_state_dict, read_meta, weights_sha256
 from schemas.events import (
     EventBase,
-    LogprobMismatch,
     TrainerCheckpointed,
     TrainerResumed,
     TrainStepStarted,
@@ -77,7 +76,7 @@ from services.trainer.core import (
 )
 from services.trainer.journal import Plan
 from services.trainer.ranks import RankLost, Ranks
-from services.trainer.records import STORE_WAIT_S, to_sample
+from services.trainer.records import to_sample
 from services.trainer.update import (
     TrainState,
     find_poison,
@@ -87,9 +86,8 @@ from services.trainer.update import (
     new_state,
     save_reference,
     save_state,
-    weights_equal,
 )
-from services.weights.client import fetch_manifest, map_weights, push_weights
+from services.weights.client import map_weights
 
 FETCH_BATCH = 64
 MAX_ACK_PENDING = 65_536
@@ -141,7 +139,7 @@ class TrainerService(Service[TrainerConfig]):
         self.dir.mkdir(parents=True, exist_ok=True)
 
     async def setup(self) -> None:
-        manifest = await self._store_manifest()
+        manifest = await records.store_manifest(self.nc)
         self.model_cfg = await asyncio.to_thread(load_model_config, manifest.model_dir)
         self.signature = records.model_signature(manifest)
         await self._restore(manifest)
@@ -162,16 +160,6 @@ class TrainerService(Service[TrainerConfig]):
             ),
         )
         await self.server.serve(subjects.trainer_status(), TrainerStatusRequest, self._on_status)
-
-    async def _store_manifest(self) -> WeightManifest:
-        deadline = time.monotonic() + STORE_WAIT_S
-        while True:
-            try:
-                return await fetch_manifest(self.nc, timeout=2.0)
-            except (BusUnavailable, Timeout):
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.1)  # the weight store is (re)starting: bounded wait
 
     async def _restore(self, manifest: WeightManifest) -> None:
         c, cfg = self.config, self.model_cfg
@@ -231,6 +219,11 @@ class TrainerService(Service[TrainerConfig]):
             "trainer_resumed", step=step, version=state.version,
             store_version=manifest.version, replay_steps=len(self.plans), pushed=pushed,
         )  # fmt: skip
+        # Killed between this checkpoint and the step's train_step, the trainer never published
+        # it, and nothing is left to redo: publish it again (a duplicate when it was not lost).
+        if (again := records.republished(meta, state.version)) is not None:
+            self.log.info("train_step_republished", step=again.step, version=again.version)
+            await self._publish(again)
 
     async def _reconcile(self, manifest: WeightManifest) -> bool:
         """Make the store hold this checkpoint's weights (or plan to reach its version by
@@ -251,13 +244,7 @@ class TrainerService(Service[TrainerConfig]):
 
     async def _store_has(self, version: int, state: TrainState) -> bool:
         """Whether the store's ``version`` is bitwise this state's weights (unknown: True)."""
-        try:
-            manifest = await fetch_manifest(self.nc, version, timeout=5.0)
-            theirs = map_weights(manifest)
-        except NotFound:
-            return True  # collected: trust the numbering (replay is deterministic)
-        ours = publishable_state_dict(state.model)
-        return await asyncio.to_thread(weights_equal, ours, theirs)
+        return await records.store_has(self.nc, version, publishable_state_dict(state.model))
 
     # --- consuming ----------------------------------------------------------------------------
     async def consume_loop(self) -> None:
@@ -443,46 +430,50 @@ class TrainerService(Service[TrainerConfig]):
             self.batcher.mark_trained(batch)
             # Deterministic mode promises bitwise agreement: any difference is an error.
             bound = 0.0 if c.deterministic else c.logprob_diff_bound
-            if result.logprob_diff_max > bound:
-                self.log.error(
-                    "logprob_mismatch", step=result.step, diff_max=result.logprob_diff_max,
-                    bound=bound,
-                )  # fmt: skip
-                await self._publish(
-                    LogprobMismatch(
-                        step=result.step,
-                        version=plan.base_version,
-                        logprob_diff_max=result.logprob_diff_max,
-                        logprob_diff_mean=result.logprob_diff_mean,
-                        bound=bound,
-                    )
-                )
+            if (mismatch := records.logprob_mismatch(result, plan.base_version, bound)) is not None:
+                self.log.error("logprob_mismatch", step=result.step,
+                               diff_max=result.logprob_diff_max, bound=bound)  # fmt: skip
+                await self._publish(mismatch)
             if c.hold_before_checkpoint_s:
                 await asyncio.sleep(c.hold_before_checkpoint_s)  # failure-injection window
-            checkpoint_s = 0.0
             at_end = bool(c.max_steps) and state.step >= c.max_steps
             checkpointed = state.step % c.checkpoint_every == 0 or at_end
+            digest = await asyncio.to_thread(weights_sha256, publishable_state_dict(state.model))
+            event = functools.partial(
+                records.train_step, result, checkpointed=checkpointed, replay=replay,
+                weights_sha256=digest, batch_sha256=records.batch_sha256(batch),
+            )  # fmt: skip
+            checkpoint_s = push_s = 0.0
             if checkpointed:
-                checkpoint_s = await self._checkpoint()
+                # The event as known now goes into the checkpoint: a trainer killed before
+                # publishing it publishes it again when it resumes from there (``_restore``).
+                known = event(version=state.version, checkpoint_s=0.0, push_s=0.0,
+                              step_s=time.perf_counter() - t0)  # fmt: skip
+                checkpoint_s = await self._checkpoint(records.checkpoint_record(known))
+                if c.hold_after_checkpoint_s:
+                    await asyncio.sleep(c.hold_after_checkpoint_s)  # failure-injection window
             t_push = time.perf_counter()
-            if state.version > self.store_version:
-                await self._push(state)
-            elif not await self._store_has(state.version, state):
-                self.log.error("replay_diverged", step=state.step, version=state.version)
-                await self._push(state, base=self.store_version)
+            await self._push_step(state)
             push_s = time.perf_counter() - t_push
             if checkpointed:
                 await self._ack_durable()
         finally:
             self.idle.set()
-        digest = await asyncio.to_thread(weights_sha256, publishable_state_dict(state.model))
-        metrics = records.train_step(
-            result, version=state.version, checkpoint_s=checkpoint_s, push_s=push_s,
-            step_s=time.perf_counter() - t0, checkpointed=checkpointed, replay=replay,
-            weights_sha256=digest, batch_sha256=records.batch_sha256(batch),
+        metrics = event(
+            version=state.version, checkpoint_s=checkpoint_s, push_s=push_s,
+            step_s=time.perf_counter() - t0,
         )  # fmt: skip
         self.log.info("train_step", **events.fields(metrics))
         await self._publish(metrics)
+
+    async def _push_step(self, state: TrainState) -> None:
+        """Push a step's weights; a redone step's version the store already has is checked bit
+        for bit instead (pushed again, renumbered, if it differs)."""
+        if state.version > self.store_version:
+            await self._push(state)
+        elif not await self._store_has(state.version, state):
+            self.log.error("replay_diverged", step=state.step, version=state.version)
+            await self._push(state, base=self.store_version)
 
     async def _update(self, batch: list[Sample], plan: Plan, state: TrainState) -> UpdateMetrics:
         """``update.grpo_step`` in a thread; ``_UpdateFailed`` if it fails before changing
@@ -511,11 +502,15 @@ class TrainerService(Service[TrainerConfig]):
             raise _UpdateFailed(exc, generating) from exc
         return result
 
-    async def _checkpoint(self) -> float:
+    async def _checkpoint(self, train_step: dict[str, Any] | None = None) -> float:
+        """Write the checkpoint of the current step (with the record of its ``train_step``
+        event, ``records.checkpoint_record``; none for step 0's); its seconds."""
         state = self.state
         assert state is not None
         t0 = time.perf_counter()
-        meta = {"run_id": self.config.run_id, "model": self.signature}
+        meta: dict[str, Any] = {"run_id": self.config.run_id, "model": self.signature}
+        if train_step is not None:
+            meta[records.TRAIN_STEP_META] = train_step
         path = journal.checkpoint_path(self.dir, state.step)
         await asyncio.to_thread(save_state, path, state, meta)
         await asyncio.to_thread(journal.prune, self.dir, self.config.keep_checkpoints)
@@ -539,15 +534,9 @@ class TrainerService(Service[TrainerConfig]):
         store is unreachable, retry; adopt the store's number if it renumbered."""
         base = state.version - 1 if base is None else base
         weights = publishable_state_dict(state.model)
-        while True:
-            try:
-                manifest = await push_weights(self.nc, weights, base, self.config.run_id)
-                break
-            except (BusUnavailable, Timeout) as exc:
-                if self.stop_requested.is_set():
-                    raise
-                self.log.warning("push_retry", base_version=base, error=str(exc))
-                await asyncio.sleep(0.5)  # the weight store is restarting: retry
+        manifest = await records.push_retrying(
+            self.nc, weights, base, self.config.run_id, self.stop_requested, self.log
+        )
         self.store_version = manifest.version
         if manifest.version != state.version:
             self.log.warning("version_renumbered", ours=state.version, store=manifest.version)
