@@ -11,13 +11,16 @@ the trainer finished with the trajectories it trained, the weights' version and 
 all done but the weights do not move, so the generate requests' fault-free references (run
 after the soak, on the last weights) still hold.
 
-A trainer killed after a step's checkpoint and before its ``train_step`` event never
-publishes that event: the restarted trainer resumes *past* the step (its checkpoint holds it)
-and has nothing to redo. The RL loop would wait for the event until ``TRAIN_DONE_S`` (15
-minutes) and fail the step; the lane instead also waits for a ``trainer_resumed`` at or past
-the step, then takes the step's trajectories from its durable plan, its version from the
-resume, and goes on. Each lane step also reads the trainer's step first (``wait_trainer``), so
-the lane's count never drifts from the trainer's.
+A trainer killed after a step's checkpoint and before its ``train_step`` event resumes *past*
+the step (its checkpoint holds it) and has nothing to redo; it publishes the step's
+``train_step`` again from the checkpoint (``republished``), right after its
+``trainer_resumed``. The lane waits for either: the step's ``train_step`` (the first of the
+step: a republished duplicate of a step whose event did arrive, or of an earlier step, is not
+another lane step's), or a ``trainer_resumed`` at or past the step — a trainer of an older
+release republishes nothing —, then takes the step's trajectories from its durable plan and its
+version from the resume. Either way the step is recorded once and the lane goes on. Each lane
+step also reads the trainer's step first (``wait_trainer``), so the lane's count never drifts
+from the trainer's.
 """
 
 from __future__ import annotations
@@ -165,8 +168,9 @@ class TrainLane:
         return await run_rollout(self.nc, ctx, step, StepFaults(), Quiet(), times)
 
     async def _trained(self, ctx: RunContext, step: int, times: Phases, t0: float) -> sc.Trained:
-        """The trainer's update of the step's batch: its ``train_step``, or a ``trainer_resumed``
-        at or past the step (the module doc: that step's ``train_step`` never comes)."""
+        """The trainer's update of the step's batch: its ``train_step`` (original or
+        republished), or a ``trainer_resumed`` at or past the step (the module doc), whichever
+        comes first: one record of the step."""
         target, rid = ctx.base_step + step, rollout_id(ctx, step)
         train = asyncio.ensure_future(
             await_train_step(self.nc, self.events, ctx, step, StepFaults(), Quiet(), times)
@@ -188,6 +192,7 @@ class TrainLane:
             return sc.Trained(
                 step=ev.step, rollout=rid, trajectory_ids=list(ev.trajectory_ids),
                 version=ev.version, t=time.time(), weights_sha256=ev.weights_sha256,
+                via="republished" if ev.republished else "event",
             )  # fmt: skip
         r = resumed.result()
         assert isinstance(r, TrainerResumed)

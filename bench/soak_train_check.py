@@ -38,10 +38,11 @@ class TrainLane(msgspec.Struct, tag="train_lane", kw_only=True):
 
 
 class Trained(msgspec.Struct, tag="trained", kw_only=True):
-    """A training step the lane saw finished. ``via``: ``event`` (its ``train_step``) or
-    ``resume`` (the trainer was killed after the step's checkpoint and before its
-    ``train_step``; a restarted trainer resumed from that checkpoint: the ids are the step's
-    durable plan, empty when it could not be read)."""
+    """A training step the lane saw finished. ``via``: ``event`` (its ``train_step``),
+    ``republished`` (its ``train_step`` published again by a trainer resumed from the step's
+    checkpoint: killed after that checkpoint, the first publication may have been lost) or
+    ``resume`` (such a trainer's ``trainer_resumed`` came first: the ids are the step's durable
+    plan, empty when it could not be read)."""
 
     step: int
     rollout: str

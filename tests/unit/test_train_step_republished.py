@@ -137,3 +137,11 @@ async def test_the_lane_counts_a_republished_step_once(tmp_path: Path, original:
                TrainLaneEnded(t=time.time(), steps=2)]  # fmt: skip
     published = {t for s in (five, six) for t in s.trajectory_ids}
     assert list(check_training(history, published, kills=[])) == []
+
+
+async def test_a_lane_step_counted_from_its_republished_event_says_so(tmp_path: Path) -> None:
+    tail, ctx = EventTail(None), context(tmp_path)
+    started = TrainStepStarted(step=5, base_version=5, samples=2, replay=False)
+    await arrive(tail, started, msgspec.structs.replace(step_event(5), republished=True))
+    done = await asyncio.wait_for(lane(tail, tmp_path)._trained(ctx, 1, Phases(), time.time()), 5.0)
+    assert (done.step, done.via, done.trajectory_ids) == (5, "republished", ["t5-0", "t5-1"])
