@@ -1,6 +1,7 @@
 """A step's ``train_step`` published again by a restarted trainer (``republished``): what the
 step's checkpoint records of the event and the event made again from that record
-(``services/trainer/records.py``, pure), and what its consumers make of it — the node's
+(``services/trainer/records.py``, pure; once through a real checkpoint of the small model),
+and what its consumers make of it — the node's
 metrics count the step once, the RL loop's ``await_train_step`` takes the first event of its
 own step only, the soak's lane records the step once. Events are handed to a real
 ``EventTail`` by hand (no bus)."""
@@ -20,12 +21,20 @@ import pytest
 from bench.soak_train_check import TrainLane, TrainLaneEnded, check_training
 from common.codec import decode, encode
 from common.events import EventTail
+from common.training_config import OptimConfig
+from model.config import load_model_config
+from model.loader import load_safetensors
+from model.training import load_weights, publishable_state_dict, read_meta, weights_sha256
 from schemas.events import TrainerResumed, TrainStep, TrainStepStarted
 from services.rl.loop import Quiet, await_train_step
 from services.rl.options import StepFaults
 from services.rl.records import Phases
-from services.supervisor.metrics import Sample, event_samples
-from services.trainer import records
+from services.supervisor import metrics
+from services.trainer import journal, records
+from services.trainer.config import GrpoConfig
+from services.trainer.core import Sample
+from services.trainer.update import grpo_step, load_state, new_state, save_state
+from tests.unit.model_fixtures import write_small_model
 from tests.unit.test_soak_train import arrive, context, lane, train_step
 
 
@@ -63,6 +72,36 @@ def test_the_checkpoint_s_record_gives_the_event_back_marked_republished() -> No
     assert nan is not None and math.isnan(nan.loss)
 
 
+def test_a_real_checkpoint_s_record_gives_its_weights_sha256_and_version(tmp_path: Path) -> None:
+    """One update of the small model, checkpointed as the trainer does (``save_state`` with the
+    record in its meta): the event made again from the files names the checkpoint's weights."""
+    model_dir = write_small_model(tmp_path / "model")
+    cfg, optim = load_model_config(model_dir), OptimConfig(lr=1e-2, seed=5)
+    state = new_state(cfg, load_safetensors(model_dir), 1, optim)
+    batch = [
+        Sample(trajectory_id=f"{g}{i}", group_id=g, sample_index=i, prompt_ids=(3, 4, 5),
+               response_ids=(7 + i, 8, 9), loss_mask=(1, 0, 1), rollout_logprobs=(-1.0, 0.0, -2.0),
+               weight_versions=(1, -1, 1), reward=float(i))
+        for g in ("A", "B") for i in range(2)
+    ]  # fmt: skip
+    result = grpo_step(state, batch, group_size=2, grpo=GrpoConfig(), optim=optim, pad_id=0)
+    known = records.train_step(
+        result, version=state.version, checkpoint_s=0.0, push_s=0.0, step_s=1.0,
+        checkpointed=True, replay=False, batch_sha256=records.batch_sha256(batch),
+        weights_sha256=weights_sha256(publishable_state_dict(state.model)),
+    )  # fmt: skip
+    path = journal.checkpoint_path(tmp_path / "ckpt", state.step)
+    save_state(
+        path, state, {"run_id": "r", records.TRAIN_STEP_META: records.checkpoint_record(known)}
+    )
+    loaded, meta = load_state(path, cfg, optim)
+    assert meta == read_meta(path)
+    again = records.republished(meta, loaded.version)
+    assert again is not None and again.republished and (again.step, again.version) == (1, 2)
+    assert again.weights_sha256 == weights_sha256(load_weights(path)) == known.weights_sha256
+    assert again.trajectory_ids == ["A0", "A1", "B0", "B1"] and again.loss == result.loss
+
+
 def test_no_event_without_a_record_of_the_checkpoint_s_own_step() -> None:
     step0 = {"run_id": "r", "model": [], "step": 0, "version": 1, "trained": []}
     assert records.republished(step0, version=1) is None  # step 0's, or an older trainer's
@@ -82,17 +121,17 @@ def test_an_older_train_step_decodes_as_not_republished() -> None:
 def test_a_republished_step_is_not_counted_twice_by_the_node_s_metrics() -> None:
     first = step_event(5)
     gauges = [
-        Sample("belayer_trainer_loss", (), 0.25),
-        Sample("belayer_trainer_reward_mean", (), 0.0),
-        Sample("belayer_trainer_logprob_diff_max", (), 0.0),
+        metrics.Sample("belayer_trainer_loss", (), 0.25),
+        metrics.Sample("belayer_trainer_reward_mean", (), 0.0),
+        metrics.Sample("belayer_trainer_logprob_diff_max", (), 0.0),
     ]
-    assert event_samples(first) == [
-        Sample("belayer_trainer_steps", (), 1),
-        Sample("belayer_trainer_step_seconds", (), 0.0),
+    assert metrics.event_samples(first) == [
+        metrics.Sample("belayer_trainer_steps", (), 1),
+        metrics.Sample("belayer_trainer_step_seconds", (), 0.0),
         *gauges,
     ]
     again = msgspec.structs.replace(first, republished=True)
-    assert event_samples(again) == gauges
+    assert metrics.event_samples(again) == gauges
 
 
 async def test_the_loop_takes_its_own_step_s_first_event(tmp_path: Path) -> None:
