@@ -368,11 +368,16 @@ async def soak_node(
 def soak_config(paths: RunPaths, opts: SoakOptions) -> SupervisorConfig:
     """The node a soak starts: the defaults, ``opts.engines`` engines, the environment service
     with ``--workload swe``, the trainer with ``--train`` (``bench/soak_train.py``'s, its
-    checkpoints under ``<run dir>/trainer``), and no engine retired for failing twice in a row
-    (the soak's faults are not a sick machine's)."""
+    checkpoints under ``<run dir>/trainer``), no engine retired for failing twice in a row and
+    no crash-loop backoff (a service restarted after ``restart_backoff_s`` however soon it is
+    killed again): the soak's faults are not a sick machine's. Under the default backoff a
+    service the schedule kills again within ``stable_after_s`` of its start waits up to
+    ``restart_backoff_max_s`` before its restart, and the soak would time that policy, not the
+    recovery."""
     d = SupervisorConfig()
     return dataclasses.replace(
         d,
+        restart_backoff_max_s=d.restart_backoff_s,
         run_dir=str(paths.root),
         engines=opts.engines,
         environment=opts.workload == "swe",

@@ -142,3 +142,15 @@ async def test_a_status_read_that_misses_its_deadline_is_tried_again(
     monkeypatch.setattr(soak_node, "view", view)
     v = await soak_node.view_within(None)
     assert v is not None and v.procs["environment"] == (7, True)
+
+
+def test_the_soaks_node_restarts_a_killed_service_without_crash_loop_backoff() -> None:
+    from bench.soak import SoakOptions, soak_config
+    from common.config import RunPaths
+    from services.supervisor.backoff import Backoff
+
+    cfg = soak_config(RunPaths(Path("/tmp/soak-node")), SoakOptions(workload="swe"))
+    assert cfg.router.failure_window_s == 0.0
+    b = Backoff(cfg.restart_backoff_s, cfg.restart_backoff_max_s, cfg.stable_after_s)
+    # Killed every few seconds (the schedule's pace on one service): the delay never grows.
+    assert [b.next_delay(2.0) for _ in range(6)] == [cfg.restart_backoff_s] * 6
