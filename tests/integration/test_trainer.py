@@ -3,7 +3,9 @@ trainer, all real processes; the real tiny model): trajectories generated throug
 and published to stream TRAJECTORIES are trained on, the new weights are pushed and the
 workers switch; a malformed record is dead-lettered; a trainer SIGKILLed mid-step is restarted
 by the supervisor, resumes from its checkpoint, trains every trajectory exactly once, and its
-update equals the same update run without a kill."""
+update equals the same update run without a kill; a trainer SIGKILLed after a step's checkpoint
+and before its `train_step` publishes that event again when it resumes (`republished`), and
+training goes on."""
 
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ from common.config import config_argv
 from common.events import EventTail
 from common.training_config import OptimConfig
 from model.config import load_model_config
-from model.training import load_weights, publishable_state_dict
+from model.training import load_weights, publishable_state_dict, read_meta, weights_sha256
 from schemas.events import (
     ServiceRestarted,
+    TrainerCheckpointed,
     TrainerResumed,
     TrainStep,
     TrainStepStarted,
@@ -58,6 +61,7 @@ TRAINER = TrainerConfig(
     groups_per_step=GROUPS,
     ack_wait_s=2.0,
     hold_before_checkpoint_s=2.0,  # a kill right after train_step_started lands mid-step
+    hold_after_checkpoint_s=3.0,  # a kill right after trainer_checkpointed lands before the push
     optim=OptimConfig(lr=1e-3, seed=3),
     grpo=GrpoConfig(micro_batch_size=2),
 )
@@ -277,3 +281,58 @@ async def test_a_trainer_killed_mid_step_resumes_and_trains_each_trajectory_once
     assert weights_equal(ours, resumed_weights)
     served = map_weights(await fetch_manifest(nc, v0 + 1))
     assert weights_equal(ours, dict(served))
+
+
+async def test_a_trainer_killed_after_a_checkpoint_publishes_the_step_s_event_again(
+    training_node: Node, bus: tuple[NATS, EventTail], controller_js: JetStreamContext
+) -> None:
+    nc, log = bus
+    js = nc.jetstream()
+    st = await trainer_status(nc)
+    s0, v0 = st.step, st.version
+    ckpt_dir = training_node.run_dir / "trainer"
+    before = read_meta(journal.checkpoint_path(ckpt_dir, s0))["trained"]
+    trajs = await rollout(nc, f"late{v0}", v0)
+    await publish(controller_js, trajs)
+
+    # killed once the step's checkpoint is durable: before its push, its acks, its train_step
+    checkpointed = await log.wait_for(TrainerCheckpointed, step=s0 + 1, timeout=120)
+    pid = (await supervisor_pids(nc))["trainer"]
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+
+    await log.wait_for(ServiceRestarted, name="trainer", after=killed_at, timeout=60)
+    resumed = await log.wait_for(TrainerResumed, after=killed_at, timeout=60)
+    assert (resumed.step, resumed.version, resumed.replay_steps) == (s0 + 1, v0 + 1, 0)
+    assert resumed.pushed  # the killed trainer never pushed: the resumed one did
+    again = await log.wait_for(TrainStep, step=s0 + 1, timeout=60)
+    assert log.matching(TrainStep, step=s0 + 1) == [again]  # the first publication never came
+    assert again.republished and again.ts >= resumed.ts and again.checkpointed
+    assert not again.replay and (again.checkpoint_s, again.push_s) == (0.0, 0.0)
+    assert again.version == checkpointed.version == v0 + 1
+    assert sorted(again.trajectory_ids) == sorted(t.trajectory_id for t in trajs)
+    assert again.samples == len(trajs) and again.logprob_diff_max <= 1e-4
+    # its weights are the checkpoint's, and the store serves them under its version
+    path = journal.checkpoint_path(ckpt_dir, s0 + 1)
+    assert read_meta(path)["version"] == again.version
+    assert again.weights_sha256 == weights_sha256(load_weights(path))
+    served = map_weights(await fetch_manifest(nc, v0 + 1))
+    assert weights_sha256(dict(served)) == again.weights_sha256
+    await wait_until(lambda: all_acked(js), timeout=30, what="every trajectory acked")
+
+    # training goes on: the next step trains on the republished step's weights
+    for role in ("main", "shadow"):
+        await log.wait_for(WorkerWeightsSwapped, "e0", version=v0 + 1, role=role, timeout=60)
+    nxt = await rollout(nc, f"next{v0}", v0 + 1)
+    await publish(controller_js, nxt)
+    done = await log.wait_for(TrainStep, step=s0 + 2, timeout=120)
+    assert not (done.replay or done.republished) and done.version == v0 + 2
+    assert log.matching(TrainStep, step=s0 + 1) == [again]
+    await wait_until(lambda: all_acked(js), timeout=30, what="every trajectory acked")
+
+    # no trajectory trained twice: each step's batch once, in order, in the checkpoints
+    after = read_meta(journal.checkpoint_path(ckpt_dir, s0 + 2))["trained"]
+    assert after == before + list(again.trajectory_ids) + list(done.trajectory_ids)
+    assert len(set(after)) == len(after)
+    status = await trainer_status(nc)
+    assert (status.step, status.version, status.held) == (s0 + 2, v0 + 2, 0)
