@@ -1,7 +1,11 @@
 """Host-side checkpoint mechanics: freezing a Docker container's cgroup, archiving and
 installing its overlay upper dir, dumping its processes with CRIU through runc, and making
 files durable. Every child process dies with the service (PR_SET_PDEATHSIG) and runs under a
-timeout, so a killed or stuck service leaves no half-running dump behind.
+timeout in a session of its own, whose whole process group is killed at the timeout or when the
+call is cancelled: ``runc checkpoint`` runs CRIU as its own child, and a CRIU orphaned by a
+killed ``runc`` keeps the container's processes seized (under ptrace) for good — Docker then
+cannot kill or remove the container. The death signal reaches ``runc`` only, so a CRIU orphaned
+by a killed *service* is killed by the restarted service (:func:`kill_orphan_dumps`).
 
 The death signal is set by util-linux's ``setpriv --pdeathsig`` in front of the command where it
 is installed: Python then spawns with ``vfork`` (no ``preexec_fn``), ~2.5 ms of CPU less a
@@ -61,13 +65,14 @@ async def run(argv: list[str], *, timeout: float, what: str, **ctx: object) -> s
             stderr=asyncio.subprocess.PIPE,
             preexec_fn=preexec,
             env={"PATH": PATH},
+            start_new_session=True,
         )
     except OSError as exc:
         raise SandboxError(f"{what}: cannot run {argv[0]}: {exc}", **ctx) from None
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except (TimeoutError, asyncio.CancelledError):
-        proc.kill()
+        kill_group(proc.pid)
         await proc.wait()
         if isinstance(asyncio.current_task(), asyncio.Task) and asyncio.current_task().cancelling():  # type: ignore[union-attr]  # checked just before
             raise
@@ -76,6 +81,47 @@ async def run(argv: list[str], *, timeout: float, what: str, **ctx: object) -> s
         tail = (err or out).decode(errors="replace").strip()[-800:]
         raise SandboxError(f"{what} failed (exit {proc.returncode}): {tail}", **ctx)
     return out.decode(errors="replace")
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads (a child of :func:`run`, and what it started:
+    CRIU under ``runc checkpoint``)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def is_orphan_dump(comm: str, ppid: int, cwd: str, checkpoint_root: Path) -> bool:
+    """Whether a process (its ``comm``, parent and working directory) is a CRIU of this
+    service's checkpoints left without its ``runc``: reparented to init, working in a
+    checkpoint's work directory under ``checkpoint_root`` (possibly deleted since)."""
+    cwd = cwd.removesuffix(" (deleted)")
+    return comm == "criu" and ppid == 1 and cwd.startswith(f"{checkpoint_root}/")
+
+
+def kill_orphan_dumps(checkpoint_root: Path, proc: Path = Path("/proc")) -> list[int]:
+    """SIGKILL every orphaned CRIU of ``checkpoint_root`` (:func:`is_orphan_dump`) — a killed
+    service's ``runc checkpoint`` died with it, its CRIU did not; its tracees (the container's
+    processes) are released when it dies. Returns the pids killed."""
+    roots = {checkpoint_root, checkpoint_root.resolve()}
+    killed = []
+    for d in proc.glob("[0-9]*"):
+        try:
+            comm = (d / "comm").read_text().strip()
+            if comm != "criu":
+                continue
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cwd = os.readlink(d / "cwd")
+        except (OSError, ValueError, IndexError):
+            continue  # gone while we looked
+        if any(is_orphan_dump(comm, ppid, cwd, root) for root in roots):
+            try:
+                os.kill(int(d.name), signal.SIGKILL)
+                killed.append(int(d.name))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return killed
 
 
 # --- freezing ---------------------------------------------------------------------------------

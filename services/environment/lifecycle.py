@@ -28,12 +28,15 @@ log = get_logger(component="env.lifecycle")
 
 
 async def adopt(fleet: Fleet) -> None:
-    """Re-adopt persisted sandboxes (a killed service's, or those a ``belayer down
+    """Kill the CRIU dumps a killed service left running (``criu_ops.kill_orphan_dumps``),
+    re-adopt persisted sandboxes (a killed service's, or those a ``belayer down
     --keep-sandboxes`` kept), thaw containers a killed service left frozen (not those Docker
     paused), delete partial checkpoint directories, and reap the containers and checkpoint
     directories of this run directory that no sandbox owns."""
     config = fleet.config
     config.checkpoint_root.mkdir(parents=True, exist_ok=True)
+    for pid in await asyncio.to_thread(ops.kill_orphan_dumps, config.checkpoint_root):
+        log.warning("orphan_criu_killed", pid=pid)
     for tmp in config.checkpoint_root.glob(f"*/{core.TMP_PREFIX}*"):
         log.warning("partial_checkpoint_removed", path=str(tmp))
         ops.remove_tree(tmp)
