@@ -154,3 +154,17 @@ def test_the_soaks_node_restarts_a_killed_service_without_crash_loop_backoff() -
     b = Backoff(cfg.restart_backoff_s, cfg.restart_backoff_max_s, cfg.stable_after_s)
     # Killed every few seconds (the schedule's pace on one service): the delay never grows.
     assert [b.next_delay(2.0) for _ in range(6)] == [cfg.restart_backoff_s] * 6
+
+
+def test_a_docker_kill_sent_but_not_seen_exiting_is_a_kill_made() -> None:
+    from services.controller.fault_actions import kill_sent_not_exited
+
+    # dockerd's answer (soak, 2026-12-04) when a checkpoint held the container frozen.
+    seen = (
+        "500 Server Error for http+docker://localhost/v1.41/containers/12cc5bf9e3f0/kill: "
+        'Internal Server Error ("Cannot kill container: 12cc5bf9e3f0: tried to kill container, '
+        'but did not receive an exit event")'
+    )
+    assert kill_sent_not_exited(seen)
+    assert not kill_sent_not_exited('404 Client Error: Not Found ("No such container: 12cc")')
+    assert not kill_sent_not_exited("Cannot kill container: 12cc: container is not running")
