@@ -128,17 +128,16 @@ async def live_engines(
     and those with a claimed epoch whose worker does not (yet): a worker only registers at its
     start, so a restarted router must find it, and keep trying the ones that were silent (a
     ping missed on a loaded machine would otherwise leave an engine unknown for good)."""
-    kv = await js.key_value(subjects.BUCKET_ENGINE_EPOCHS)
-    try:
-        claimed = set(await kv.keys())
-    except nats.js.errors.NoKeysError:
-        return [], []
     live: list[LiveEngine] = []
     silent: list[str] = []
     for engine_id in engine_ids:
-        if engine_id not in claimed:
-            continue
-        epoch, _ = await current_epoch(js, engine_id)
+        # One direct read per engine, not the bucket's key list: nats-py lists keys with a
+        # watcher whose end-of-replay marker can come early (a partial list, or a spurious
+        # NoKeysError) or never; a restarted router then neither found its engine nor tried it
+        # again (seen once in CI: the engine never came back under the new router).
+        epoch, revision = await current_epoch(js, engine_id)
+        if revision is None:
+            continue  # never claimed: no worker started yet
         pong = await ping_engine(nc, engine_id, epoch=epoch, timeout=timeout_s)
         if pong is None:
             silent.append(engine_id)
