@@ -35,7 +35,7 @@ from services.trainer.config import GrpoConfig
 from services.trainer.core import Sample
 from services.trainer.update import grpo_step, load_state, new_state, save_state
 from tests.unit.model_fixtures import write_small_model
-from tests.unit.test_soak_train import arrive, context, lane, train_step
+from tests.unit.soak_train_helpers import arrive, context, lane, train_step
 
 
 def step_event(step: int, **fields: Any) -> TrainStep:
