@@ -96,7 +96,7 @@ class Controller(Service[ControllerConfig]):
         cfg = self.config
         if not cfg.model_dir:
             raise InvalidRequest("the controller needs --model-dir (the node's model)")
-        self.store = StateStore(self.js)
+        self.store = StateStore(self.nc, self.js)
         self.env = PlacedEnvClient(self.nc, timeout=cfg.env_timeout_s)
         self.injector = Injector(self.nc, self.env, docker_url=cfg.docker_url)
         tokenizer = await asyncio.to_thread(load_tokenizer, Path(cfg.model_dir))

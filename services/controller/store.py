@@ -1,14 +1,20 @@
 """The controller's durable state in JetStream KV: ``rollouts`` (key: rollout id →
 ``RolloutState``) and ``trajectory_prefix`` (key: trajectory id → ``TrajectoryState``, the
 association (trajectory, k, C_k, L_k)). One controller runs per node, so plain puts suffice;
-values are MessagePack, decoded with the schemas (anything else is ignored and logged)."""
+values are MessagePack, decoded with the schemas (anything else is ignored and logged).
+
+A bucket's keys are listed from the stream's subjects (``STREAM.INFO`` with a subjects filter,
+page by page), not with nats-py's ``kv.keys()``: its watcher can end the replay early or never
+(nats-py #842, #995), and a restarted controller that misses a running rollout never adopts it."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+import json
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -26,8 +32,10 @@ T = TypeVar("T")
 class StateStore:
     """Typed reads and writes of the two buckets."""
 
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, *, timeout: float = 5.0) -> None:
+        self.nc = nc
         self.js = js
+        self.timeout = timeout
         self._rollouts: KeyValue | None = None
         self._trajectories: KeyValue | None = None
 
@@ -58,13 +66,32 @@ class StateStore:
         return entry.value or None
 
     async def _keys(self, bucket: str) -> list[str]:
-        kv = await self._bucket(bucket)
+        """Every key of ``bucket`` (deleted ones included: their reads answer None)."""
+        prefix = f"$KV.{bucket}."
+        keys: list[str] = []
+        while True:
+            resp = await self._stream_info(
+                bucket, {"subjects_filter": f"{prefix}>", "offset": len(keys)}
+            )
+            page = (resp.get("state") or {}).get("subjects") or {}
+            keys.extend(subject[len(prefix) :] for subject in page)
+            if not page or len(keys) >= int(resp.get("total") or 0):
+                return keys
+
+    async def _stream_info(self, bucket: str, request: dict[str, Any]) -> dict[str, Any]:
         try:
-            return list(await kv.keys())
-        except nats.js.errors.NoKeysError:
-            return []
-        except (TimeoutError, nats.errors.Error) as exc:
+            msg = await self.nc.request(
+                f"$JS.API.STREAM.INFO.KV_{bucket}",
+                json.dumps(request).encode(),
+                timeout=self.timeout,
+            )
+            resp = json.loads(msg.data)
+        except (TimeoutError, nats.errors.Error, ValueError) as exc:
             raise BusUnavailable(f"cannot list {bucket}: {exc!r}") from None
+        if not isinstance(resp, dict) or "error" in resp:
+            error = resp.get("error") if isinstance(resp, dict) else resp
+            raise BusUnavailable(f"cannot list {bucket}: {error}")
+        return resp
 
     # --- rollouts -----------------------------------------------------------------------
     async def put_rollout(self, rollout_id: str, state: RolloutState) -> None:
