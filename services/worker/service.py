@@ -62,6 +62,7 @@ from schemas.serving import (
     SeqDelta,
     StepBatch,
 )
+from schemas.weights import WeightManifest
 from services.kv.client import fetch_arena, flush_arena, map_arena
 from services.weights.client import current_manifest, fetch_manifest, map_weights
 from services.worker.backends import build_engine
@@ -71,6 +72,8 @@ from services.worker.runtime import Abort, EngineLoop, Snapshot, Submit, SwapWei
 
 MIRROR_TIMEOUT_S = 120.0
 """How long an engine host's weight store may take to mirror a version a worker asks for."""
+REFRESH_RETRY_S = 1.0
+"""Pause before a failed weight refresh asks again (``Worker._fetch_newer``)."""
 
 
 class Worker:
@@ -259,20 +262,10 @@ class Worker:
 
     async def refresh_weights(self, version: int) -> None:
         assert self.engine is not None
-        try:
-            # An engine host's store first mirrors a version it lacks: it may take longer.
-            timeout = MIRROR_TIMEOUT_S if self.config.host else 5.0
-            manifest = await fetch_manifest(
-                self.nc,
-                version=version,
-                timeout=timeout,
-                host=self.config.host,
-                restart_wait_s=self.config.owner_restart_wait_s,
-            )
-            params = map_weights(manifest)
-        except BelayerError as exc:  # e.g. already garbage-collected: a newer one follows
-            self.log.warning("weights_refresh_failed", version=version, error=str(exc))
+        fetched = await self._fetch_newer(version)
+        if fetched is None:
             return
+        manifest, params = fetched
         t0 = time.perf_counter()
 
         def swapped() -> None:
@@ -298,6 +291,35 @@ class Worker:
                 role=self.role,
             ),
         )
+
+    async def _fetch_newer(
+        self, version: int
+    ) -> tuple[WeightManifest, dict[str, torch.Tensor]] | None:
+        """The manifest of ``version`` and its tensors, asked again while that fails — a store
+        killed between receiving the request and answering it, a version collected meanwhile
+        — for the store's current version, as long as that is newer than this engine's, for
+        at most ``owner_restart_wait_s``; None when there is nothing newer or the time is up."""
+        deadline = time.monotonic() + self.config.owner_restart_wait_s
+        while True:
+            try:
+                # An engine host's store first mirrors a version it lacks: it may take longer.
+                manifest = await fetch_manifest(
+                    self.nc,
+                    version=version,
+                    timeout=MIRROR_TIMEOUT_S if self.config.host else 5.0,
+                    host=self.config.host,
+                    restart_wait_s=self.config.owner_restart_wait_s,
+                )
+                return manifest, map_weights(manifest)
+            except BelayerError as exc:
+                self.log.warning("weights_refresh_failed", version=version, error=str(exc))
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(REFRESH_RETRY_S)  # a restarting store: not a tight loop
+            current = await current_manifest(self.js)
+            if current is None or current.version <= self.weight_version:
+                return None
+            version = current.version
 
     def health_check(self) -> float:
         """A tiny forward pass on the engine's scratch cache; returns its duration."""
