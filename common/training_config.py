@@ -26,7 +26,10 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm of each optimiser step to this (0: no clipping)."""
     warmup_steps: int = 0
-    """Optimiser steps of linear learning-rate warm-up from 0 to ``lr``; constant after."""
+    """Optimiser steps of linear learning-rate warm-up from 0 to ``lr``."""
+    decay_steps: int = 0
+    """Optimiser steps over which the learning rate then falls from ``lr`` to 0 along a cosine
+    (0: constant after the warm-up). ``belayer run`` sets it to the run's steps."""
     seed: int = 0
     """Seed of every random number generator the training step uses (torch, numpy, random)."""
 
@@ -35,5 +38,7 @@ class OptimConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"AdamW betas must be in [0, 1), got {self.beta1}, {self.beta2}")
-        if self.max_grad_norm < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
-            raise ValueError("max_grad_norm, warmup_steps and weight_decay must be >= 0")
+        if min(self.max_grad_norm, self.warmup_steps, self.decay_steps, self.weight_decay) < 0:
+            raise ValueError(
+                "max_grad_norm, warmup_steps, decay_steps and weight_decay must be >= 0"
+            )

@@ -13,11 +13,20 @@ echo "test: mypy"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 # The warm-started tiny models the rollout tests use (tests/model_fixtures.py), made before the
 # tests so no test's timeout pays for a training: cached in $BELAYER_CACHE_DIR (default
-# ~/.cache/belayer) by a key of their inputs, so only a machine's first run trains (minutes).
+# ~/.cache/belayer) by a key of their inputs, so only a machine's first run trains (math ~13
+# minutes on one thread, swe ~5 with its sandbox recordings: side by side, one core each).
 echo "test: warm-started models"
 WARM=$(mktemp -d /tmp/belayer-warm.XXXXXX)
-for kind in math swe; do .venv/bin/belayer model init --tiny --warm-start "$kind" "$WARM/$kind"; done
+pids=()
+for kind in math swe; do
+  .venv/bin/belayer model init --tiny --warm-start "$kind" "$WARM/$kind" > "$WARM/$kind.log" 2>&1 &
+  pids+=($!)
+done
+wrc=0
+for i in 0 1; do wait "${pids[$i]}" || wrc=1; done
+cat "$WARM/math.log" "$WARM/swe.log"
 rm -rf "$WARM"
+if [ $wrc -ne 0 ]; then echo "test: a warm start failed (above)"; exit 1; fi
 echo "test: pytest"
 before=$(ls /dev/shm 2>/dev/null | grep '^belayer-' | sort || true)
 containers() { /usr/bin/docker ps -aq --filter label=belayer.sandbox 2>/dev/null | sort || true; }

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -106,11 +107,19 @@ def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
 def make_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup_steps`` optimiser steps, then the constant ``lr``."""
-    warmup = cfg.warmup_steps
+    """Linear warm-up over ``warmup_steps`` optimiser steps, then the constant ``lr`` — or,
+    with ``decay_steps``, a cosine from ``lr`` to 0 over that many steps after the warm-up
+    (the factor of optimiser step ``s`` depends on ``s`` alone: a resumed scheduler, its
+    ``last_epoch`` restored, goes on exactly)."""
+    warmup, decay = cfg.warmup_steps, cfg.decay_steps
 
     def factor(step: int) -> float:
-        return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if decay <= 0:
+            return 1.0
+        done = min(1.0, (step - warmup) / decay)
+        return 0.5 * (1.0 + math.cos(math.pi * done))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

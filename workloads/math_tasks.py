@@ -34,16 +34,18 @@ HELD_OUT_SIZE = 256
 
 GENERATORS: dict[str, dict[str, Any]] = {
     "basic_arithmetic": {
-        "min_terms": 2,
-        "max_terms": 2,
+        "min_terms": 3,
+        "max_terms": 3,
         "operators": ("+", "-"),
         "allow_parentheses": False,
         "allow_negation": False,
     },
-    "chain_sum": {"min_terms": 2, "max_terms": 3, "allow_negation": False},
+    "chain_sum": {"min_terms": 3, "max_terms": 3, "allow_negation": False},
 }
 """reasoning-gym generators the ``math`` workload knows, with the settings that keep the
-problems small (digits are set by the workload's ``max_digits``)."""
+problems small (digits are set by the workload's ``max_digits``): three terms, so the warm
+start answers about half of them at once and GRPO has groups of mixed rewards to learn
+from (two terms: the warm start answers nearly all; docs/training.md)."""
 
 
 _TASK_ID = re.compile(r"math-(?P<generator>[a-z_]+)-(?P<tag>h|t\d+)-(?P<index>\d+)")

@@ -423,6 +423,45 @@ def bench_transparency(
     )  # fmt: skip
 
 
+@bench_app.command("learn")
+def bench_learn(
+    as_json: bool = _BENCH_JSON,
+    out: Path = _bench_out("learn"),
+    workload: str = typer.Option("math", "--workload", help="math or swe."),
+    steps: int = typer.Option(20, "--steps", min=1, max=1000, help="Training steps of each run."),
+    seeds: str = typer.Option("0,1,2", "--seeds", help="Comma-separated `belayer run --seed`s."),
+    runs: str = typer.Option(
+        "",
+        "--runs",
+        help="Judge these run directories (comma-separated, one per seed, in --seeds order) "
+        "instead of running.",
+    ),
+) -> None:
+    """Does the run learn in every seed? `belayer run WORKLOAD --steps N --seed S` with every
+    other option at its default, a fresh node each: per seed the held-out greedy exact accuracy
+    at step 0 and after the last step, the gain with its 95 % interval (paired bootstrap over
+    the held-out problems) against +0.15, and one plot of every seed's curve (beside the
+    JSON). Minutes per seed."""
+    try:
+        seed_list = [int(s) for s in seeds.split(",") if s.strip()]
+    except ValueError:
+        raise typer.BadParameter("comma-separated integers", param_hint="--seeds") from None
+    run_dirs = [Path(r) for r in runs.split(",") if r.strip()]
+    if run_dirs and len(run_dirs) != len(seed_list):
+        raise typer.BadParameter("one run directory per seed", param_hint="--runs")
+    if workload not in ("math", "swe"):
+        raise typer.BadParameter("math or swe", param_hint="--workload")
+    from bench.learn import main as bench_main
+
+    _run_bench(
+        lambda path: bench_main(
+            path, workload=workload, steps=steps, seeds=seed_list, runs=run_dirs
+        ),
+        out,
+        as_json,
+    )
+
+
 def bench_env(
     as_json: bool = _BENCH_JSON,
     out: Path = _bench_out("env"),

@@ -183,6 +183,11 @@ RUN_LR = typer.Option(
     + f", a plugin its run_defaults or {PLUGIN_LR:.0e}".replace("e-0", "e-")
     + ").",
 )
+RUN_LR_SCHEDULE = typer.Option(
+    RunOptions.lr_schedule, "--lr-schedule",
+    help="The learning rate over the run: cosine (from the peak to 0 over --steps) or "
+    "constant (a node the run starts).",
+)  # fmt: skip
 RUN_HELD_OUT = typer.Option(
     RunOptions.held_out, "--held-out", min=1, max=4096,
     help=f"Held-out tasks (default: {per_workload('held_out')}; with --dataset at most its "
@@ -226,6 +231,7 @@ def run(
     answer_column: str = RUN_ANSWER_COLUMN,
     seed: int = RUN_SEED,
     lr: float | None = RUN_LR,
+    lr_schedule: str = RUN_LR_SCHEDULE,
     held_out: int | None = RUN_HELD_OUT,
     temperature: float = RUN_TEMPERATURE,
     recovery: str = RUN_RECOVERY,
@@ -243,7 +249,7 @@ def run(
     opts = RunOptions(
         workload=workload, steps=steps, tasks=tasks, n=n, model=model, policy=policy,
         inject=inject, resume=resume, out=out, node_dir=run_dir, dataset=dataset, seed=seed,
-        lr=lr, held_out=held_out, temperature=temperature, recovery=recovery,
+        lr=lr, lr_schedule=lr_schedule, held_out=held_out, temperature=temperature, recovery=recovery,
         keep_node=keep_node, prompt_column=prompt_column, answer_column=answer_column,
         rewards=tuple(reward), reward_weights=tuple(reward_weights),
         trainer_procs=trainer_procs,

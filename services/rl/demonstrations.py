@@ -38,6 +38,7 @@ from model.warm_start import Demonstration, read_demonstrations, write_demonstra
 from services.environment.client import with_private_env
 from workloads import FINISH_COMMAND, format_action, format_answer, load_workload
 from workloads.base import SandboxOps, Task
+from workloads.math_tasks import GENERATORS
 from workloads.runner import run_episode
 from workloads.swe import SweWorkload
 from workloads.swe_families import TRAIN_FAMILIES
@@ -55,7 +56,13 @@ DEMO_VERSION = 2
 MATH_DEMOS = 12_800
 """Math demonstrations (training problems of the ``math`` workload, never held-out ones): one
 drawn per example the warm start trains on (``SFT["math"]``: 400 steps × 32) rather than a
-small pool cycled; at one digit the draws hold 2,920 distinct questions."""
+small pool cycled; ``SFT["math"]`` trains four passes over them."""
+
+MATH_DIRECT_SHARE = 0.65
+"""Share of math demonstrations that answer at once (``Answer: N``); the others work the sum
+out left to right first. Which ones: a hash of the task id (stable across runs). Answering at
+once is what a small model can sharpen with GRPO in a few steps; the worked ones keep the
+skill of writing the sum out (docs/training.md)."""
 
 SWE_DEMO_VERSION = 4
 """Bumped when the ``swe`` and ``swe-long`` recipes change (2: generated tasks and the general
@@ -132,6 +139,12 @@ def math_response(task: Task) -> str:
     return "\n".join([*lines, format_answer(task.reference_answer)])
 
 
+def answers_at_once(task: Task) -> bool:
+    """Whether ``task``'s demonstration answers at once (``MATH_DIRECT_SHARE`` of the tasks)."""
+    frac = int.from_bytes(hashlib.sha256(task.id.encode()).digest()[:4], "big") / 2**32
+    return frac < MATH_DIRECT_SHARE
+
+
 def prompt_turns(task: Task) -> tuple[tuple[str, str], ...]:
     """The task's prompt as ``(role, content)`` turns."""
     return tuple((m.role, m.content) for m in task.prompt)
@@ -140,19 +153,30 @@ def prompt_turns(task: Task) -> tuple[tuple[str, str], ...]:
 def math_demonstrations(
     cache: Path, count: int = MATH_DEMOS, seed: int = 0, *, refresh: bool = False
 ) -> list[Demonstration]:
-    """``count`` math demonstrations (cached)."""
-    key = _digest({"v": DEMO_VERSION, "kind": "math", "count": count, "seed": seed})
+    """``count`` math demonstrations (cached): ``MATH_DIRECT_SHARE`` answer at once
+    (variant ``direct``), the others show their working first (``working``)."""
+    key = _digest(
+        {
+            "v": DEMO_VERSION,
+            "kind": "math",
+            "count": count,
+            "seed": seed,
+            "direct": MATH_DIRECT_SHARE,
+            "generators": GENERATORS,
+        }
+    )
+
+    def demo(t: Task) -> Demonstration:
+        direct = answers_at_once(t)
+        text = format_answer(t.reference_answer) if direct else math_response(t)
+        return Demonstration(
+            task_id=t.id,
+            messages=(*prompt_turns(t), ("assistant", text)),
+            variant="direct" if direct else "working",
+        )
 
     def make() -> list[Demonstration]:
-        tasks = load_workload("math").tasks(count, seed=seed)
-        return [
-            Demonstration(
-                task_id=t.id,
-                messages=(*prompt_turns(t), ("assistant", math_response(t))),
-                variant="working",
-            )
-            for t in tasks
-        ]
+        return [demo(t) for t in load_workload("math").tasks(count, seed=seed)]
 
     return _cached(cache / "demonstrations" / f"math-{key}.jsonl", make, refresh)
 

@@ -76,13 +76,16 @@ def run_trainer_config(
     resume: bool = False,
     seed: int = 0,
     lr: float = 1e-4,
+    decay_steps: int = 0,
     hold_before_checkpoint_s: float = 0.0,
     procs: int = TrainerConfig.procs,
 ) -> TrainerConfig:
     """The trainer of a node ``belayer run`` starts: ``group_size`` samples a group,
     ``groups_per_step`` groups a step, a checkpoint every step under ``checkpoint_dir``,
-    ``procs`` data-parallel ranks."""
+    ``procs`` data-parallel ranks; the learning rate falls from ``lr`` to 0 along a cosine over
+    ``decay_steps`` steps (0: constant)."""
     d = TrainerConfig()
+    grpo = GrpoConfig(micro_batch_size=MICRO_BATCH)
     return dataclasses.replace(
         d,
         group_size=group_size,
@@ -92,8 +95,8 @@ def run_trainer_config(
         hold_before_checkpoint_s=hold_before_checkpoint_s,
         procs=procs,
         ack_wait_s=ACK_WAIT_S,
-        optim=OptimConfig(lr=lr, seed=seed),
-        grpo=GrpoConfig(micro_batch_size=MICRO_BATCH),
+        optim=OptimConfig(lr=lr, seed=seed, decay_steps=decay_steps * grpo.minibatches),
+        grpo=grpo,
     )
 
 

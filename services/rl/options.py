@@ -51,8 +51,11 @@ DEFAULTS: dict[str, dict[str, int]] = {
 20 steps fit in about ten minutes on two CPU cores (docs/training.md); swe's 9 held-out tasks
 are 6 held-out instances of training families and one task of each of the 3 held-out
 families (``workloads.swe``), about fifteen minutes for 20 steps."""
-LR_DEFAULTS: dict[str, float] = {"math": 2e-4, "swe": 1e-4}
+LR_DEFAULTS: dict[str, float] = {"math": 5e-5, "swe": 1e-4}
 """Per workload: the peak learning rate of a node the run starts (docs/training.md)."""
+LR_SCHEDULES = ("cosine", "constant")
+"""``--lr-schedule``: ``cosine`` falls from the peak to 0 over the run's steps (a node the run
+starts), ``constant`` keeps the peak."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ class RunOptions:
     """Root seed of the rollouts and the trainer."""
     lr: float | None = None
     """Peak learning rate (a node the run starts; None: the workload's default)."""
+    lr_schedule: str = "cosine"
+    """The learning rate over the run (``LR_SCHEDULES``; a node the run starts)."""
     held_out: int | None = None
     """Held-out tasks evaluated greedily before training and after every step."""
     temperature: float = 1.0
@@ -383,6 +388,8 @@ def check_options(o: RunOptions) -> None:
         raise InvalidRequest(f"--steps must be at least 1, got {o.steps}")
     if o.recovery not in ("belayer", "baseline"):
         raise InvalidRequest("--recovery must be 'belayer' or 'baseline'")
+    if o.lr_schedule not in LR_SCHEDULES:
+        raise InvalidRequest(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}")
     try:
         parse_policy(o.policy)
     except ValueError as exc:

@@ -205,6 +205,7 @@ def start_run_node(
     trainer = run_trainer_config(
         group_size=state.n, groups_per_step=state.tasks, checkpoint_dir=out / "trainer",
         resume=resumed, seed=state.seed, lr=opts.lr or rw.lr,
+        decay_steps=opts.steps if opts.lr_schedule == "cosine" else 0,
         hold_before_checkpoint_s=opts.hold_before_checkpoint_s, procs=opts.trainer_procs,
     )  # fmt: skip
     info = start_node(

@@ -34,6 +34,7 @@ from model.training import load_weights, publishable_state_dict
 from schemas.rollout import Trajectory
 from services.controller.client import trajectories
 from services.rl.node import run_trainer_config
+from services.rl.options import LR_DEFAULTS
 from services.trainer import journal
 from services.trainer.service import to_sample
 from services.trainer.update import grpo_step, load_state, weights_equal
@@ -142,7 +143,11 @@ def redo_step_2(
 ) -> None:
     plan = journal.read_plan(journal.plan_path(ckpt, 2))
     assert sorted(plan.trajectory_ids) == sorted(trajs)
-    trainer = run_trainer_config(group_size=N, groups_per_step=TASKS, checkpoint_dir=ckpt)
+    # The run's trainer: swe's learning rate, a cosine over the run's 2 steps (the defaults).
+    trainer = run_trainer_config(
+        group_size=N, groups_per_step=TASKS, checkpoint_dir=ckpt, lr=LR_DEFAULTS["swe"],
+        decay_steps=2,
+    )  # fmt: skip
     samples = [
         to_sample(decode(encode(trajs[i]), Trajectory), 0, trainer.temperature)
         for i in plan.trajectory_ids

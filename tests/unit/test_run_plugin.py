@@ -132,7 +132,7 @@ def test_the_example_declares_its_defaults(plugin_path: Path) -> None:
 
 def test_the_built_in_workloads_keep_their_defaults() -> None:
     rw = resolve(RunOptions(workload="math"))
-    assert (rw.defaults["tasks"], rw.defaults["n"], rw.lr) == (8, 8, 2e-4) and not rw.plugin
+    assert (rw.defaults["tasks"], rw.defaults["n"], rw.lr) == (8, 8, 5e-5) and not rw.plugin
     assert rw.node_plugins == () and rw.label == "math"
 
 

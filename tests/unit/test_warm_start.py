@@ -40,6 +40,7 @@ from services.controller.core import Execute, Generate, Limits, Score, Trajector
 from services.controller.policy import CheckpointPolicy, PolicyConfig
 from services.rl.demonstrations import (
     MATH_DEMOS,
+    MATH_DIRECT_SHARE,
     THOUGHTS,
     edited_module,
     long_episode,
@@ -175,10 +176,20 @@ def test_math_demonstrations_answer_in_the_convention(tmp_path: Path) -> None:
         assert response.splitlines()[-1] == f"Answer: {task.reference_answer}"
     assert math_working("66 - 15 - 90") == (["66 - 15 = 51", "51 - 90 = -39"], -39)
     assert math_working("5 + 10") == (["5 + 10 = 15"], 15)
-    # One demonstration per trained example: the default count fills the recipe's batches.
-    assert MATH_DEMOS == SFT["math"]["steps"] * SFT["math"]["batch_size"]
-    demos = math_demonstrations(tmp_path, count=50)
-    assert len({d.task_id for d in demos}) == 50
+    # The recipe trains whole passes over the demonstrations (four).
+    assert SFT["math"]["steps"] * SFT["math"]["batch_size"] == 4 * MATH_DEMOS
+    demos = math_demonstrations(tmp_path, count=400)
+    assert len({d.task_id for d in demos}) == 400
+    # About MATH_DIRECT_SHARE answer at once, the rest work the sum out; each answers right.
+    direct = [d for d in demos if d.variant == "direct"]
+    assert abs(len(direct) / len(demos) - MATH_DIRECT_SHARE) < 0.08
+    assert all(d.messages[-1][1].startswith("Answer: ") for d in direct)
+    assert all(d.messages[-1][1].count("\n") >= 2 for d in demos if d.variant == "working")
+    tasks = {t.id: t for t in math.tasks(400, seed=0)}
+    for d in demos:
+        answer = parse_action(d.messages[-1][1])
+        assert isinstance(answer, AnswerAction)
+        assert answer.answer == tasks[d.task_id].reference_answer
     held = {t.prompt[-1].content for t in math.held_out(256)}
     assert not held & {d.messages[-2][1] for d in demos}
 

@@ -1,0 +1,53 @@
+"""``belayer bench learn``'s judgement (``bench.learn``): the gain per seed from the held-out
+problems' own results, its paired interval, the verdict, and reading runs made before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.learn import gain, main
+
+IDS = [f"math-chain_sum-h-{i}" for i in range(64)]
+
+
+def record(step: int, solved: int) -> dict:
+    """A metrics line: the first ``solved`` held-out problems right (reward 1.0), the rest
+    wrong with partial credit (which is not exact)."""
+    rewards = {t: 1.0 if i < solved else 0.09 for i, t in enumerate(IDS)}
+    return {"step": step, "heldout_rewards": rewards, "heldout_exact": solved / len(IDS)}
+
+
+def test_gain_is_computed_from_the_problems() -> None:
+    g = gain([record(0, 32), record(1, 40), record(2, 48)])
+    assert (g["start"], g["last"], g["gain"], g["last_step"]) == (0.5, 0.75, 0.25, 2)
+    assert g["problems"] == 64
+    assert 0 < g["interval"].low < 0.25 < g["interval"].high
+
+
+def test_no_step_0_is_no_gain() -> None:
+    assert gain([record(1, 40), record(2, 48)])["gain"] is None
+    assert gain([record(0, 40)])["gain"] is None
+
+
+def write_run(run_dir: Path, records: list[dict]) -> None:
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "report.json").write_text(json.dumps({"wall_seconds": 100.0, "errors": []}))
+
+
+def test_runs_are_judged_per_seed(tmp_path: Path) -> None:
+    write_run(tmp_path / "a", [record(0, 16), *(record(s, 64) for s in range(1, 21))])
+    write_run(tmp_path / "b", [record(0, 40), record(20, 41)])
+    out = tmp_path / "learn.json"
+    result = main(out, seeds=(0, 1), runs=(tmp_path / "a", tmp_path / "b"))
+    a, b = result["seeds"]
+    assert a["gain"] == 0.75 and a["verdict"] == "PASS" and a["curve"][0] == (0, 0.25)
+    assert b["gain"] == 1 / 64 and b["verdict"] == "MISS"
+    assert result["verdict"] == "MISS" and json.loads(out.read_text())["verdict"] == "MISS"
+
+
+def test_a_run_without_metrics_is_a_problem(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    result = main(tmp_path / "learn.json", seeds=(0,), runs=(tmp_path / "empty",))
+    assert result["verdict"] == "MISS" and "no held-out evaluation" in result["problems"][0]

@@ -1,0 +1,85 @@
+"""The trainer's learning rate over optimiser steps (``model.training.make_scheduler``):
+warm-up, then constant or a cosine to 0 over ``decay_steps``; a resumed scheduler goes on
+exactly where the checkpointed one was."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from common.training_config import OptimConfig
+from model.training import make_scheduler
+
+
+def lrs(cfg: OptimConfig, steps: int) -> list[float]:
+    """The learning rate after each of ``steps`` optimiser steps."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    sched = make_scheduler(opt, cfg)
+    out = []
+    for _ in range(steps):
+        opt.step()
+        sched.step()
+        out.append(opt.param_groups[0]["lr"])
+    return out
+
+
+def test_constant_without_decay_steps() -> None:
+    assert lrs(OptimConfig(lr=1e-3), 5) == [1e-3] * 5
+
+
+def test_cosine_falls_to_zero_over_decay_steps_and_stays() -> None:
+    got = lrs(OptimConfig(lr=5e-5, decay_steps=20), 22)
+    want = [5e-5 * 0.5 * (1 + math.cos(math.pi * s / 20)) for s in range(1, 21)]
+    assert got[:20] == pytest.approx(want, rel=1e-12)
+    assert got[9] == pytest.approx(2.5e-5)  # half way: half the peak
+    assert got[19] == 0.0 and got[20:] == [0.0, 0.0]
+    assert all(a > b for a, b in itertools.pairwise(got[:20]))
+
+
+def test_warm_up_then_cosine() -> None:
+    got = lrs(OptimConfig(lr=1.0, warmup_steps=4, decay_steps=4), 9)
+    assert got[:3] == pytest.approx([0.5, 0.75, 1.0])
+    assert got[3:8] == pytest.approx([0.5 * (1 + math.cos(math.pi * s / 4)) for s in range(5)])
+
+
+def test_a_resumed_scheduler_goes_on_exactly() -> None:
+    cfg = OptimConfig(lr=1e-4, decay_steps=10)
+    whole = lrs(cfg, 10)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    first = make_scheduler(opt, cfg)
+    for _ in range(4):
+        opt.step()
+        first.step()
+    state = first.state_dict()
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    resumed = make_scheduler(opt2, cfg)
+    resumed.load_state_dict(state)
+    rest = []
+    for _ in range(6):
+        opt2.step()
+        resumed.step()
+        rest.append(opt2.param_groups[0]["lr"])
+    assert rest == whole[4:]
+
+
+def test_negative_decay_steps_refused() -> None:
+    with pytest.raises(ValueError, match="decay_steps"):
+        OptimConfig(decay_steps=-1)
+
+
+def test_belayer_run_decays_over_its_steps(tmp_path) -> None:
+    from services.rl.node import run_trainer_config
+    from services.rl.options import LR_SCHEDULES, RunOptions, check_options
+
+    cfg = run_trainer_config(group_size=8, groups_per_step=8, checkpoint_dir=tmp_path)
+    assert cfg.optim.decay_steps == 0
+    cfg = run_trainer_config(
+        group_size=8, groups_per_step=8, checkpoint_dir=tmp_path, lr=5e-5, decay_steps=20
+    )
+    assert (cfg.optim.lr, cfg.optim.decay_steps) == (5e-5, 20 * cfg.grpo.minibatches)
+    assert RunOptions("math").lr_schedule == "cosine" and "constant" in LR_SCHEDULES
+    with pytest.raises(Exception, match="--lr-schedule"):
+        check_options(RunOptions("math", lr_schedule="linear"))
