@@ -44,7 +44,7 @@ def _loads(model_dir: Path) -> None:
     assert im_end in config.eos_token_id  # a chat response ends the request
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2700)
 def test_math_warm_start_answers_in_the_convention_and_solves_some(
     warm_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
