@@ -135,8 +135,10 @@ def main(
     steps: int = 20,
     seeds: Sequence[int] = (0, 1, 2),
     runs: Sequence[Path] = (),
+    run_args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Run (or read, ``runs``: one directory per seed, in ``seeds`` order) and judge."""
+    """Run (or read, ``runs``: one directory per seed, in ``seeds`` order) and judge;
+    ``run_args``: more ``belayer run`` options for every run."""
     machine = machine_at_start(NAME)
     if runs and len(runs) != len(seeds):
         raise ValueError(f"{len(runs)} run directories for {len(seeds)} seeds")
@@ -150,7 +152,7 @@ def main(
         model = warm_model(workload, tmp / "model")
         for seed in seeds:
             label = f"seed{seed}"
-            report = belayer_run(tmp, label, workload, model, steps, "", [], seed)
+            report = belayer_run(tmp, label, workload, model, steps, "", list(run_args), seed)
             results.append(seed_result(seed, tmp / label, report))
             progress(NAME, f"seed {seed}: {results[-1]['start']} → {results[-1]['last']}")
     problems = [e for r in results for e in r["errors"]]
@@ -160,12 +162,13 @@ def main(
         shutil.rmtree(tmp, ignore_errors=True)
     result: dict[str, Any] = {
         "bench": NAME, "timestamp": timestamp(), "machine": machine, "workload": workload,
-        "steps": steps, "seeds": results, "gain_target": GAIN_TARGET, "verdict": verdict,
+        "steps": steps, "run_args": list(run_args), "seeds": results, "gain_target": GAIN_TARGET, "verdict": verdict,
         "problems": problems, "plot": picture,
         "verdict_basis": "per seed: the 95 % paired-bootstrap interval of the held-out gain "
         f"against +{GAIN_TARGET}; overall PASS only when every seed passes",
     }  # fmt: skip
-    title = f"bench {NAME}: belayer run {workload} --steps {steps}, {len(results)} seeds"
+    title = f"bench {NAME}: belayer run {workload} --steps {steps} {' '.join(run_args)}".rstrip()
+    title += f", {len(results)} seeds"
     publish(NAME, title, rows(result), json_path, result)
     return result
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -436,9 +437,15 @@ def bench_learn(
         help="Judge these run directories (comma-separated, one per seed, in --seeds order) "
         "instead of running.",
     ),
+    run_args: str = typer.Option(
+        "",
+        "--run-args",
+        help="More `belayer run` options for every run, as one string (a variant of the "
+        "defaults: '--lr 3e-5 --beta 0.04'); recorded in the JSON.",
+    ),
 ) -> None:
     """Does the run learn in every seed? `belayer run WORKLOAD --steps N --seed S` with every
-    other option at its default, a fresh node each: per seed the held-out greedy exact accuracy
+    other option at its default (or --run-args), a fresh node each: per seed the held-out greedy exact accuracy
     at step 0 and after the last step, the gain with its 95 % interval (paired bootstrap over
     the held-out problems) against +0.15, and one plot of every seed's curve (beside the
     JSON). Minutes per seed."""
@@ -451,11 +458,20 @@ def bench_learn(
         raise typer.BadParameter("one run directory per seed", param_hint="--runs")
     if workload not in ("math", "swe"):
         raise typer.BadParameter("math or swe", param_hint="--workload")
+    try:
+        extra = shlex.split(run_args)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--run-args") from None
     from bench.learn import main as bench_main
 
     _run_bench(
         lambda path: bench_main(
-            path, workload=workload, steps=steps, seeds=seed_list, runs=run_dirs
+            path,
+            workload=workload,
+            steps=steps,
+            seeds=seed_list,
+            runs=run_dirs,
+            run_args=extra,
         ),
         out,
         as_json,

@@ -21,7 +21,7 @@ from services.cli.shared import fail, finite, one_line, print_json
 from services.rl.node import (
     NodeFailed,
 )
-from services.rl.options import DEFAULTS, LR_DEFAULTS, RunOptions
+from services.rl.options import DEFAULTS, LOSS_TYPES, LR_DEFAULTS, RunOptions
 from services.rl.report import step_table
 from services.rl.run_workload import PLUGIN_DEFAULTS, PLUGIN_LR
 
@@ -201,6 +201,20 @@ RUN_TEMPERATURE = typer.Option(
     callback=finite,
     help="Rollout temperature.",
 )
+RUN_LOSS_TYPE = typer.Option(
+    RunOptions.loss_type, "--loss-type",
+    help="How per-token losses are aggregated, as TRL's loss_type: " + ", ".join(LOSS_TYPES)
+    + " (a node the run starts).",
+)  # fmt: skip
+RUN_BETA = typer.Option(
+    RunOptions.beta, "--beta", min=0.0, max=100.0, callback=finite,
+    help="KL coefficient towards the weights the run started from (TRL's beta; 0: no KL, no "
+    "reference model).",
+)  # fmt: skip
+RUN_MINIBATCHES = typer.Option(
+    RunOptions.minibatches, "--minibatches", min=1, max=64,
+    help="Optimiser steps per rollout batch (the batch split in order; 1: one update a step).",
+)  # fmt: skip
 RUN_RECOVERY = typer.Option(
     RunOptions.recovery, "--recovery", help="A started node's recovery: belayer or baseline."
 )
@@ -234,6 +248,9 @@ def run(
     lr_schedule: str = RUN_LR_SCHEDULE,
     held_out: int | None = RUN_HELD_OUT,
     temperature: float = RUN_TEMPERATURE,
+    loss_type: str = RUN_LOSS_TYPE,
+    beta: float = RUN_BETA,
+    minibatches: int = RUN_MINIBATCHES,
     recovery: str = RUN_RECOVERY,
     keep_node: bool = RUN_KEEP_NODE,
     trainer_procs: int = RUN_TRAINER_PROCS,
@@ -252,7 +269,7 @@ def run(
         lr=lr, lr_schedule=lr_schedule, held_out=held_out, temperature=temperature, recovery=recovery,
         keep_node=keep_node, prompt_column=prompt_column, answer_column=answer_column,
         rewards=tuple(reward), reward_weights=tuple(reward_weights),
-        trainer_procs=trainer_procs,
+        trainer_procs=trainer_procs, loss_type=loss_type, beta=beta, minibatches=minibatches,
     )  # fmt: skip
     console = Console(file=sys.stderr)
     try:

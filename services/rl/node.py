@@ -79,13 +79,15 @@ def run_trainer_config(
     decay_steps: int = 0,
     hold_before_checkpoint_s: float = 0.0,
     procs: int = TrainerConfig.procs,
+    objective: GrpoConfig | None = None,
 ) -> TrainerConfig:
     """The trainer of a node ``belayer run`` starts: ``group_size`` samples a group,
     ``groups_per_step`` groups a step, a checkpoint every step under ``checkpoint_dir``,
     ``procs`` data-parallel ranks; the learning rate falls from ``lr`` to 0 along a cosine over
-    ``decay_steps`` steps (0: constant)."""
+    ``decay_steps`` steps (0: constant); ``objective``'s loss, KL coefficient and optimiser
+    steps a batch (default ``GrpoConfig()``'s), micro-batches of ``MICRO_BATCH``."""
     d = TrainerConfig()
-    grpo = GrpoConfig(micro_batch_size=MICRO_BATCH)
+    grpo = dataclasses.replace(objective or GrpoConfig(), micro_batch_size=MICRO_BATCH)
     return dataclasses.replace(
         d,
         group_size=group_size,

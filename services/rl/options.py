@@ -27,12 +27,12 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args
 
 from common.errors import BelayerError, InvalidRequest
 from schemas.rollout import FaultSpec
 from services.controller.client import KINDS, TRIGGERS, Trigger, parse_inject, parse_policy
-from services.trainer.client import TrainerConfig
+from services.trainer.client import GrpoConfig, LossType, TrainerConfig
 from workloads import plugins
 from workloads.table import dataset_workload
 
@@ -53,6 +53,8 @@ are 6 held-out instances of training families and one task of each of the 3 held
 families (``workloads.swe``), about fifteen minutes for 20 steps."""
 LR_DEFAULTS: dict[str, float] = {"math": 5e-5, "swe": 1e-4}
 """Per workload: the peak learning rate of a node the run starts (docs/training.md)."""
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+"""``--loss-type``: TRL's ``loss_type`` values (``GrpoConfig.loss_type``)."""
 LR_SCHEDULES = ("cosine", "constant")
 """``--lr-schedule``: ``cosine`` falls from the peak to 0 over the run's steps (a node the run
 starts), ``constant`` keeps the peak."""
@@ -102,6 +104,12 @@ class RunOptions:
     """Held-out tasks evaluated greedily before training and after every step."""
     temperature: float = 1.0
     """Sampling temperature of the training rollouts."""
+    loss_type: str = GrpoConfig.loss_type
+    """How per-token losses are aggregated (TRL's ``loss_type``; a node the run starts)."""
+    beta: float = GrpoConfig.beta
+    """KL coefficient towards the weights the run started from (a node the run starts)."""
+    minibatches: int = GrpoConfig.minibatches
+    """Optimiser steps per rollout batch (a node the run starts)."""
     recovery: str = "belayer"
     """Recovery mode of a node the run starts (``baseline``: no shadows, cold restarts)."""
     keep_node: bool = False
@@ -375,6 +383,18 @@ def new_run_id(workload: str) -> str:
     return f"{workload}{uuid.uuid4().hex[:8]}"
 
 
+def objective(o: RunOptions) -> GrpoConfig:
+    """The GRPO objective of a node the run starts (``--loss-type``, ``--beta``,
+    ``--minibatches``); ``ValueError`` for values it refuses."""
+    if o.loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss type must be one of {', '.join(LOSS_TYPES)}, got {o.loss_type!r}")
+    return GrpoConfig(
+        loss_type=cast(LossType, o.loss_type),
+        beta=o.beta,
+        minibatches=o.minibatches,
+    )
+
+
 def check_options(o: RunOptions) -> None:
     """The checks that need nothing but the options."""
     if o.workload not in WORKLOADS and not (
@@ -390,6 +410,10 @@ def check_options(o: RunOptions) -> None:
         raise InvalidRequest("--recovery must be 'belayer' or 'baseline'")
     if o.lr_schedule not in LR_SCHEDULES:
         raise InvalidRequest(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}")
+    try:
+        objective(o)
+    except ValueError as exc:
+        raise InvalidRequest(f"--loss-type/--beta/--minibatches: {exc}") from None
     try:
         parse_policy(o.policy)
     except ValueError as exc:

@@ -36,6 +36,7 @@ from services.rl.options import (
     fingerprint,
     latest_run,
     new_run_id,
+    objective,
     parse_run_inject,
     read_state,
     warm_model,
@@ -207,6 +208,7 @@ def start_run_node(
         resume=resumed, seed=state.seed, lr=opts.lr or rw.lr,
         decay_steps=opts.steps if opts.lr_schedule == "cosine" else 0,
         hold_before_checkpoint_s=opts.hold_before_checkpoint_s, procs=opts.trainer_procs,
+        objective=objective(opts),
     )  # fmt: skip
     info = start_node(
         paths, model_dir=model_dir, environment=rw.sandboxed, trainer=trainer,

@@ -12,9 +12,9 @@ from common import subjects
 from common.bus import request
 from schemas.trainer import TrainerStatus, TrainerStatusRequest
 from services.trainer import journal
-from services.trainer.config import GrpoConfig, TrainerConfig
+from services.trainer.config import GrpoConfig, LossType, TrainerConfig
 
-__all__ = ["GrpoConfig", "TrainerConfig", "drop_unreplayable_plans", "trainer_status"]
+__all__ = ["GrpoConfig", "LossType", "TrainerConfig", "drop_unreplayable_plans", "trainer_status"]
 
 
 def drop_unreplayable_plans(checkpoint_dir: Path) -> list[int]:

@@ -12,13 +12,16 @@ from common.errors import FatalError
 from common.service import ServiceConfig
 from common.training_config import OptimConfig
 
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+"""TRL's ``loss_type`` values (``GrpoConfig.loss_type``)."""
+
 
 @dataclass(frozen=True)
 class GrpoConfig:
     """The GRPO objective; names and defaults follow Hugging Face TRL's ``GRPOConfig``
     (``eps_high`` is the DAPO paper's 0.28; see ``services/trainer/core.py``)."""
 
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    loss_type: LossType = "dapo"
     """How per-token losses are aggregated (TRL's ``loss_type``)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide centred rewards by the group's std, the batch's, or not at all."""

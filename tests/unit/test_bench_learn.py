@@ -51,3 +51,23 @@ def test_a_run_without_metrics_is_a_problem(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     result = main(tmp_path / "learn.json", seeds=(0,), runs=(tmp_path / "empty",))
     assert result["verdict"] == "MISS" and "no held-out evaluation" in result["problems"][0]
+
+
+def test_run_args_reach_every_run_and_the_json(tmp_path: Path, monkeypatch) -> None:
+    """``--run-args``: each seed's ``belayer run`` gets them, the JSON records them."""
+    import bench.learn as learn
+
+    calls = []
+
+    def fake_run(root, label, workload, model, steps, inject, options, seed):
+        calls.append((seed, options))
+        write_run(root / label, [record(0, 16), record(steps, 32)])
+        return {"wall_seconds": 1.0, "errors": []}
+
+    monkeypatch.setattr(learn, "warm_model", lambda workload, path: path)
+    monkeypatch.setattr(learn, "belayer_run", fake_run)
+    out = tmp_path / "learn.json"
+    result = main(out, seeds=(0, 1), steps=2, run_args=["--beta", "0.04"])
+    assert calls == [(0, ["--beta", "0.04"]), (1, ["--beta", "0.04"])]
+    assert json.loads(out.read_text())["run_args"] == ["--beta", "0.04"]
+    assert [s["gain"] for s in result["seeds"]] == [0.25, 0.25]

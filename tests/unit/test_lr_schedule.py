@@ -83,3 +83,25 @@ def test_belayer_run_decays_over_its_steps(tmp_path) -> None:
     assert RunOptions("math").lr_schedule == "cosine" and "constant" in LR_SCHEDULES
     with pytest.raises(Exception, match="--lr-schedule"):
         check_options(RunOptions("math", lr_schedule="linear"))
+
+
+def test_belayer_run_objective_options(tmp_path) -> None:
+    """``--loss-type``, ``--beta``, ``--minibatches`` reach the trainer of the run's node; the
+    cosine then spans every optimiser step of the run (steps × minibatches)."""
+    from services.rl.node import run_trainer_config
+    from services.rl.options import LOSS_TYPES, RunOptions, check_options, objective
+    from services.trainer.client import GrpoConfig
+
+    assert objective(RunOptions("math")) == GrpoConfig()
+    assert set(LOSS_TYPES) == {"dapo", "grpo", "bnpo", "dr_grpo"}
+    opts = RunOptions("math", loss_type="dr_grpo", beta=0.04, minibatches=2)
+    cfg = run_trainer_config(
+        group_size=8, groups_per_step=8, checkpoint_dir=tmp_path, decay_steps=20,
+        objective=objective(opts),
+    )  # fmt: skip
+    assert (cfg.grpo.loss_type, cfg.grpo.beta, cfg.grpo.minibatches) == ("dr_grpo", 0.04, 2)
+    assert cfg.optim.decay_steps == 40
+    with pytest.raises(Exception, match="loss type must be one of grpo, bnpo, dr_grpo, dapo, got 'ppo'"):
+        check_options(RunOptions("math", loss_type="ppo"))
+    with pytest.raises(Exception, match="beta"):
+        check_options(RunOptions("math", beta=-1.0))
