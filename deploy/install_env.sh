@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent: Docker (20.10, dockerd --experimental), CRIU 4.1.1 (built from Debian's orig
-# tarball, see /work/shared/NOTES-machine.md) and the sandbox base image `belayer-sandbox:1`.
+# tarball) and the sandbox base image `belayer-sandbox:1`.
 # Every expensive product is cached under $BELAYER_CACHE (default /var/cache/belayer):
 # a second run on a prepared machine takes a few seconds.
 set -euo pipefail

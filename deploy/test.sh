@@ -4,30 +4,36 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-bash deploy/setup.sh
+# The warm-started tiny models the rollout tests use (tests/model_fixtures.py), made before the
+# tests that use them so no test's timeout pays for a training: cached in $BELAYER_CACHE_DIR
+# (default ~/.cache/belayer) by a key of their inputs, so only a machine's first run trains. The
+# math one (~13 minutes on one thread, no sandbox) starts as soon as the .venv exists and trains
+# beside the Docker/CRIU install, the lint, the swe warm start (~5 minutes, with its sandbox
+# recordings) and the chaos and unit tests (none of which uses it); the integration tests wait
+# for it.
+BELAYER_SKIP_ENV=1 bash deploy/setup.sh
+WARM=$(mktemp -d /tmp/belayer-warm.XXXXXX)
+warm() {  # warm KIND [NICE]: the warm start in the background (its pid in WARM_PID)
+  nice -n "${2:-0}" .venv/bin/belayer model init --tiny --warm-start "$1" "$WARM/$1" > "$WARM/$1.log" 2>&1 &
+  WARM_PID=$!
+}
+warm_done() {  # warm_done KIND PID: wait for it; its log; fail the run if it failed
+  local rc=0
+  wait "$2" || rc=$?
+  cat "$WARM/$1.log"
+  if [ $rc -ne 0 ]; then echo "test: the $1 warm start failed (above)"; exit 1; fi
+}
+echo "test: warm-started models (math in the background)"
+warm math 10; MATH_PID=$WARM_PID  # below the tests' priority: they are timed, it is not
+trap 'kill $MATH_PID 2>/dev/null || true; rm -rf "$WARM"' EXIT
+bash deploy/install_env.sh
 echo "test: ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check . >/dev/null || { echo "test: ruff format --check failed (run .venv/bin/ruff format .)"; exit 1; }
 echo "test: mypy"
 .venv/bin/mypy common schemas model workloads services belayer bench tests
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-# The warm-started tiny models the rollout tests use (tests/model_fixtures.py), made before the
-# tests so no test's timeout pays for a training: cached in $BELAYER_CACHE_DIR (default
-# ~/.cache/belayer) by a key of their inputs, so only a machine's first run trains (math ~13
-# minutes on one thread, swe ~5 with its sandbox recordings: side by side, one core each).
-echo "test: warm-started models"
-WARM=$(mktemp -d /tmp/belayer-warm.XXXXXX)
-pids=()
-for kind in math swe; do
-  .venv/bin/belayer model init --tiny --warm-start "$kind" "$WARM/$kind" > "$WARM/$kind.log" 2>&1 &
-  pids+=($!)
-done
-wrc=0
-for i in 0 1; do wait "${pids[$i]}" || wrc=1; done
-cat "$WARM/math.log" "$WARM/swe.log"
-rm -rf "$WARM"
-if [ $wrc -ne 0 ]; then echo "test: a warm start failed (above)"; exit 1; fi
-echo "test: pytest"
+warm swe; warm_done swe $WARM_PID
 before=$(ls /dev/shm 2>/dev/null | grep '^belayer-' | sort || true)
 containers() { /usr/bin/docker ps -aq --filter label=belayer.sandbox 2>/dev/null | sort || true; }
 cbefore=$(containers)
@@ -45,9 +51,27 @@ runprocs() {
   done | sort -k1,1 || true
 }
 pbefore=$(runprocs)
+pytest_in() {  # pytest_in DIR ARGS...: one session with its own run directories under $BASETEMP
+  local dir=$1; shift
+  .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 --basetemp "$BASETEMP/$dir" "$@"
+}
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 --basetemp "$BASETEMP" "$@"
-rc=$?
+if [ $# -gt 0 ]; then  # the tests asked for, once both models exist
+  warm_done math $MATH_PID
+  echo "test: pytest $*"
+  pytest_in all "$@"
+  rc=$?
+else
+  echo "test: pytest tests/chaos tests/unit (beside the math warm start)"
+  pytest_in first tests/chaos tests/unit
+  rc=$?
+  echo "test: waiting for the math warm start"
+  warm_done math $MATH_PID
+  echo "test: pytest tests/integration"
+  pytest_in integration tests/integration
+  rc2=$?
+  [ $rc -ne 0 ] || rc=$rc2
+fi
 set -e
 # Leftovers are defects: a test that leaked a process, a container, a /dev/shm file or a sandbox
 # checkpoint directory fails the run.

@@ -101,7 +101,9 @@ def test_belayer_run_objective_options(tmp_path) -> None:
     )  # fmt: skip
     assert (cfg.grpo.loss_type, cfg.grpo.beta, cfg.grpo.minibatches) == ("dr_grpo", 0.04, 2)
     assert cfg.optim.decay_steps == 40
-    with pytest.raises(Exception, match="loss type must be one of grpo, bnpo, dr_grpo, dapo, got 'ppo'"):
+    with pytest.raises(
+        Exception, match="loss type must be one of grpo, bnpo, dr_grpo, dapo, got 'ppo'"
+    ):
         check_options(RunOptions("math", loss_type="ppo"))
     with pytest.raises(Exception, match="beta"):
         check_options(RunOptions("math", beta=-1.0))
