@@ -35,6 +35,18 @@ def curve(metrics: list[dict[str, Any]]) -> list[tuple[int, float]]:
     return sorted(out.items())
 
 
+def training_curves(metrics: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """Per trained step: the sampled rollouts' exact-match share (``reward_exact``) and their
+    mean model tokens per trajectory (``tokens / trajectories_trained``)."""
+    steps = [r for r in metrics if r.get("step", 0) >= 1]
+    return {
+        "train_exact": [(r["step"], r["reward_exact"]) for r in steps
+                        if r.get("reward_exact") is not None],
+        "response_tokens": [(r["step"], round(r["tokens"] / r["trajectories_trained"], 2))
+                            for r in steps if r.get("tokens") and r.get("trajectories_trained")],
+    }  # fmt: skip
+
+
 def right(record: dict[str, Any]) -> dict[str, bool]:
     """Held-out task id → answered exactly (reward 1.0) at that step."""
     return {t: float(r) >= 1.0 for t, r in record.get("heldout_rewards", {}).items()}
@@ -94,6 +106,7 @@ def seed_result(seed: int, run_dir: Path, report: dict[str, Any]) -> dict[str, A
         "interval": interval.as_json() if interval is not None else None,
         "verdict": interval_verdict(interval, ">=", GAIN_TARGET),
         "curve": curve(metrics),
+        **training_curves(metrics),
         "wall_seconds": report.get("wall_seconds"),
         "trajectories_lost": report.get("trajectories_lost"),
         "errors": errors,

@@ -108,20 +108,33 @@ def belayer_run(
 
 
 def run_bounded(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
-    """Run ``cmd``; past ``timeout`` interrupt it as Ctrl-C does (``belayer run`` then stops
-    the node it started and writes its report), and kill it if that takes a minute more."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    """Run ``cmd``; past ``timeout`` — or when this process is interrupted (Ctrl-C, SIGTERM) —
+    interrupt it as Ctrl-C does (``belayer run`` then stops the node it started and writes its
+    report), and kill it if that takes a minute more. Its own session: a terminal's Ctrl-C
+    reaches it once, through this process."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, err = proc.communicate(timeout=60.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
+        out, err = interrupt(proc)
         err += f"\nstopped after {timeout:g} s"
+    except KeyboardInterrupt:
+        interrupt(proc)
+        raise
     return proc.returncode, out, err
+
+
+def interrupt(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """Ctrl-C for ``proc``; SIGKILL if it has not ended a minute later. Its output."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=60.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
 
 
 def steps_of(report: dict[str, Any]) -> dict[int, dict[str, Any]]:

@@ -21,7 +21,12 @@ from services.cli import run as run_cmd
 from services.cli import soak as soak_cmd
 from services.cli import top as top_cmd
 from services.cli import workloads as workloads_cmds
-from services.cli.shared import OneLineErrors, fail
+from services.cli.shared import (
+    OneLineErrors,
+    exit_status,
+    fail,
+    terminate_as_interrupt,
+)
 from services.rl.node import NodeFailed
 
 app = typer.Typer(
@@ -115,7 +120,9 @@ app.add_typer(bench_app, name="bench")
 
 def _run_bench(fn: Callable[[Path], dict[str, Any]], out: Path, as_json: bool) -> None:
     """Run a benchmark's ``main(out, …)``; with ``--json`` its table goes to stderr and the
-    JSON to stdout. A node of its own that fails to start or stop is one ``error:`` line."""
+    JSON to stdout. A node of its own that fails to start or stop is one ``error:`` line; SIGTERM
+    stops it as Ctrl-C does (what it started is stopped first)."""
+    terminate_as_interrupt()
     try:
         if not as_json:
             fn(out)
@@ -124,6 +131,8 @@ def _run_bench(fn: Callable[[Path], dict[str, Any]], out: Path, as_json: bool) -
             result = fn(out)
     except NodeFailed as exc:
         fail(str(exc))
+    except KeyboardInterrupt:
+        raise typer.Exit(exit_status()) from None
     sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
 
 

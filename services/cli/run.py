@@ -17,7 +17,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from belayer.api import train
 from common.errors import BelayerError, InvalidRequest
-from services.cli.shared import fail, finite, one_line, print_json
+from services.cli.shared import (
+    exit_status,
+    fail,
+    finite,
+    one_line,
+    print_json,
+    terminate_as_interrupt,
+)
 from services.rl.node import (
     NodeFailed,
 )
@@ -272,6 +279,7 @@ def run(
         trainer_procs=trainer_procs, loss_type=loss_type, beta=beta, minibatches=minibatches,
     )  # fmt: skip
     console = Console(file=sys.stderr)
+    terminate_as_interrupt()
     try:
         report, records = train(opts, say=console.print, ui=Ui(console))
     except NodeFailed as exc:  # the node's own lines, as `belayer up` and `down` print them
@@ -279,7 +287,7 @@ def run(
     except BelayerError as exc:
         fail(one_line(str(exc)), 2 if isinstance(exc, InvalidRequest) else 1)
     except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+        raise typer.Exit(exit_status()) from None
     if json_out:
         print_json(report)
     else:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import math
+import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -37,6 +38,34 @@ M = TypeVar("M")
 def one_line(message: str) -> str:
     """``message`` on one line (newlines and runs of spaces folded)."""
     return " ".join(message.split())
+
+
+TERMINATED_EXIT = 143
+"""Exit status of a command stopped by SIGTERM (128 + 15, as the shell reports it)."""
+
+_TERMINATED: list[bool] = []
+
+
+def terminate_as_interrupt() -> None:
+    """From now on SIGTERM is handled as Ctrl-C is (the default would end the process at once,
+    leaving what it started running): it raises SIGINT, so ``KeyboardInterrupt`` — or, inside
+    ``asyncio.run``, the main task's cancellation — lets every ``finally`` clause run (a run
+    stops the node it started and writes its report); :func:`exit_status` then tells the two
+    apart."""
+
+    def handler(signum: int, frame: object) -> None:
+        _TERMINATED.append(True)
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):
+            raise KeyboardInterrupt  # started in the background of a shell: SIGINT is ignored
+        signal.raise_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def exit_status() -> int:
+    """The exit status of an interrupted command: ``TERMINATED_EXIT`` after SIGTERM, else 130
+    (Ctrl-C)."""
+    return TERMINATED_EXIT if _TERMINATED else 130
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

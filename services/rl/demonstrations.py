@@ -54,15 +54,14 @@ DEMO_VERSION = 2
 """Bumped when the demonstrations a recipe makes change (2: one per trained example)."""
 
 MATH_DEMOS = 12_800
-"""Math demonstrations (training problems of the ``math`` workload, never held-out ones): one
-drawn per example the warm start trains on (``SFT["math"]``: 400 steps × 32) rather than a
-small pool cycled; ``SFT["math"]`` trains four passes over them."""
+"""Math demonstrations (training problems of the ``math`` workload, never held-out ones), drawn
+fresh rather than a small pool cycled; ``SFT["math"]`` trains 2.5 passes over them."""
 
-MATH_DIRECT_SHARE = 0.65
+MATH_DIRECT_SHARE = 0.5
 """Share of math demonstrations that answer at once (``Answer: N``); the others work the sum
-out left to right first. Which ones: a hash of the task id (stable across runs). Answering at
-once is what a small model can sharpen with GRPO in a few steps; the worked ones keep the
-skill of writing the sum out (docs/training.md)."""
+out left to right first. Which ones: a hash of the task id (stable across runs). After the warm
+start the model mostly answers at once (greedy) and is mostly wrong doing so, while working it
+out is mostly right: the behaviour GRPO finds and reinforces (docs/training.md)."""
 
 SWE_DEMO_VERSION = 4
 """Bumped when the ``swe`` and ``swe-long`` recipes change (2: generated tasks and the general
