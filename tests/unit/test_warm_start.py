@@ -176,8 +176,8 @@ def test_math_demonstrations_answer_in_the_convention(tmp_path: Path) -> None:
         assert response.splitlines()[-1] == f"Answer: {task.reference_answer}"
     assert math_working("66 - 15 - 90") == (["66 - 15 = 51", "51 - 90 = -39"], -39)
     assert math_working("5 + 10") == (["5 + 10 = 15"], 15)
-    # The recipe trains whole passes over the demonstrations (four).
-    assert SFT["math"]["steps"] * SFT["math"]["batch_size"] == 4 * MATH_DEMOS
+    # The recipe trains two and a half passes over the demonstrations.
+    assert 2 * SFT["math"]["steps"] * SFT["math"]["batch_size"] == 5 * MATH_DEMOS
     demos = math_demonstrations(tmp_path, count=400)
     assert len({d.task_id for d in demos}) == 400
     # About MATH_DIRECT_SHARE answer at once, the rest work the sum out; each answers right.
