@@ -34,6 +34,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -208,6 +209,10 @@ class SftConfig:
     """Longest example (longer ones are refused)."""
     seed: int = 0
     """Seed of the initial weights' training order and torch's RNG."""
+    loss_on: Literal["responses", "all"] = "responses"
+    """The tokens the loss is taken on: the model's ``responses`` (``Example.mask``), or
+    ``all`` of a transcript — the prompt and the observations too, which teaches a small model
+    to read what it is shown (a name in an observation is the name it must write later)."""
     threads: int = 2
     """torch intra-op threads while training (not part of what is learnt; kept in the key
     anyway: float sums depend on it)."""
@@ -217,6 +222,8 @@ class SftConfig:
             raise ValueError("steps, batch_size and micro_batch_tokens must be >= 1")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.loss_on not in ("responses", "all"):
+            raise ValueError(f"loss_on must be responses or all, got {self.loss_on!r}")
         if self.decay not in ("constant", "cosine") or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(
                 f"decay must be constant or cosine and 0 <= min_lr_ratio <= 1, got "
@@ -324,6 +331,8 @@ def train_sft(
         raise ValueError(f"{len(long)} demonstrations exceed {cfg.max_tokens} tokens: {long[:3]}")
     if any(not any(e.mask) for e in examples):
         raise ValueError("a demonstration has no assistant token")
+    if cfg.loss_on == "all":
+        examples = [Example(e.ids, [0] + [1] * (len(e.ids) - 1)) for e in examples]
     optim = OptimConfig(
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
@@ -363,22 +372,39 @@ def train_sft(
 
 
 # --- the base model ---------------------------------------------------------------------
-def train_chat_tokenizer(texts: Sequence[str], vocab_size: int, seed: int = 0) -> Tokenizer:
+def train_chat_tokenizer(
+    texts: Sequence[str], vocab_size: int, seed: int = 0, unmerged: Sequence[str] = ()
+) -> Tokenizer:
     """A byte-level BPE for the demonstrations' text: the tiny model's special tokens (same
     ids), digits split one per token (as Qwen's tokenizer does: arithmetic stays learnable),
-    merges learnt from ``texts`` (any other text still encodes, byte by byte at worst)."""
+    merges learnt from ``texts`` (any other text still encodes, byte by byte at worst).
+
+    ``unmerged``: words whose letters teach no merge (cut out of the corpus wherever no letter
+    touches them — ``scale_nanet`` loses ``nanet`` — in any case): names
+    a task draws at random then split into the short pieces any other name splits into, so a
+    name the model never saw is as easy to copy as one it did."""
     corpus = list(texts)
+    if unmerged:
+        words = "|".join(re.escape(w) for w in sorted(set(unmerged), key=len, reverse=True))
+        pattern = re.compile(f"(?<![a-z])(?:{words})(?![a-z])", re.IGNORECASE)
+        corpus = [pattern.sub(" ", t) for t in corpus]
     random.Random(seed).shuffle(corpus)
     return train_bpe(corpus, vocab_size, split_digits=True)
 
 
-def init_base_model(out_dir: Path, demos: Sequence[Demonstration], tiny: dict[str, Any]) -> Path:
+def init_base_model(
+    out_dir: Path,
+    demos: Sequence[Demonstration],
+    tiny: dict[str, Any],
+    unmerged: Sequence[str] = (),
+) -> Path:
     """A random tiny Qwen3 (``model.tiny.init_tiny_model(**tiny)``) whose tokenizer is
-    trained on the demonstrations' text (shorter sequences: a faster warm start)."""
+    trained on the demonstrations' text (shorter sequences: a faster warm start), learning no
+    merge from the ``unmerged`` words (``train_chat_tokenizer``)."""
     root = init_tiny_model(out_dir, **tiny)
     vocab = int(tiny.get("vocab_size", 4096))
     texts = [render_text(d.messages) for d in demos]
-    tok = train_chat_tokenizer(texts, vocab, int(tiny.get("seed", 0)))
+    tok = train_chat_tokenizer(texts, vocab, int(tiny.get("seed", 0)), unmerged)
     for i, name in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(name) != i:
             raise RuntimeError(f"special token {name} got id {tok.token_to_id(name)}, not {i}")
@@ -387,14 +413,21 @@ def init_base_model(out_dir: Path, demos: Sequence[Demonstration], tiny: dict[st
 
 
 # --- model directories and their cache --------------------------------------------------
+KEY_LATER: dict[str, Any] = {"loss_on": "responses"}
+"""``SftConfig`` fields added after models were cached, with their defaults (``cache_key``)."""
+
+
 def cache_key(demos: Sequence[Demonstration], cfg: SftConfig, base: dict[str, Any]) -> str:
     """What a warm-started directory depends on: the demonstrations, the training settings,
-    the base model's settings (shape, seed) and the recipe version."""
+    the base model's settings (shape, seed) and the recipe version. A setting added after
+    models were cached (``KEY_LATER``) counts only when it is not at its default, so their keys
+    stay valid."""
+    sft = {k: v for k, v in asdict(cfg).items() if KEY_LATER.get(k, object()) != v}
     payload = json.dumps(
         {
             "recipe": RECIPE_VERSION,
             "demonstrations": demonstrations_digest(demos),
-            "sft": asdict(cfg),
+            "sft": sft,
             "base": base,
         },
         sort_keys=True,

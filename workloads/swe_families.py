@@ -54,7 +54,8 @@ NOUNS = (
     "fjord grove heron ivory juniper kiln lotus mantle nebula onyx plume quartz reef spire "
     "thicket bramble cairn dune"
 ).split()
-"""Module, package and function-name words; even positions train, odd ones are held out."""
+"""Module, package and function-name words; even positions train (beside ``MADE_UP_NOUNS``),
+odd ones are held out."""
 
 WORDS = (
     "qty rate span edge mark base peak gap load cost size step tick unit dose fee pay rank "
@@ -62,7 +63,7 @@ WORDS = (
     "wad yam zed axle bolt coil dent etch flux glow hilt knob lamp mesh node oath pane quay "
     "rung silo tusk vane wick"
 ).split()
-"""Variable names; even positions train, odd ones are held out."""
+"""Variable names; even positions train (beside ``MADE_UP_WORDS``), odd ones are held out."""
 
 NUMBERS = tuple(range(2, 64))
 """The bugs' constants: those not divisible by 3 train, multiples of 3 are held out."""
@@ -81,7 +82,39 @@ class Pools:
     numbers: tuple[int, ...]
 
 
-TRAIN_POOLS = Pools(tuple(NOUNS[0::2]), tuple(WORDS[0::2]), tuple(n for n in NUMBERS if n % 3))
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+def made_up(count: int, syllables: tuple[int, ...], seed: str) -> tuple[str, ...]:
+    """``count`` distinct pronounceable made-up words (consonant-vowel syllables, a closing
+    consonant half of the time), ``syllables`` long each, drawn from ``seed``: none is a pool
+    word, a Python keyword, builtin or module name."""
+    rng = random.Random(seed)
+    taken = set(NOUNS) | set(WORDS) | _RESERVED
+    out: list[str] = []
+    while len(out) < count:
+        n = rng.choice(syllables)
+        word = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(n))
+        if rng.random() < 0.5:
+            word += rng.choice(_CONSONANTS)
+        if word not in taken:
+            taken.add(word)
+            out.append(word)
+    return tuple(out)
+
+
+MADE_UP_NOUNS = made_up(1000, (2, 3), "swe-nouns")
+"""Training-only module/package/function words besides ``NOUNS[0::2]``: so many that a model
+cannot learn them by heart and has to copy the one in front of it."""
+MADE_UP_WORDS = made_up(1000, (1, 2), "swe-words")
+"""Training-only variable names besides ``WORDS[0::2]`` (the same reason)."""
+
+TRAIN_POOLS = Pools(
+    tuple(NOUNS[0::2]) + MADE_UP_NOUNS,
+    tuple(WORDS[0::2]) + MADE_UP_WORDS,
+    tuple(n for n in NUMBERS if n % 3),
+)
 """What training instances draw from."""
 HELD_OUT_POOLS = Pools(
     tuple(NOUNS[1::2]), tuple(WORDS[1::2]), tuple(n for n in NUMBERS if n % 3 == 0)

@@ -11,6 +11,7 @@ already holds it).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,18 @@ demonstrations — a policy that answers at once when greedy (right 14 % of the 
 work the sum out (right 83 % of the time when it does): held-out greedy exact 0.26, sampled
 pass@1 0.38 (600 steps: 0.18 / 0.16; 1,600: 0.91 / 0.76, nothing left to learn;
 docs/training.md)."""
+
+
+def unmerged_words(kind: str) -> tuple[str, ...]:
+    """The words the ``kind`` model's tokenizer learns no merge from
+    (``model.warm_start.train_chat_tokenizer``): for ``swe``, every name a generated task can
+    draw, held-out ones included — a held-out name then splits into pieces like any training
+    name, instead of a training name being one token the model learns by heart."""
+    if kind != "swe":
+        return ()
+    from workloads.swe_families import MADE_UP_NOUNS, MADE_UP_WORDS, NOUNS, WORDS
+
+    return (*NOUNS, *WORDS, *MADE_UP_NOUNS, *MADE_UP_WORDS)
 
 
 def tiny_settings(hidden_size: int, num_layers: int, vocab_size: int, seed: int) -> dict[str, Any]:
@@ -86,7 +99,9 @@ def warm_start(
     base = tiny or tiny_settings(256, 4, 4096, 0)
     cfg = sft or SftConfig(**SFT[kind])
     demos = demonstrations(kind, root, refresh=refresh_demonstrations)
-    key = cache_key(demos, cfg, {"tiny": base, "kind": kind})
+    unmerged = unmerged_words(kind)
+    extra = {"unmerged": hashlib.sha256(" ".join(unmerged).encode()).hexdigest()[:16]}
+    key = cache_key(demos, cfg, {"tiny": base, "kind": kind, **(extra if unmerged else {})})
     have = read_stamp(out_dir)
     if have is not None and have.get("key") == key:
         return Path(out_dir), have, False
@@ -97,7 +112,7 @@ def warm_start(
             tmp,
             demos,
             cfg,
-            lambda p: init_base_model(p, demos, base),
+            lambda p: init_base_model(p, demos, base, unmerged),
             key=key,
             info={"kind": kind, "tiny": base},
             progress=progress,

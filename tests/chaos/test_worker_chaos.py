@@ -50,8 +50,12 @@ from tests.integration.node_helpers import (
 pytestmark = pytest.mark.timeout(240)
 
 ENGINES = ("e0", "e1")
-N = 96
-"""Tokens per request: long enough that kills land mid-stream, short enough for 2 CPUs."""
+N = 192
+"""Tokens per request: long enough that kills land mid-stream (a kill after at most
+``KILL_BY`` tokens leaves ~150 to go, so a test process descheduled on a loaded machine still
+kills before the end), short enough for 2 CPUs."""
+KILL_BY = 48
+"""Random kills land after 1 … ``KILL_BY - 1`` tokens of the victim's greedy request."""
 NODE_ARGS = ("--engines", "2", "--failure-window", "1", "--deterministic")
 """The module's node (``tests/node_fixtures.py``): two engines, a 1 s failure window,
 deterministic mode (sampled requests are then compared exactly too)."""
@@ -98,7 +102,7 @@ async def test_sigkill_at_random_points_resumes_every_request_exactly(
         ])  # fmt: skip
     ref = await references(nc, [q for rnd in plan for q in rnd])
     finished0 = (await router_status(nc)).finished
-    kill_after = [0] + [rng.randrange(1, N // 2) for _ in range(rounds - 1)]
+    kill_after = [0] + [rng.randrange(1, KILL_BY) for _ in range(rounds - 1)]
     for r, reqs in enumerate(plan):
         victim = ENGINES[r % 2]
         pid = (await main_pids(nc))[victim]

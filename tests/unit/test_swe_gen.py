@@ -18,7 +18,13 @@ import pytest
 from common.errors import InvalidRequest, NotFound
 from workloads import HiddenTests, load_workload
 from workloads.scoring import command_for_tests, parse_test_results
-from workloads.swe_families import HELD_OUT_FAMILIES, TRAIN_FAMILIES
+from workloads.swe_families import (
+    HELD_OUT_FAMILIES,
+    HELD_OUT_POOLS,
+    MADE_UP_NOUNS,
+    MADE_UP_WORDS,
+    TRAIN_FAMILIES,
+)
 from workloads.swe_gen import (
     FAMILIES,
     Instance,
@@ -143,6 +149,12 @@ def test_no_held_out_name_or_constant_appears_in_training() -> None:
     assert len(FAMILIES) == len(TRAIN_FAMILIES) + len(HELD_OUT_FAMILIES) >= 13
     layouts = {(("/" in i.module), any(p.startswith("tests/") for p in i.files)) for i in train}
     assert layouts == {(False, False), (False, True), (True, False), (True, True)}
+    # So many training names that a model cannot learn them by heart: 330 instances name
+    # their modules in well over 250 ways, and training names share no word with held-out ones.
+    assert len({i.module.rsplit("/", 1)[-1] for i in train[:330]}) > 250
+    assert not (set(MADE_UP_NOUNS) | set(MADE_UP_WORDS)) & set(
+        HELD_OUT_POOLS.nouns + HELD_OUT_POOLS.words
+    )
 
 
 def test_sed_fix_escapes_the_fragments(tmp_path: Path) -> None:

@@ -297,6 +297,35 @@ def test_chat_tokenizer_keeps_special_ids_and_splits_digits(tmp_path: Path) -> N
     assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
 
 
+def test_unmerged_names_split_into_pieces_and_the_rest_still_merges() -> None:
+    text = "def scale_nanet(lal):\n    return lal * NANET\n```bash\ncat nanet.py\n```\n"
+    plain = train_chat_tokenizer([text] * 50, 600)
+    cut = train_chat_tokenizer([text] * 50, 600, unmerged=("nanet", "lal"))
+    assert len(plain.encode(" nanet").ids) == 1  # a name seen often is one token …
+    assert len(cut.encode(" nanet").ids) > 1  # … unless its letters teach no merge
+    assert len(cut.encode("lal").ids) > 1 and len(cut.encode("NANET").ids) > 1  # any case
+    for word in ("bash", " return", "def"):  # words around them merge as before
+        assert len(cut.encode(word).ids) == len(plain.encode(word).ids) == 1, word
+    assert cut.decode(cut.encode(text).ids) == text
+
+
+def test_loss_on_all_tokens_trains_the_observations_too(model_dir: Path, chat: ChatFormat) -> None:
+    with pytest.raises(ValueError, match="loss_on"):
+        SftConfig(loss_on="prompt")  # type: ignore[arg-type]  # unknown, on purpose
+    ex = encode_demonstration(chat, transcript())
+    ids, attn = torch.tensor([ex.ids]), torch.ones(1, len(ex.ids), dtype=torch.long)
+    context = torch.tensor([[0] + [1 - m for m in ex.mask[1:]]], dtype=torch.bool)
+    after = {}
+    for loss_on in ("responses", "all"):
+        model = build_trainable_model(load_model_config(model_dir), load_safetensors(model_dir))
+        cfg = SftConfig(steps=20, batch_size=1, lr=1e-2, warmup_steps=2, threads=1, loss_on=loss_on)
+        train_sft(model, [ex], cfg)
+        with torch.no_grad():
+            loss, count = masked_nll(model, ids, attn, context)
+        after[loss_on] = float(loss) / count
+    assert after["all"] < 0.5 * after["responses"], after
+
+
 def test_the_model_cache_builds_once_and_installs_copies(tmp_path: Path) -> None:
     builds: list[Path] = []
 
@@ -320,6 +349,7 @@ def test_the_cache_key_follows_every_input() -> None:
     key = cache_key(demos, SftConfig(), base)
     assert key == cache_key(list(demos), SftConfig(), dict(base))
     assert key != cache_key(demos, SftConfig(steps=7), base)
+    assert key != cache_key(demos, SftConfig(loss_on="all"), base)
     assert key != cache_key(demos, SftConfig(), {"tiny": {"hidden_size": 128}})
     other = [Demonstration("t1", (*transcript()[:-1], ("assistant", "x")))]
     assert key != cache_key(other, SftConfig(), base)
