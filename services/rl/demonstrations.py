@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import json
 import os
+import random
 import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,7 +42,7 @@ from workloads.base import SandboxOps, Task
 from workloads.math_tasks import GENERATORS
 from workloads.runner import run_episode
 from workloads.swe import SweWorkload
-from workloads.swe_families import TRAIN_FAMILIES
+from workloads.swe_families import TRAIN_FAMILIES, TRAIN_POOLS
 
 log = get_logger(component="warm_start")
 
@@ -194,6 +195,46 @@ SWE_VARIANTS: dict[str, tuple[Callable[[Task], list[str]], float]] = {
 """The action lists recorded per demonstrated task (each then ends with the submit action) and
 the reward each must get. No noise variant: the instances a run trains on are new to the model
 (other seeds), so its own copying mistakes already make some episodes fail."""
+
+
+COPY_DRILLS = 2000
+"""Copy drills of the copying experiment (``copy_drills``; docs/workloads.md "Teaching the swe
+model to copy"): not yet part of a recipe."""
+
+
+def _drill_item(rng: random.Random) -> str:
+    nouns, words = TRAIN_POOLS.nouns, TRAIN_POOLS.words
+    n, w = rng.choice(nouns), rng.choice(words)
+    kinds = [
+        f"{n}.py",
+        f"{rng.choice(nouns)}/{n}.py",
+        f"{rng.choice(nouns)}_{n}({w}, {rng.choice(words)})",
+        f"{w.upper()} = {rng.randrange(100)}",
+        f"{w} {rng.choice(['<', '>', '>=', '+', '-', '*', '%'])} {rng.choice(words)}",
+        f"{w}[{rng.randrange(3)}]",
+        f"range({w}, {rng.choice(words)} + 1)",
+    ]
+    return rng.choice(kinds)
+
+
+def copy_drills(count: int = COPY_DRILLS, seed: int = 0) -> list[Demonstration]:
+    """``count`` one-turn drills: the user shows 3–8 names, paths and code fragments drawn like
+    a training instance's (training pools only), the answer repeats them exactly. Every
+    answer token is a copy: a tiny model trained only on the episodes learns which names are
+    likely rather than to copy the one in front of it (docs/workloads.md "Teaching the swe model
+    to copy")."""
+    rng = random.Random(f"copy-drills:{seed}")
+    out = []
+    for k in range(count):
+        text = "\n".join(_drill_item(rng) for _ in range(rng.randint(3, 8)))
+        out.append(
+            Demonstration(
+                task_id=f"drill-{k}",
+                messages=(("user", f"Repeat exactly:\n{text}"), ("assistant", text)),
+                variant="drill",
+            )
+        )
+    return out
 
 
 Step = tuple[str, str]

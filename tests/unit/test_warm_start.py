@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ from services.rl.demonstrations import (
     MATH_DEMOS,
     MATH_DIRECT_SHARE,
     THOUGHTS,
+    copy_drills,
     edited_module,
     long_episode,
     math_demonstrations,
@@ -295,6 +297,20 @@ def test_chat_tokenizer_keeps_special_ids_and_splits_digits(tmp_path: Path) -> N
     assert enc.tokens[-3:] == ["3", "5", "7"]
     text = render_text(transcript())
     assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+
+
+def test_copy_drills_repeat_training_names_exactly_and_are_deterministic() -> None:
+    from workloads.swe_families import HELD_OUT_POOLS
+
+    drills = copy_drills(200, seed=3)
+    assert drills == copy_drills(200, seed=3) != copy_drills(200, seed=4)
+    held = set(HELD_OUT_POOLS.nouns + HELD_OUT_POOLS.words)
+    for d in drills:
+        (role, ask), (role2, answer) = d.messages
+        assert (role, role2, d.variant) == ("user", "assistant", "drill")
+        assert ask == "Repeat exactly:\n" + answer and 3 <= len(answer.split("\n")) <= 8
+        assert not set(re.findall(r"[a-z]+", answer.lower())) & held, answer
+    assert len({d.messages[1][1] for d in drills}) == 200
 
 
 def test_unmerged_names_split_into_pieces_and_the_rest_still_merges() -> None:
