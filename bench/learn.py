@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.report import MISS, PASS, Row, machine_at_start, progress, publish, timestamp
 from bench.stats import bootstrap, interval_verdict
 from bench.transparency import belayer_run, warm_model
+from workloads.swe_gen import parse_instance_id
 
 NAME = "learn"
 GAIN_TARGET = 0.15
@@ -30,8 +31,15 @@ GAIN_TARGET = 0.15
 
 
 def curve(metrics: list[dict[str, Any]]) -> list[tuple[int, float]]:
-    """(step, held-out greedy exact) of every evaluated step, step 0 first."""
-    out = {r["step"]: r["heldout_exact"] for r in metrics if r.get("heldout_exact") is not None}
+    """(step, held-out greedy exact) of every evaluated step, step 0 first: the run's
+    ``heldout_exact`` (answer tasks), else the share of counted held-out tasks solved
+    (reward 1.0: tasks scored by tests)."""
+    out = {}
+    for r in metrics:
+        if r.get("heldout_exact") is not None:
+            out[r["step"]] = r["heldout_exact"]
+        elif solved := right(r):
+            out[r["step"]] = round(sum(solved.values()) / len(solved), 4)
     return sorted(out.items())
 
 
@@ -47,18 +55,29 @@ def training_curves(metrics: list[dict[str, Any]]) -> dict[str, list[tuple[int, 
     }  # fmt: skip
 
 
-def right(record: dict[str, Any]) -> dict[str, bool]:
-    """Held-out task id → answered exactly (reward 1.0) at that step."""
-    return {t: float(r) >= 1.0 for t, r in record.get("heldout_rewards", {}).items()}
+def counted(task_id: str) -> bool:
+    """Whether a held-out task counts towards the gain: every one but the generated swe tasks
+    of held-out *families* (fixes never trained on; ``family_gain`` reports them apart) — for
+    swe the target is about held-out instances of the training families."""
+    found = parse_instance_id(task_id)
+    return found is None or found[1] != "heldout-family"
 
 
-def gain(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+def right(record: dict[str, Any], keep: Callable[[str], bool] = counted) -> dict[str, bool]:
+    """Held-out task id → answered exactly (reward 1.0) at that step, for the tasks ``keep``
+    keeps."""
+    rewards = record.get("heldout_rewards", {})
+    return {t: float(r) >= 1.0 for t, r in rewards.items() if keep(t)}
+
+
+def gain(metrics: list[dict[str, Any]], keep: Callable[[str], bool] = counted) -> dict[str, Any]:
     """Step 0 and the last evaluated step's exact accuracy, their difference and its paired
-    bootstrap interval over the held-out problems (``None`` fields when a step is missing)."""
+    bootstrap interval over the held-out problems ``keep`` keeps (``None`` fields when a step
+    is missing or no problem is kept)."""
     evaluated = [r for r in metrics if r.get("heldout_rewards")]
-    if len(evaluated) < 2 or evaluated[0].get("step") != 0:
+    first, last = (right(evaluated[0], keep), right(evaluated[-1], keep)) if evaluated else ({}, {})
+    if len(evaluated) < 2 or evaluated[0].get("step") != 0 or not first:
         return {"start": None, "last": None, "gain": None, "interval": None, "last_step": None}
-    first, last = right(evaluated[0]), right(evaluated[-1])
     pairs = [(first[t], last[t]) for t in sorted(first) if t in last]
 
     def diff(ps: Sequence[tuple[bool, bool]]) -> float:
@@ -96,6 +115,7 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def seed_result(seed: int, run_dir: Path, report: dict[str, Any]) -> dict[str, Any]:
     _, metrics = read_run(run_dir)
     g = gain(metrics)
+    family = gain(metrics, lambda t: not counted(t))
     errors = list(report.get("errors") or [])
     if g["gain"] is None:
         errors.append(f"{run_dir}: no held-out evaluation at step 0 and after it")
@@ -106,6 +126,9 @@ def seed_result(seed: int, run_dir: Path, report: dict[str, Any]) -> dict[str, A
         "interval": interval.as_json() if interval is not None else None,
         "verdict": interval_verdict(interval, ">=", GAIN_TARGET),
         "curve": curve(metrics),
+        "family_gain": {k: family[k] for k in ("start", "last", "gain", "problems")}
+        if family["gain"] is not None
+        else None,
         **training_curves(metrics),
         "wall_seconds": report.get("wall_seconds"),
         "trajectories_lost": report.get("trajectories_lost"),

@@ -192,8 +192,8 @@ def load_task_dir(directory: Path, *, image: str = SWE_IMAGE, workload: str = "s
 def generated_task(inst: Instance, *, image: str = SWE_IMAGE, workload: str = "swe") -> Task:
     """A generated instance (``workloads.swe_gen``) as a ``Task``: its repository in
     ``/root/repo``, the hidden tests plus the repository's own test files restored for scoring,
-    ``GENERATED_LIMITS``, its ``sed`` fix as the reference action, metadata ``family`` and
-    ``split``."""
+    ``GENERATED_LIMITS``, its ``sed`` fix as the reference action, metadata ``family``,
+    ``split``, ``module`` and ``pattern_fix`` (the same fix naming nothing)."""
     restore = {
         p: inst.files[p]
         for p in files_of_tests(inst.fail_to_pass + inst.pass_to_pass)
@@ -220,6 +220,7 @@ def generated_task(inst: Instance, *, image: str = SWE_IMAGE, workload: str = "s
             "split": inst.split,
             "held_out": str(inst.split != "train").lower(),
             "module": inst.module,
+            "pattern_fix": inst.pattern_fix,
         },
     )
 

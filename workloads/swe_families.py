@@ -43,6 +43,12 @@ class Case:
     """Calls whose result the bug leaves alone (pass-to-pass)."""
     values: list[int] = field(default_factory=list)
     """The bug's own constants (kept disjoint between splits)."""
+    pattern: str = ""
+    """The fix as a GNU ``sed -E`` script that names nothing of the instance: it finds the
+    buggy line by its shape and keeps the names it matched (``swe_gen.pattern_fix``). The same
+    script for every instance of the family, but for what the statement says (the operator a
+    ``wrong_operator`` function must apply, the constant of ``wrong_constant`` and
+    ``wrong_default``)."""
 
 
 # --- name and value pools ------------------------------------------------------------------
@@ -176,6 +182,7 @@ def off_by_one(d: Draw) -> Case:
         intent=f"{f}({lo}, {hi}) must add every integer from {lo} to {hi}, both included",
         fails=[(a, a + d.rng.randint(2, 4)), (a + 3, a + 6), (a, a)],
         keeps=[(a + 4, a + 1)],
+        pattern=r"s/range\(([a-z_]+), ([a-z_]+)\)/range(\1, \2 + 1)/",
     )
 
 
@@ -196,6 +203,7 @@ def wrong_operator(d: Draw) -> Case:
         intent=f"{f}({a}, {b}) must return {what}",
         fails=[(x, y), (y + 5, x)],
         keeps=[(2, 2)] if {want, got} == {"+", "*"} else [],
+        pattern=rf"s/return ([a-z_]+) [-+*] ([a-z_]+)$/return \1 {want} \2/",
     )
 
 
@@ -213,7 +221,18 @@ def wrong_constant(d: Draw) -> Case:
         fails=[(d.rng.randint(2, 9),), (d.rng.randint(11, 20),)],
         keeps=[(0,)],
         values=[good, bad],
+        pattern=rf"s/^([A-Z_]+) = [0-9]+$/\1 = {good}/",
     )
+
+
+_PARAMS3 = r"\(([a-z_]+), ([a-z_]+), ([a-z_]+)\):\n    return "
+_CLAMP_PATTERN = (
+    r"/^def [a-z_]+\([a-z_]+, [a-z_]+, [a-z_]+\):$/{N;"
+    rf"s/{_PARAMS3}max\(\2, \1\)$/(\1, \2, \3):\n    return max(\2, min(\1, \3))/;"
+    rf"s/{_PARAMS3}min\(\3, \1\)$/(\1, \2, \3):\n    return min(\3, max(\1, \2))/}}"
+)
+"""``missing_clamp``'s fix for either missing bound: the ``def`` line with its three parameters
+and the ``return`` line after it, the missing bound added from the parameters."""
 
 
 def missing_clamp(d: Draw) -> Case:
@@ -236,6 +255,7 @@ def missing_clamp(d: Draw) -> Case:
         intent=f"{f}({v}, {lo}, {hi}) must limit {v} to the range {lo}..{hi}",
         fails=fails,
         keeps=keeps,
+        pattern=_CLAMP_PATTERN,
     )
 
 
@@ -259,6 +279,8 @@ def swapped_args(d: Draw) -> Case:
         intent=f"{f}({a}, {b}) must return {g}({a}, {b}), that is {a} minus {b}",
         fails=[(x, y), (y, x + 2)],
         keeps=[(y, y)],
+        pattern=r"/^def /{N;s/\(([a-z_]+), ([a-z_]+)\):\n    return ([a-z_]+)\(\2, \1\)$/"
+        r"(\1, \2):\n    return \3(\1, \2)/}",
     )
 
 
@@ -276,6 +298,7 @@ def wrong_default(d: Draw) -> Case:
         fails=[(d.rng.randint(2, 9),), (d.rng.randint(11, 30),)],
         keeps=[(3, 5)],
         values=[good, bad],
+        pattern=rf"s/=[0-9]+\):$/={good}):/",
     )
 
 
@@ -299,6 +322,7 @@ def inverted_condition(d: Draw) -> Case:
         intent=f"{f}({xs}, {t}) must keep the items of {xs} greater than {t}",
         fails=[([lows[0], highs[0], highs[1]], 7), ([highs[1], lows[1]], 5)],
         keeps=[([], 3), ([7, 7], 7)],
+        pattern=r"s/if ([a-z_]+) < ([a-z_]+):$/if \1 > \2:/",
     )
 
 
@@ -323,7 +347,13 @@ def wrong_return(d: Draw) -> Case:
         intent=f"{f}({xs}) must return the position of the largest item of {xs}",
         fails=[([3, top, 4],), ([1, 2, top + 5],)],
         keeps=[([0, -2, -5],)],
+        pattern=_RETURN_PATTERN,
     )
+
+
+_RETURN_PATTERN = r"/^            [a-z_]+ = [a-z_]+$/h;/^    return [a-z_]+$/{g;s/^ +([a-z_]+) = .*/    return \1/}"
+"""``wrong_return``'s fix: the function returns the variable the loop last assigned (held from
+the deepest-indented assignment line) instead of the one it returns."""
 
 
 def extra_negation(d: Draw) -> Case:
@@ -338,6 +368,7 @@ def extra_negation(d: Draw) -> Case:
         intent=f"{f}({n}, {k}) must be True when {k} divides {n}",
         fails=[(m * 3, m), (m * 2 + 1, m)],
         keeps=[],
+        pattern="s/return not /return /",
     )
 
 
@@ -358,6 +389,7 @@ def wrong_index(d: Draw) -> Case:
         intent=f'{f}({text}) must return the first field of {text} (fields are split by "{sep}")',
         fails=[(sep.join(fields),), (sep.join(fields[1:]),)],
         keeps=[],
+        pattern=r"s/\[1\]$/[0]/",
     )
 
 
@@ -373,6 +405,7 @@ def boundary(d: Draw) -> Case:
         fails=[(limit,)],
         keeps=[(limit + 3,), (limit - 2,)],
         values=[limit],
+        pattern=r"s/return ([a-z_]+) > ([0-9]+)$/return \1 >= \2/",
     )
 
 
@@ -395,6 +428,7 @@ def wrong_init(d: Draw) -> Case:
         intent=f"{f}({xs}) must return the sum of the items of {xs}",
         fails=[(nums,), ([],)],
         keeps=[],
+        pattern=r"s/^    ([a-z_]+) = 1$/    \1 = 0/",
     )
 
 
@@ -410,6 +444,7 @@ def missing_abs(d: Draw) -> Case:
         intent=f"{f}({a}, {b}) must return how far apart {a} and {b} are (never negative)",
         fails=[(x, y), (0, y)],
         keeps=[(y, x)],
+        pattern=r"s/return ([a-z_]+) - ([a-z_]+)$/return abs(\1 - \2)/",
     )
 
 
@@ -425,6 +460,7 @@ def string_case(d: Draw) -> Case:
         intent=f"{f}({s}) must return {s} without surrounding spaces, in lower case",
         fails=[(f" {words[0]} ",), (words[1],)],
         keeps=[("  ",)],
+        pattern=r"s/\.upper\(\)/.lower()/",
     )
 
 

@@ -74,6 +74,9 @@ class Instance:
     """Tests that pass before and after."""
     fix: str
     """The reference fix: one ``sed -i`` on the module."""
+    pattern_fix: str
+    """The same fix naming nothing of the instance (``pattern_fix``): the family's ``sed -E``
+    script on every ``.py`` file of the repository."""
     module: str
     """The path of the module with the bug."""
     fixed: bytes
@@ -152,6 +155,17 @@ def sed_fix(old: str, new: str, path: str) -> str:
     if "'" in old + new or "\n" in old + new:
         raise InvalidRequest("a fix fragment holds a quote or a newline", old=old, new=new)
     return f"sed -i 's/{pattern}/{replacement}/' {path}"
+
+
+def pattern_fix(script: str) -> str:
+    """``find . -name '*.py' -exec sed -i -E 'SCRIPT' {} +``: a family's name-free fix
+    (``Case.pattern``) applied to every Python file of the repository (the script matches only
+    the buggy line's shape, so the others come out unchanged)."""
+    if not script or "'" in script:
+        raise InvalidRequest(
+            "a pattern fix must be a non-empty script without quotes", script=script
+        )
+    return f"find . -name '*.py' -exec sed -i -E '{script}' {{}} +"
 
 
 def _call(function: str, args: Args) -> str:
@@ -282,6 +296,7 @@ def _assemble(
             *(f"{hidden_name}::{t[0]}" for t in kept),
         ],
         fix=sed_fix(case.old, case.new, layout.module),
+        pattern_fix=pattern_fix(case.pattern),
         module=layout.module,
         fixed=fixed.encode(),
         names=tuple(w for w in d.used if w),

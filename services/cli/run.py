@@ -75,7 +75,7 @@ class Ui:
 
     def end_step(self, r: dict[str, Any]) -> None:
         exact = r.get("heldout_exact")
-        held = f"held-out {r['heldout_reward']:.3f}"
+        held = f"held-out {r['heldout_reward']:.3f}" if "heldout_reward" in r else "held-out -"
         held += f" (exact {exact:.3f})" if isinstance(exact, float) else ""
         diff = r["logprob_diff_max"]
         self.console.print(
@@ -200,6 +200,11 @@ RUN_HELD_OUT = typer.Option(
     help=f"Held-out tasks (default: {per_workload('held_out')}; with --dataset at most its "
     "held-out rows).",
 )  # fmt: skip
+RUN_EVAL_EVERY = typer.Option(
+    RunOptions.eval_every, "--eval-every", min=1,
+    help="Evaluate the held-out tasks after every this many steps and after the last (always "
+    f"before training; default: {per_workload('eval_every')}).",
+)  # fmt: skip
 RUN_TEMPERATURE = typer.Option(
     RunOptions.temperature,
     "--temperature",
@@ -254,6 +259,7 @@ def run(
     lr: float | None = RUN_LR,
     lr_schedule: str = RUN_LR_SCHEDULE,
     held_out: int | None = RUN_HELD_OUT,
+    eval_every: int | None = RUN_EVAL_EVERY,
     temperature: float = RUN_TEMPERATURE,
     loss_type: str = RUN_LOSS_TYPE,
     beta: float = RUN_BETA,
@@ -273,7 +279,7 @@ def run(
     opts = RunOptions(
         workload=workload, steps=steps, tasks=tasks, n=n, model=model, policy=policy,
         inject=inject, resume=resume, out=out, node_dir=run_dir, dataset=dataset, seed=seed,
-        lr=lr, lr_schedule=lr_schedule, held_out=held_out, temperature=temperature, recovery=recovery,
+        lr=lr, lr_schedule=lr_schedule, held_out=held_out, eval_every=eval_every, temperature=temperature, recovery=recovery,
         keep_node=keep_node, prompt_column=prompt_column, answer_column=answer_column,
         rewards=tuple(reward), reward_weights=tuple(reward_weights),
         trainer_procs=trainer_procs, loss_type=loss_type, beta=beta, minibatches=minibatches,

@@ -7,9 +7,9 @@ training itself is :mod:`model.warm_start`.
 * **swe**: generated training instances of every *training* bug family
   (``workloads.swe_gen``; ``SWE_DEMO_PER_FAMILY`` each, never a held-out instance or family)
   run for real — a private nats-server and environment service, real sandboxes of the task's
-  image — with the general recipe (``SWE_VARIANTS``: run the tests, read the module the
-  statement names, fix the line with one ``sed``, run the tests again), each episode checked
-  against the hidden tests. The transcript holds the real observations, formatted as the
+  image — with the general recipe (``SWE_VARIANTS``: run the tests, read the modules, fix the
+  line with one ``sed`` — written with the instance's names or naming nothing, ``swe_variant``
+  — run the tests again), each episode checked against the hidden tests. The transcript holds the real observations, formatted as the
   controller formats them (``workloads.runner``), and ends with the submit action.
 * **swe-long**: the bundled training tasks (``swe-bundled``), one long episode each in the manner of mini-swe-agent: every
   response reasons first (a ``THOUGHT:`` paragraph) and then acts; the agent explores the
@@ -64,14 +64,17 @@ out left to right first. Which ones: a hash of the task id (stable across runs).
 start the model mostly answers at once (greedy) and is mostly wrong doing so, while working it
 out is mostly right: the behaviour GRPO finds and reinforces (docs/training.md)."""
 
-SWE_DEMO_VERSION = 4
+SWE_DEMO_VERSION = 5
 """Bumped when the ``swe`` and ``swe-long`` recipes change (2: generated tasks and the general
 recipe; 3: the sandbox writes no Python bytecode, so a fix is never hidden by a stale
-``__pycache__``; 4: observations drop pytest's run time, ``workloads.actions.without_durations``)."""
+``__pycache__``; 4: observations drop pytest's run time, ``workloads.actions.without_durations``;
+5: one recipe per task, name-free or named, ``swe_variant``)."""
 
-SWE_DEMO_PER_FAMILY = 8
+SWE_DEMO_PER_FAMILY = 32
 """``swe`` demonstrations per training family (3 until the observations lost pytest's clock: the
-model retrained on those 33 no longer followed its recipe on new instances; on 88 it does)."""
+model retrained on those 33 no longer followed its recipe on new instances; on 88 it does; 16
+since half of them were written with names; 32 for the name-free scripts to be learnt exactly,
+``SWE_NAMED_SHARE``)."""
 
 SWE_DEMO_SEED = 1000
 """Seed of the demonstrated training instances (a run's default seed 0 draws others)."""
@@ -182,19 +185,49 @@ def math_demonstrations(
 
 
 # --- swe --------------------------------------------------------------------------------
+READ_COMMAND = "cat $(find . -name '*.py' ! -name 'test_*' | sort)"
+"""Print the repository's modules (not its tests) without naming any of them."""
+
+
 def general_actions(task: Task) -> list[str]:
-    """The general skill on one task: run the tests (the failing one shows the call and what
-    it returned), read the module the statement names, fix it (the reference ``sed``), run
-    the tests again."""
-    return [TEST_COMMAND, f"cat {edited_module(task)}", *task.reference_actions, TEST_COMMAND]
+    """The general skill on one task, naming nothing of the instance: run the tests (the
+    failing one shows the call and what it returned), read the modules, fix the line by its
+    shape (the family's name-free ``sed -E``, task metadata ``pattern_fix``), run the tests
+    again. What a tiny model can carry to names it never saw: it copies no name."""
+    fix = task.metadata.get("pattern_fix") or ""
+    if not fix:
+        raise InvalidRequest("the task has no name-free fix", task_id=task.id)
+    return [TEST_COMMAND, READ_COMMAND, fix, TEST_COMMAND]
+
+
+def named_actions(task: Task) -> list[str]:
+    """The same episode with the fix written with the instance's names: the reference ``sed``
+    with the fragment of the printed line and the module's path. Right in every
+    demonstration; for the model it needs every name copied exactly, which a tiny model
+    mostly gets wrong on names it never saw (docs/workloads.md)."""
+    return [TEST_COMMAND, READ_COMMAND, *task.reference_actions, TEST_COMMAND]
 
 
 SWE_VARIANTS: dict[str, tuple[Callable[[Task], list[str]], float]] = {
-    "general": (general_actions, 1.0),
+    "pattern": (general_actions, 1.0),
+    "named": (named_actions, 1.0),
 }
-"""The action lists recorded per demonstrated task (each then ends with the submit action) and
-the reward each must get. No noise variant: the instances a run trains on are new to the model
-(other seeds), so its own copying mistakes already make some episodes fail."""
+"""The action lists a demonstrated task may get (each then ends with the submit action) and
+the reward each must get; ``swe_variant`` picks one per task."""
+
+SWE_NAMED_SHARE = 0.6
+"""Share of ``swe`` demonstrations whose fix is written with names (``named``: ``sed -i
+'s/…/…/' <path>``); the others name nothing (``pattern``: ``find … sed -E``). Which ones: a
+hash of the task id. The lever that made math learn (``MATH_DIRECT_SHARE``): after the warm
+start the model writes either kind of fix, the named one first when greedy; the named one
+mostly fails on names it has not seen and the name-free one mostly works, so GRPO has a
+behaviour to find and reinforce — one that carries to held-out instances (docs/training.md)."""
+
+
+def swe_variant(task: Task) -> str:
+    """The recipe ``task``'s demonstration follows (``SWE_NAMED_SHARE`` get ``named``)."""
+    frac = int.from_bytes(hashlib.sha256(f"swe:{task.id}".encode()).digest()[:4], "big") / 2**32
+    return "named" if frac < SWE_NAMED_SHARE else "pattern"
 
 
 COPY_DRILLS = 2000
@@ -335,9 +368,11 @@ async def record_swe(
     variants: dict[str, tuple[Callable[[Task], list[Step]], float]],
     *,
     concurrency: int = SWE_RECORD_CONCURRENCY,
+    pick: Callable[[Task], str] | None = None,
 ) -> list[Demonstration]:
     """Run every task × variant in a real sandbox (``concurrency`` episodes at once; the result
-    in task × variant order); each episode must score what its variant expects."""
+    in task × variant order) — or, with ``pick``, each task in the one variant it picks; each
+    episode must score what its variant expects."""
     gate = asyncio.Semaphore(concurrency)
 
     async def record(task: Task, variant: str) -> Demonstration:
@@ -366,7 +401,8 @@ async def record_swe(
             variant=variant,
         )
 
-    return list(await asyncio.gather(*(record(t, v) for t in tasks for v in variants)))
+    pairs = [(t, pick(t)) for t in tasks] if pick else [(t, v) for t in tasks for v in variants]
+    return list(await asyncio.gather(*(record(t, v) for t, v in pairs)))
 
 
 def _task_fingerprint(task: Task) -> dict[str, Any]:
@@ -393,17 +429,20 @@ def swe_demonstrations(
         count = SWE_DEMO_PER_FAMILY * len(TRAIN_FAMILIES)
         tasks = load_workload("swe", check_image=False).tasks(count, seed=SWE_DEMO_SEED)
         variants = plain_variants()
+        pick: Callable[[Task], str] | None = swe_variant
         shown: dict[str, Any] = {k: [f(tasks[0]), r] for k, (f, r) in SWE_VARIANTS.items()}
         fingerprint: dict[str, Any] = {
             "v": DEMO_VERSION,
             "swe_v": SWE_DEMO_VERSION,
             "kind": "swe",
             "variants": shown,
+            "picked": [swe_variant(t) for t in tasks],
         }
     else:
         swe = SweWorkload(check_image=False, generated=False)  # the swe-bundled workload
         tasks = sorted(swe.tasks(len(swe.train)), key=lambda t: t.id)
         variants = SWE_LONG_VARIANTS
+        pick = None
         shown = {k: [[f(t) for t in tasks], r] for k, (f, r) in variants.items()}
         fingerprint = {
             "v": DEMO_VERSION,
@@ -416,7 +455,9 @@ def swe_demonstrations(
 
     def make() -> list[Demonstration]:
         load_workload("swe")  # the image must exist: NotFound naming the fix otherwise
-        return asyncio.run(with_private_env(lambda ops: record_swe(ops, tasks, variants)))
+        return asyncio.run(
+            with_private_env(lambda ops: record_swe(ops, tasks, variants, pick=pick))
+        )
 
     return _cached(cache / "demonstrations" / f"{kind}-{key}.jsonl", make, refresh)
 

@@ -115,6 +115,8 @@ class RunContext:
     """Progress hooks: ``phase(name, done, total)``, ``begin_step``, ``end_step``."""
     max_tokens: int = 256
     """Tokens per response of the step's rollouts."""
+    eval_every: int = 1
+    """Held-out evaluation after every this many steps and the last (``evaluates``)."""
     max_turns: int | None = None
     """LLM turns per trajectory of the step's rollouts (None: the request's default)."""
 
@@ -156,7 +158,7 @@ async def run_step(ctx: RunContext, step: int, faults: StepFaults) -> StepRecord
     batch = await collect_rewards(nc, ctx, result, ui, times)
     trained = await await_train_step(nc, events, ctx, step, faults, ui, times)
     await await_weights_switched(nc, ctx, trained.version, ui, times)
-    held = await eval_held_out(nc, ctx, step, ui, times)
+    held = await eval_held_out(nc, ctx, step, ui, times) if evaluates(ctx, step) else None
     await settle_kills(events, ctx, step)
     line = step_record(ctx, step, faults, result, batch, trained, held, times, events, t_start)
     return StepRecord(line, result, batch, trained, held, times)
@@ -350,6 +352,12 @@ async def await_weights_switched(
                 )
             await asyncio.sleep(0.05)  # the workers switch at their next step boundary
     times.push += time.monotonic() - t0
+
+
+def evaluates(ctx: RunContext, step: int) -> bool:
+    """Whether the held-out tasks are evaluated after ``step``: every ``eval_every``-th step
+    and the run's last (step 0, before training, always)."""
+    return step % ctx.eval_every == 0 or step == ctx.steps
 
 
 async def eval_held_out(

@@ -44,13 +44,14 @@ RUN_KINDS = ("trainer-kill", "shadow-kill")
 SANDBOX_KINDS = ("sandbox-kill", "sandbox-pause")
 RUN_FILE = "run.json"
 DEFAULTS: dict[str, dict[str, int]] = {
-    "math": {"tasks": 8, "n": 8, "held_out": 64},
-    "swe": {"tasks": 4, "n": 2, "held_out": 9},
+    "math": {"tasks": 8, "n": 8, "held_out": 64, "eval_every": 1},
+    "swe": {"tasks": 4, "n": 2, "held_out": 18, "eval_every": 5},
 }
-"""Per workload: tasks per step, samples per task (the GRPO group), held-out tasks — sized so
-20 steps fit in about ten minutes on two CPU cores (docs/training.md); swe's 9 held-out tasks
-are 6 held-out instances of training families and one task of each of the 3 held-out
-families (``workloads.swe``), about fifteen minutes for 20 steps."""
+"""Per workload: tasks per step, samples per task (the GRPO group), held-out tasks, steps
+between held-out evaluations — sized so 20 steps fit in about ten minutes on two CPU cores
+(docs/training.md); swe's 18 held-out tasks are 12 held-out instances of the training
+families and two tasks of each of the 3 held-out families (``workloads.swe``), evaluated at
+steps 0, 5, 10, 15 and 20: about thirteen minutes for 20 steps."""
 LR_DEFAULTS: dict[str, float] = {"math": 5e-5, "swe": 1e-4}
 """Per workload: the peak learning rate of a node the run starts (docs/training.md)."""
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
@@ -101,7 +102,11 @@ class RunOptions:
     lr_schedule: str = "cosine"
     """The learning rate over the run (``LR_SCHEDULES``; a node the run starts)."""
     held_out: int | None = None
-    """Held-out tasks evaluated greedily before training and after every step."""
+    """Held-out tasks evaluated greedily before training and after every ``eval_every``-th
+    step and the last."""
+    eval_every: int | None = None
+    """Evaluate the held-out tasks after every this many steps (and after the last; step 0
+    always); None: the workload's default (``DEFAULTS``)."""
     temperature: float = 1.0
     """Sampling temperature of the training rollouts."""
     loss_type: str = GrpoConfig.loss_type

@@ -61,17 +61,25 @@ class StepRecord:
     rollout: RolloutResult
     batch: Batch
     trained: TrainStep
-    held: EvalResult
+    held: EvalResult | None
+    """The held-out evaluation after the step (None: not evaluated, ``loop.evaluates``)."""
     times: Phases
+
+
+def held_fields(held: EvalResult) -> dict[str, Any]:
+    """A step's ``heldout_*`` fields."""
+    return {
+        "heldout_reward": round(held.mean, 4),
+        "heldout_exact": _rounded(held.exact_mean),
+        "heldout_rewards": held.rewards,
+    }
 
 
 def step0_record(ctx: RunContext, held: EvalResult) -> dict[str, Any]:
     return {
         "step": 0,
         "run_id": ctx.state.run_id,
-        "heldout_reward": round(held.mean, 4),
-        "heldout_exact": _rounded(held.exact_mean),
-        "heldout_rewards": held.rewards,
+        **held_fields(held),
         "eval_s": round(held.seconds, 3),
         "weight_version": min(held.versions) if held.versions else None,
         "ts": time.time(),
@@ -85,12 +93,13 @@ def step_record(
     result: RolloutResult,
     batch: Batch,
     trained: TrainStep,
-    held: EvalResult,
+    held: EvalResult | None,
     times: Phases,
     events: EventTail,
     t_start: float,
 ) -> dict[str, Any]:
-    """One ``metrics.jsonl`` line."""
+    """One ``metrics.jsonl`` line (without the ``heldout_*`` fields when ``held`` is None:
+    the step was not evaluated)."""
     s = result.summary
     rid = result.rollout_id
     own = [k for k in ctx.kills if k["step"] == step]
@@ -109,9 +118,7 @@ def step_record(
         "reward_mean": round(batch.reward_mean, 4),
         "reward_std": round(batch.reward_std, 4),
         "reward_exact": _rounded(exact_share(ctx.workload, batch.trajectories, ctx.chat.tokenizer)),
-        "heldout_reward": round(held.mean, 4),
-        "heldout_exact": _rounded(held.exact_mean),
-        "heldout_rewards": held.rewards,
+        **(held_fields(held) if held is not None else {}),
         "tokens": trained.tokens,
         "trajectories": s.trajectories,
         "trajectories_completed": s.trajectories_completed,

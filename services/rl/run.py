@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,7 @@ def execute(
     n, tasks = group_shape(opts, running, node_paths, prior, rw.defaults)
     seed = prior.seed if prior else opts.seed
     held_out = opts.held_out or rw.defaults["held_out"]
+    opts = replace(opts, eval_every=opts.eval_every or int(rw.defaults.get("eval_every", 1)))
     pool, held_ids, _ = choose_tasks(
         opts.workload, opts.dataset, tasks, opts.steps, held_out, seed,
         columns=(opts.prompt_column, opts.answer_column),
@@ -316,6 +318,7 @@ async def train(
             dataset=options.get("path", ""), held_out=[wl.task(t) for t in state.held_out],
             chat=ChatFormat(load_tokenizer(model_dir)), specs=specs, sandboxed=sandboxed,
             start_step=done + 1, steps=opts.steps, base_step=state.trainer_base_step,
+            eval_every=opts.eval_every or 1,
             deterministic=node.ours and SupervisorConfig().worker.engine.deterministic,
         )  # fmt: skip
         say(

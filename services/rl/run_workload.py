@@ -29,12 +29,13 @@ from workloads.rewards import (
     service_name,
 )
 
-PLUGIN_DEFAULTS: dict[str, int] = {"tasks": 4, "n": 4, "held_out": 8}
+PLUGIN_DEFAULTS: dict[str, int] = {"tasks": 4, "n": 4, "held_out": 8, "eval_every": 1}
 """A plugin's run where its workload declares no ``run_defaults``: tasks per step, samples per
-task, held-out tasks (at most what the workload holds out)."""
+task, held-out tasks (at most what the workload holds out), steps between held-out
+evaluations."""
 PLUGIN_LR = 1e-4
 """A plugin's peak learning rate where its workload declares none."""
-DEFAULT_KEYS = ("tasks", "n", "held_out", "lr")
+DEFAULT_KEYS = ("tasks", "n", "held_out", "eval_every", "lr")
 """The keys a workload's ``run_defaults`` may set."""
 
 

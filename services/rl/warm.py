@@ -37,7 +37,14 @@ SFT: dict[str, dict[str, Any]] = {
         "min_lr_ratio": 0.1,
         "threads": 1,
     },
-    "swe": {"steps": 60, "batch_size": 16, "lr": 2e-3, "warmup_steps": 10},
+    "swe": {
+        "steps": 300,
+        "batch_size": 16,
+        "lr": 2e-3,
+        "warmup_steps": 10,
+        "decay": "cosine",
+        "min_lr_ratio": 0.1,
+    },
     "swe-long": {"steps": 160, "batch_size": 4, "lr": 2e-3, "warmup_steps": 10},
 }
 """The warm start's training per kind (``model.warm_start.SftConfig`` fields; measured on 2
@@ -45,7 +52,8 @@ CPU threads in docs/workloads.md). Math: 1,000 steps × 32, 2.5 passes over its 
 demonstrations — a policy that answers at once when greedy (right 14 % of the time) and can
 work the sum out (right 83 % of the time when it does): held-out greedy exact 0.26, sampled
 pass@1 0.38 (600 steps: 0.18 / 0.16; 1,600: 0.91 / 0.76, nothing left to learn;
-docs/training.md)."""
+docs/training.md). Swe: 300 steps × 16 over 352 demonstrations (~14 passes), enough for the
+name-free fix scripts to come out exactly (120 steps over 176: garbled; docs/workloads.md)."""
 
 
 def unmerged_words(kind: str) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from bench.learn import gain, main
+from workloads.swe_gen import held_out_ids
 
 IDS = [f"math-chain_sum-h-{i}" for i in range(64)]
 
@@ -28,6 +29,27 @@ def test_gain_is_computed_from_the_problems() -> None:
 def test_no_step_0_is_no_gain() -> None:
     assert gain([record(1, 40), record(2, 48)])["gain"] is None
     assert gain([record(0, 40)])["gain"] is None
+
+
+def swe_record(step: int, instances: int, families: int) -> dict:
+    """A swe metrics line: 12 held-out instances (the first ``instances`` solved) and 6
+    held-out-family tasks (the first ``families`` solved); no exact match (tests score)."""
+    ids = held_out_ids(18)
+    inst = [t for t in ids if "-i-" in t]
+    fam = [t for t in ids if "-f-" in t]
+    rewards = {t: float(i < instances) for i, t in enumerate(inst)}
+    rewards |= {t: float(i < families) for i, t in enumerate(fam)}
+    return {"step": step, "heldout_rewards": rewards, "heldout_exact": None}
+
+
+def test_swe_gain_counts_held_out_instances_and_reports_families_apart(tmp_path: Path) -> None:
+    records = [swe_record(0, 3, 0), swe_record(1, 6, 0), swe_record(2, 9, 3)]
+    g = gain(records)
+    assert (g["start"], g["last"], g["gain"], g["problems"]) == (0.25, 0.75, 0.5, 12)
+    write_run(tmp_path / "a", records)
+    (seed,) = main(tmp_path / "learn.json", seeds=(0,), runs=(tmp_path / "a",))["seeds"]
+    assert seed["curve"] == [(0, 0.25), (1, 0.5), (2, 0.75)]
+    assert seed["family_gain"] == {"start": 0.0, "last": 0.5, "gain": 0.5, "problems": 6}
 
 
 def write_run(run_dir: Path, records: list[dict]) -> None:

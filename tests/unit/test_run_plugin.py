@@ -127,7 +127,7 @@ def test_a_plugin_without_run_defaults_gets_the_generic_ones(plugin_path: Path) 
 
 def test_the_example_declares_its_defaults(plugin_path: Path) -> None:
     rw = resolve(RunOptions(workload=SPEC))
-    assert rw.defaults == {"tasks": 4, "n": 4, "held_out": 8} and rw.lr == 2e-4
+    assert rw.defaults == {"tasks": 4, "n": 4, "held_out": 8, "eval_every": 1} and rw.lr == 2e-4
 
 
 def test_the_built_in_workloads_keep_their_defaults() -> None:

@@ -8,6 +8,7 @@ constant with a training one."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from workloads.swe_gen import (
     instance_id,
     mean_by_split,
     parse_instance_id,
+    pattern_fix,
     sed_fix,
     training_ids,
 )
@@ -164,3 +166,37 @@ def test_sed_fix_escapes_the_fragments(tmp_path: Path) -> None:
     assert (tmp_path / "m.py").read_text() == "x = a[0] & b/c\n"
     with pytest.raises(InvalidRequest):
         sed_fix("it's", "x", "m.py")
+
+
+PATTERN_CASES = [(f, "train", i) for f in TRAIN_FAMILIES for i in range(12)]
+PATTERN_CASES += [(f, "heldout-instance", i) for f in TRAIN_FAMILIES for i in range(12)]
+PATTERN_CASES += [(f, "heldout-family", i) for f in HELD_OUT_FAMILIES for i in range(12)]
+
+
+def test_the_name_free_fix_makes_exactly_the_reference_fix(tmp_path: Path) -> None:
+    """The family's ``sed -E`` script, run by the real GNU sed on the whole repository, turns
+    the buggy module into the fixed one and leaves every other file alone — on training and
+    held-out instances alike (it names nothing of any of them)."""
+    scripts: dict[str, set[str]] = {}
+    for k, (family, split, index) in enumerate(PATTERN_CASES):
+        inst = instance(family, split, index)
+        root = tmp_path / str(k)
+        _write(root, inst.files)
+        r = subprocess.run(
+            ["sh", "-c", inst.pattern_fix], cwd=root, capture_output=True, timeout=30
+        )
+        assert r.returncode == 0 and not r.stderr, (inst.id, r.stderr)
+        for rel, data in inst.files.items():
+            want = inst.fixed if rel == inst.module else data
+            assert (root / rel).read_bytes() == want, (inst.id, rel)
+        words = set(re.findall(r"[A-Za-z_]+", inst.pattern_fix))
+        assert not words & {*inst.names, *(n.upper() for n in inst.names)}, inst.id
+        scripts.setdefault(family, set()).add(inst.pattern_fix)
+    # One script per family, but for what the statement says (the operator, the constant).
+    assert {f for f, s in scripts.items() if len(s) > 1} == {
+        "wrong_operator",
+        "wrong_constant",
+        "wrong_default",
+    }
+    with pytest.raises(InvalidRequest):
+        pattern_fix("s/it's/x/")

@@ -42,14 +42,21 @@ from services.controller.policy import CheckpointPolicy, PolicyConfig
 from services.rl.demonstrations import (
     MATH_DEMOS,
     MATH_DIRECT_SHARE,
+    READ_COMMAND,
+    SWE_DEMO_SEED,
+    SWE_NAMED_SHARE,
+    TEST_COMMAND,
     THOUGHTS,
     copy_drills,
     edited_module,
+    general_actions,
     long_episode,
     math_demonstrations,
     math_response,
     math_working,
+    named_actions,
     swe_transcript,
+    swe_variant,
 )
 from services.rl.warm import SFT
 from tests.unit.model_fixtures import write_small_model
@@ -369,3 +376,23 @@ def test_the_cache_key_follows_every_input() -> None:
     assert key != cache_key(demos, SftConfig(), {"tiny": {"hidden_size": 128}})
     other = [Demonstration("t1", (*transcript()[:-1], ("assistant", "x")))]
     assert key != cache_key(other, SftConfig(), base)
+
+
+def test_each_swe_demonstration_writes_its_fix_with_names_or_without() -> None:
+    """One recipe per demonstrated task (``swe_variant``, a hash of the id): the same test run
+    and read, then the reference ``sed`` with the instance's names (``named``) or the
+    family's name-free ``sed -E`` (``pattern``) — in about ``SWE_NAMED_SHARE`` / the rest."""
+    swe = load_workload("swe", check_image=False)
+    tasks = swe.tasks(330, seed=SWE_DEMO_SEED)
+    named = sum(swe_variant(t) == "named" for t in tasks) / len(tasks)
+    assert abs(named - SWE_NAMED_SHARE) < 0.08
+    assert [swe_variant(t) for t in tasks] == [swe_variant(t) for t in tasks]  # stable
+    for task in tasks[:22]:
+        plain, with_names = general_actions(task), named_actions(task)
+        assert plain[:2] == with_names[:2] == [TEST_COMMAND, READ_COMMAND]
+        assert plain[3] == with_names[3] == TEST_COMMAND
+        assert (
+            plain[2] == task.metadata["pattern_fix"] and with_names[2] == task.reference_actions[0]
+        )
+        assert task.metadata["module"] in with_names[2]
+        assert task.metadata["module"] not in plain[2] and plain[2].startswith("find . -name")
