@@ -4,7 +4,8 @@
 seed, each on a fresh node (a subprocess each, ``$BELAYER_HOME`` an empty directory, as
 ``belayer bench transparency`` runs them) — or, with ``runs``, the run directories of runs
 made before (their ``report.json`` and ``metrics.jsonl``). Per seed: held-out greedy exact
-accuracy before training (step 0) and after the last step, and the gain with its 95 %
+accuracy (swe: the share of held-out instances solved, reward 1.0; the held-out families apart,
+``family_gain``) before training (step 0) and after the last step, and the gain with its 95 %
 interval (paired bootstrap over the held-out problems: each problem right or wrong at step 0
 and at the last step). Target: a gain of at least ``GAIN_TARGET`` in every seed; a seed's
 verdict reads its interval (``PASS`` when all of it meets the target, ``UNSURE`` when it
@@ -152,12 +153,15 @@ def plot(path: Path, workload: str, seeds: list[dict[str, Any]]) -> str | None:
             ax.plot(*zip(*s["curve"], strict=True), "o-", ms=3, label=f"seed {s['seed']}")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step (0: before training)")
-    ax.set_ylabel("held-out greedy exact")
+    ax.set_ylabel(
+        "held-out instances solved (greedy)" if workload == "swe" else "held-out greedy exact"
+    )
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     if any(s["curve"] for s in seeds):
         ax.legend(loc="lower right", fontsize=8)
-    ax.set_title(f"belayer run {workload}: held-out accuracy per step")
+    what = "held-out instances solved" if workload == "swe" else "held-out accuracy"
+    ax.set_title(f"belayer run {workload}: {what} per step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -217,6 +221,7 @@ def _overall(verdicts: list[str]) -> str:
 
 def rows(result: dict[str, Any]) -> list[Row]:
     out = []
+    what = "held-out instances solved" if result["workload"] == "swe" else "held-out exact"
     for s in result["seeds"]:
         if s["gain"] is None:
             out.append(Row(f"seed {s['seed']}: held-out gain", "n/a", "", MISS))
@@ -224,7 +229,7 @@ def rows(result: dict[str, Any]) -> list[Row]:
         low, high = (s["interval"] or {}).get("ci95", (float("nan"), float("nan")))
         value = f"{s['start']:.3f} → {s['last']:.3f} ({s['gain']:+.3f} [{low:+.3f} … {high:+.3f}])"
         out.append(
-            Row(f"seed {s['seed']}: held-out exact, step 0 → {s['last_step']}", value,
+            Row(f"seed {s['seed']}: {what}, step 0 → {s['last_step']}", value,
                 f"≥ +{GAIN_TARGET}", s["verdict"])
         )  # fmt: skip
     out.append(Row("verdict", result["verdict"], "", result["verdict"]))

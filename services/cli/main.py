@@ -455,6 +455,7 @@ def bench_learn(
 ) -> None:
     """Does the run learn in every seed? `belayer run WORKLOAD --steps N --seed S` with every
     other option at its default (or --run-args), a fresh node each: per seed the held-out greedy exact accuracy
+    (swe: the share of held-out instances solved; held-out families reported apart)
     at step 0 and after the last step, the gain with its 95 % interval (paired bootstrap over
     the held-out problems) against +0.15, and one plot of every seed's curve (beside the
     JSON). Minutes per seed."""

@@ -92,7 +92,12 @@ def check_run(report: dict, out: Path) -> None:
     for r in steps:
         assert r["trajectories_completed"] == r["trajectories_trained"] == slots
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["tokens"] > 0
-        assert 0.0 <= r["heldout_reward"] <= 1.0
+    # swe evaluates the held-out tasks every 5 steps and after the last: step 2, not step 1
+    assert "heldout_reward" not in steps[0] and 0.0 <= steps[1]["heldout_reward"] <= 1.0
+    assert (
+        len(steps[1]["heldout_rewards"]) == 18
+        and report["heldout_reward_last"] == steps[1]["heldout_reward"]
+    )
     assert report["reward_first_step"] == steps[0]["reward_mean"]
     assert report["reward_last_step"] == steps[1]["reward_mean"]
     # every injection fired and was recovered from

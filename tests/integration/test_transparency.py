@@ -8,9 +8,9 @@ same rewards and bitwise the same loss, and the weights moved.
 The sandbox kill has a test of its own: the same 2-step swe run (the warm-started SWE model,
 real Docker sandboxes) with a worker SIGKILL and trajectory #0's sandbox SIGKILLed after its
 first action in step 1 and the trainer SIGKILLed in step 2 rolls out, scores and trains bitwise
-the same batches. Its weights cannot show it: this model solves no instance at this size, so
-every reward is 0 and no step has a gradient (the math test above is the one whose weights
-move). What it caught: pytest's run time in the observations (``in 0.07s``) made a trajectory
+the same batches and ends with the same weights. Its weights need not move: where every group
+of a step is all solved or all unsolved, no step has a gradient (the math test above is the one
+whose weights always move). What it caught: pytest's run time in the observations (``in 0.07s``) made a trajectory
 regenerated after the sandbox restore see other text than the lost one.
 """
 
