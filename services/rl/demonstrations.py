@@ -72,9 +72,9 @@ recipe; 3: the sandbox writes no Python bytecode, so a fix is never hidden by a 
 
 SWE_DEMO_PER_FAMILY = 32
 """``swe`` demonstrations per training family (3 until the observations lost pytest's clock: the
-model retrained on those 33 no longer followed its recipe on new instances; on 88 it does; 16
-since half of them were written with names; 32 for the name-free scripts to be learnt exactly,
-``SWE_NAMED_SHARE``)."""
+model retrained on those 33 no longer followed its recipe on new instances; on 88 it does). 32
+since the fix is written two ways (``SWE_NAMED_SHARE``): at 16 the model garbled the name-free
+scripts, at 32 it writes them exactly (docs/workloads.md)."""
 
 SWE_DEMO_SEED = 1000
 """Seed of the demonstrated training instances (a run's default seed 0 draws others)."""
