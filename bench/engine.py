@@ -56,18 +56,24 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
 
 
 def bench_llm_engine(
-    model_dir: str | Path, new_tokens: int, max_batch: int, deterministic: bool
+    model_dir: str | Path,
+    new_tokens: int,
+    max_batch: int,
+    deterministic: bool,
+    speculative_tokens: int = EngineConfig.speculative_tokens,
 ) -> LLMEngine:
     """The in-process engine the engine benchmarks time, warmed up: room for ``max_batch``
-    prompts of ``PROMPT_LEN`` tokens generating ``new_tokens`` each."""
+    prompts of ``PROMPT_LEN`` tokens generating ``new_tokens`` each (and the KV blocks their
+    draft tokens may take)."""
     model_config = load_model_config(model_dir)
     config = EngineConfig(
         max_num_seqs=max(16, max_batch),
         block_size=16,
-        num_blocks=max_batch * (-(-(PROMPT_LEN + new_tokens) // 16)) + 1,
+        num_blocks=max_batch * (-(-(PROMPT_LEN + new_tokens) // 16) + 1) + 1,
         max_model_len=PROMPT_LEN + new_tokens + 1,
         max_num_batched_tokens=max(4096, PROMPT_LEN * max_batch),
         deterministic=deterministic,
+        speculative_tokens=speculative_tokens,
     )
     kv_cache = torch.zeros(
         kv_cache_shape(model_config, config.num_blocks, config.block_size),

@@ -9,6 +9,13 @@ slow spell of a shared machine hits all three; the ratios are over those pairs o
 Tokens/s are reported by wall clock and by the process's CPU time (one thread: CPU time is
 what the run itself cost, robust to other processes sharing the cores); the targets are judged
 on CPU time. Also reported: whether each engine mode's greedy tokens equal HF's.
+
+Deterministic mode verifies prompt-lookup draft tokens in its decode steps
+(``EngineConfig.speculative_tokens``; exact: the tokens are one-token decoding's). What that
+buys depends on how often the text repeats itself, so the run also reports the share of draft
+tokens kept and two more runners beside the three judged: deterministic mode without drafts
+(``det-no-drafts``) and, at batch 1, HF's own prompt lookup (``generate``'s
+``prompt_lookup_num_tokens``, ``hf-lookup``; HF runs it at batch 1 only).
 """
 
 from __future__ import annotations
@@ -29,6 +36,12 @@ from services.worker.engine.sequence import SamplingParams
 
 RUNNERS = ("hf", "fast", "deterministic")
 """HF ``generate``, then the engine with ``EngineConfig.deterministic`` off and on."""
+EXTRA_RUNNERS = ("det-no-drafts", "hf-lookup")
+"""Measured beside them, not judged: deterministic mode with ``speculative_tokens=0``, and
+HF ``generate`` with prompt lookup (batch 1 only)."""
+HF_LOOKUP_TOKENS = 4
+"""``prompt_lookup_num_tokens`` of ``hf-lookup``: as many as the engine's
+``EngineConfig.speculative_tokens``."""
 
 TARGETS: dict[str, Target] = {
     "det_vs_hf_b1": (">=", 2.0),
@@ -52,6 +65,7 @@ class _Runners:
         self.engines = {
             "fast": bench_llm_engine(model_dir, new_tokens, max(BATCHES), False),
             "deterministic": bench_llm_engine(model_dir, new_tokens, max(BATCHES), True),
+            "det-no-drafts": bench_llm_engine(model_dir, new_tokens, max(BATCHES), True, 0),
         }
         self.sampling = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
 
@@ -59,8 +73,9 @@ class _Runners:
         """(wall s, CPU s, generated tokens per prompt) of one batch."""
         batch_prompts = prompts(batch, self.vocab)
         wall, cpu = time.perf_counter(), time.process_time()
-        if runner == "hf":
+        if runner in ("hf", "hf-lookup"):
             ids = torch.tensor(batch_prompts)
+            lookup = {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS} if runner == "hf-lookup" else {}
             with torch.inference_mode():
                 out = self.hf.generate(
                     ids,
@@ -69,6 +84,7 @@ class _Runners:
                     min_new_tokens=self.new_tokens,
                     do_sample=False,
                     pad_token_id=0,
+                    **lookup,
                 )
             tokens = out[:, ids.shape[1] :].tolist()
         else:
@@ -84,15 +100,18 @@ def measure(model_dir: Path, new_tokens: int, repeats: int, num_threads: int = 1
     torch.set_num_threads(num_threads)
     try:
         runners = _Runners(model_dir, new_tokens)
-        for r in RUNNERS:  # first-call costs out of the way
+        every = RUNNERS + EXTRA_RUNNERS
+        for r in every:  # first-call costs out of the way
             runners.run(r, 1)
-        wall: dict[str, dict[int, list[float]]] = {r: {b: [] for b in BATCHES} for r in RUNNERS}
-        cpu: dict[str, dict[int, list[float]]] = {r: {b: [] for b in BATCHES} for r in RUNNERS}
-        same = {r: True for r in RUNNERS[1:]}
+        det = runners.engines["deterministic"]
+        drafts = det.draft_tokens_proposed, det.draft_tokens_accepted
+        wall: dict[str, dict[int, list[float]]] = {r: {b: [] for b in BATCHES} for r in every}
+        cpu: dict[str, dict[int, list[float]]] = {r: {b: [] for b in BATCHES} for r in every}
+        same = {r: True for r in every if r != "hf"}
         for rep in range(repeats):
             for b in BATCHES:
                 hf_tokens: list[list[int]] = []
-                for r in RUNNERS:
+                for r in _runners_at(b):
                     w, c, tokens = runners.run(r, b)
                     wall[r][b].append(b * new_tokens / w)
                     cpu[r][b].append(b * new_tokens / c)
@@ -103,17 +122,31 @@ def measure(model_dir: Path, new_tokens: int, repeats: int, num_threads: int = 1
                 progress(
                     "engine",
                     f"vs HF run {rep + 1}/{repeats}, batch {b} (CPU tok/s): "
-                    + ", ".join(f"{r} {cpu[r][b][-1]:.0f}" for r in RUNNERS),
+                    + ", ".join(f"{r} {cpu[r][b][-1]:.0f}" for r in _runners_at(b)),
                 )
     finally:
         torch.set_num_threads(previous)
-    return {"wall": wall, "cpu": cpu, "greedy_equal_to_hf": same}
+    proposed = det.draft_tokens_proposed - drafts[0]
+    accepted = det.draft_tokens_accepted - drafts[1]
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "greedy_equal_to_hf": same,
+        "draft_tokens": {"proposed": proposed, "accepted": accepted},
+    }
+
+
+def _runners_at(batch: int) -> tuple[str, ...]:
+    """Every runner measured at ``batch`` (HF's prompt lookup runs at batch 1 only)."""
+    return RUNNERS + tuple(r for r in EXTRA_RUNNERS if r != "hf-lookup" or batch == 1)
 
 
 _PAIRS = {
     "fast_vs_hf": ("fast", "hf"),
     "det_vs_hf": ("deterministic", "hf"),
     "det_vs_fast": ("deterministic", "fast"),
+    "det_vs_det_no_drafts": ("deterministic", "det-no-drafts"),
+    "det_vs_hf_lookup": ("deterministic", "hf-lookup"),
 }
 
 
@@ -126,6 +159,8 @@ def _ratios(
     intervals: dict[str, Interval | None] = {}
     for b in BATCHES:
         for name, (num, den) in _PAIRS.items():
+            if not (runs.get(num, {}).get(b) and runs.get(den, {}).get(b)):
+                continue  # a runner not measured (at this batch size)
             key = f"{name}_b{b}"
             values[key] = statistics.median(runs[num][b]) / statistics.median(runs[den][b])
             intervals[key] = paired_ratio(runs[num][b], runs[den][b])
@@ -135,9 +170,11 @@ def _ratios(
 def rows(result: dict[str, Any]) -> list[Row]:
     """Tokens/s of each runner, then the ratios (CPU time) with their targets."""
     out = []
-    for r in RUNNERS:
+    for r in RUNNERS + EXTRA_RUNNERS:
         for b in BATCHES:
             key = str(b)
+            if key not in result["cpu_tok_s"].get(r, {}):
+                continue
             out.append(
                 Row(
                     f"{r}, batch {b}",
@@ -145,6 +182,14 @@ def rows(result: dict[str, Any]) -> list[Row]:
                     f"{result['wall_tok_s'][r][key]:.0f} wall",
                 )
             )
+    drafts = result["draft_tokens"]
+    kept = drafts["accepted"] / drafts["proposed"] if drafts["proposed"] else 0.0
+    out.append(
+        Row(
+            "draft tokens kept (deterministic)",
+            f"{drafts['accepted']} of {drafts['proposed']} ({kept:.0%})",
+        )
+    )
     for key, value in result["ratios"].items():
         target = TARGETS.get(key)
         shown = "n/a" if value is None else f"{value:.2f}×"
@@ -177,7 +222,8 @@ def main(
         measured = measure(model_dir, new_tokens, repeats, num_threads)
     med = {
         kind: {
-            r: {str(b): statistics.median(v) for b, v in measured[kind][r].items()} for r in RUNNERS
+            r: {str(b): statistics.median(v) for b, v in measured[kind][r].items() if v}
+            for r in RUNNERS + EXTRA_RUNNERS
         }
         for kind in ("wall", "cpu")
     }
@@ -197,8 +243,11 @@ def main(
         "ratios": ratios,
         "wall_ratios": wall_ratios,
         "greedy_equal_to_hf": measured["greedy_equal_to_hf"],
+        "draft_tokens": measured["draft_tokens"],
         "runs": {
-            kind: {r: {str(b): v for b, v in runs.items()} for r, runs in measured[kind].items()}
+            kind: {
+                r: {str(b): v for b, v in runs.items() if v} for r, runs in measured[kind].items()
+            }
             for kind in ("wall", "cpu")
         },
         **judged_json(TARGETS, ratios, intervals),

@@ -38,3 +38,16 @@ def test_the_targets_are_the_issues_and_read_the_intervals() -> None:
     assert set(judge_all(TARGETS, dict(slow), slow_iv).values()) == {MISS}
     fast, fast_iv = _ratios(runs(100.0, 220.0, 210.0))
     assert set(judge_all(TARGETS, dict(fast), fast_iv).values()) == {PASS}
+
+
+def test_the_extra_runners_are_compared_where_they_ran() -> None:
+    """Deterministic mode without drafts at both batch sizes; HF's prompt lookup at batch 1
+    only (HF runs it at batch 1 only): no ratio is made up for a batch it did not run."""
+    measured = runs(100.0, 150.0, 240.0)
+    measured["det-no-drafts"] = {b: [120.0 * b] * 3 for b in (1, 8)}
+    measured["hf-lookup"] = {1: [200.0] * 3, 8: []}
+    values, _ = _ratios(measured)
+    assert values["det_vs_det_no_drafts_b1"] == 2.0
+    assert values["det_vs_det_no_drafts_b8"] == 2.0
+    assert values["det_vs_hf_lookup_b1"] == 1.2
+    assert "det_vs_hf_lookup_b8" not in values

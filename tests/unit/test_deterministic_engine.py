@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.draft import PromptLookup
 from services.worker.engine.llm_engine import LLMEngine
 from services.worker.engine.sequence import SamplingParams, Sequence
 from tests.unit.model_fixtures import make_engine, write_small_model
@@ -49,14 +50,21 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def recording(engine: LLMEngine) -> dict[str, dict[int, Tensor]]:
-    """Wrap the engine's model runner so every logits row is kept, by request and index j."""
+    """Wrap the engine's model runner so every logits row is kept, by request and index j.
+    A draft row (speculative decoding) is kept at the index it would produce; a rejected one
+    is overwritten when a later step computes that index for real."""
     seen: dict[str, dict[int, Tensor]] = {}
     run = engine.runner.run
 
-    def recorded(seqs: list[Sequence], is_prefill: bool) -> Tensor:
-        logits = run(seqs, is_prefill)
-        for seq, row in zip(seqs, logits, strict=True):
-            seen.setdefault(seq.request_id, {})[seq.sample_index] = row.clone()
+    def recorded(
+        seqs: list[Sequence], is_prefill: bool, drafts: list[list[int]] | None = None
+    ) -> Tensor:
+        logits = run(seqs, is_prefill, drafts)
+        rows = iter(logits)
+        for i, seq in enumerate(seqs):
+            for j in range(1 + (len(drafts[i]) if drafts is not None else 0)):
+                seen.setdefault(seq.request_id, {})[seq.sample_index + j] = next(rows).clone()
+        assert next(rows, None) is None
         return logits
 
     engine.runner.run = recorded  # type: ignore[method-assign]  # records each forward pass
@@ -197,6 +205,76 @@ def test_unseeded_requests_get_seeds_of_their_own(small_model_dir: Path) -> None
     while b.has_unfinished():
         tokens += [t for o in b.step() if o.request_id == "first" for t in o.new_token_ids]
     assert tokens == a[0].token_ids
+
+
+@pytest.mark.parametrize("drafts", [1, 3, 7])
+def test_speculative_decoding_changes_no_bit(small_model_dir: Path, drafts: int) -> None:
+    """Draft tokens (prompt lookup) verified in the same step: every request of a busy batch —
+    greedy, seeded, unseeded, stopped by a stop token or by its budget — gets the tokens,
+    logits, logprobs and finish reasons of one-token decoding, and drafts were really kept."""
+    stop = dataclasses.replace(SAMPLINGS["greedy"], stop_token_ids=(11,), ignore_eos=False)
+    reqs = [
+        ("g", PROMPT, SAMPLINGS["greedy"], 0),
+        ("s", PROMPT, SAMPLINGS["seeded"], 0),
+        ("stop", [11, 12] * 20, stop, 0),
+        ("resumed", [*PROMPT, 5, 17], dataclasses.replace(SAMPLINGS["seeded"], max_tokens=9), 2),
+        *with_neighbours(list(range(7))),
+    ]
+    plain = make_engine(
+        small_model_dir, dataclasses.replace(DET, speculative_tokens=0), sampler_seed=1
+    )
+    spec = make_engine(
+        small_model_dir, dataclasses.replace(DET, speculative_tokens=drafts), sampler_seed=1
+    )
+    a, b = drive(plain, reqs), drive(spec, reqs)
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert sorted(a[rid]) == sorted(b[rid]), rid
+        same(a[rid], b[rid])
+    assert plain.draft_tokens_proposed == 0
+    assert 0 < spec.draft_tokens_accepted <= spec.draft_tokens_proposed
+    # generate(): logprobs and finish reasons too, with a tight budget and stop tokens.
+    prompts = [PROMPT, [11, 12] * 20, [3] * 5]
+    params = [SAMPLINGS["seeded"], stop, dataclasses.replace(SAMPLINGS["greedy"], max_tokens=5)]
+    ra = make_engine(small_model_dir, dataclasses.replace(DET, speculative_tokens=0))
+    rb = make_engine(small_model_dir, dataclasses.replace(DET, speculative_tokens=drafts))
+    for x, y in zip(ra.generate(prompts, params), rb.generate(prompts, params), strict=True):
+        assert (x.token_ids, x.logprobs, x.finish_reason) == (
+            y.token_ids,
+            y.logprobs,
+            y.finish_reason,
+        )
+    assert [len(r.token_ids) for r in rb.generate(prompts[2:], params[2:])] == [5]
+
+
+@pytest.mark.parametrize("wrong_last", [False, True])
+def test_sampled_drafts_are_verified_at_their_own_index(
+    small_model_dir: Path, monkeypatch: pytest.MonkeyPatch, wrong_last: bool
+) -> None:
+    """Seeded sampling at temperature 1 (each draw depends on its index j): a drafter that
+    proposes the one-token run's own next tokens (all kept) or the same with its last token
+    wrong (all but that one kept) changes no token or log-probability."""
+    seeded = [dataclasses.replace(SAMPLINGS["seeded"], seed=50 + i) for i in range(3)]
+    prompts = [PROMPT, [3] * 5, list(range(300, 330))]
+    plain = make_engine(small_model_dir, dataclasses.replace(DET, speculative_tokens=0))
+    ref = plain.generate(prompts, seeded)
+    truth = {tuple(p): p + r.token_ids for p, r in zip(prompts, ref, strict=True)}
+
+    def oracle(self: PromptLookup, tokens: list[int], k: int) -> list[int]:
+        full = next(t for p, t in truth.items() if tuple(tokens[: len(p)]) == p)
+        assert tokens == full[: len(tokens)], "a token differs from one-token decoding"
+        draft = full[len(tokens) : len(tokens) + k]
+        if wrong_last and draft:
+            draft[-1] = (draft[-1] + 1) % 512
+        return draft
+
+    monkeypatch.setattr(PromptLookup, "propose", oracle)
+    spec = make_engine(small_model_dir, dataclasses.replace(DET, speculative_tokens=3))
+    got = spec.generate(prompts, seeded)
+    assert [(r.token_ids, r.logprobs) for r in got] == [(r.token_ids, r.logprobs) for r in ref]
+    proposed, kept = spec.draft_tokens_proposed, spec.draft_tokens_accepted
+    assert kept > N  # many tokens came from draft rows
+    assert kept == proposed if not wrong_last else 0 < kept < proposed
 
 
 def test_default_mode_still_matches_to_rounding(small_model_dir: Path) -> None:

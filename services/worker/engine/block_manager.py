@@ -62,6 +62,14 @@ class BlockManager:
                 raise RuntimeError(f"{seq.request_id}: no free KV block")
             seq.block_table.append(self._free.popleft())
 
+    def reserve(self, seq: Sequence, num_tokens: int, keep_free: int) -> int:
+        """Tokens ``seq`` has slots for, after taking blocks towards ``num_tokens`` while more
+        than ``keep_free`` blocks stay free (draft tokens: room that no other sequence's next
+        token needs)."""
+        while len(seq.block_table) < self.blocks_needed(num_tokens) and len(self._free) > keep_free:
+            seq.block_table.append(self._free.popleft())
+        return len(seq.block_table) * self.block_size
+
     def free(self, seq: Sequence) -> None:
         """Return ``seq``'s blocks to the pool."""
         # Most recently used first: their cache lines are the warmest.

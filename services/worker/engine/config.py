@@ -26,6 +26,17 @@ class EngineConfig:
     resumes exactly, and a trainer built with the same switch computes bitwise-equal
     log-probabilities (``model.batch_invariant``; on GPU: SGLang's
     ``--enable-deterministic-inference``). Costs some throughput (``belayer bench engine``)."""
+    speculative_tokens: int = 4
+    """Deterministic mode: draft tokens per sequence per decode step, guessed by prompt lookup
+    (:mod:`~services.worker.engine.draft`) and verified in the same forward; 0 turns it off.
+    Exact, not approximate: every row of a deterministic step is computed as if alone, so an
+    accepted token, its log-probability and every later token are bitwise those of one-token
+    decoding (seeded sampling included); a wrong guess costs only its row. Ignored in fast
+    mode, whose rows are not batch-invariant."""
+    speculative_rows: int = 8
+    """Draft rows one decode step feeds in all, handed out one per sequence per round: a
+    batch-1 step gets ``speculative_tokens`` drafts almost free (its matmuls are padded to
+    several rows anyway), a batch-8 step about one per sequence (each row costs there)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -37,6 +48,11 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative_tokens < 0 or self.speculative_rows < 0:
+            raise ValueError(
+                f"speculative_tokens and speculative_rows must be >= 0, got "
+                f"{self.speculative_tokens}, {self.speculative_rows}"
+            )
         if self.max_num_batched_tokens < self.max_model_len:
             # A preempted sequence is recomputed in one prefill, up to max_model_len tokens.
             raise ValueError(

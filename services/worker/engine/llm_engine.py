@@ -32,6 +32,7 @@ from model.fused import prepare_for_inference
 from model.qwen3 import Qwen3ForCausalLM, build_model, kv_cache_shape
 from services.worker.engine.backend import EngineBackend
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.draft import PromptLookup
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sampler import Sampler
 from services.worker.engine.scheduler import Scheduler
@@ -106,6 +107,14 @@ class LLMEngine(EngineBackend):
         self._live: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []
         self._ids = itertools.count()
+        self._speculates = (
+            config.deterministic and config.speculative_tokens > 0 and config.speculative_rows > 0
+        )
+        self._lookups: dict[str, PromptLookup] = {}
+        self.draft_tokens_proposed = 0
+        """Draft tokens fed to decode steps since start (speculative decoding)."""
+        self.draft_tokens_accepted = 0
+        """Of those, the tokens the engine kept (each equal to what one-token decoding gives)."""
 
     def load_weights(self, params: dict[str, Tensor]) -> None:
         """Switch to another weight version (zero copy: ``params`` are mapped views). Call it
@@ -146,6 +155,7 @@ class LLMEngine(EngineBackend):
         if seq is None:
             return False
         del self._live[request_id]
+        self._lookups.pop(request_id, None)
         self._pending.append(StepOutput(request_id, [], [], True, "abort"))
         return True
 
@@ -157,19 +167,92 @@ class LLMEngine(EngineBackend):
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return outputs
+        if self._speculates and not is_prefill:
+            return outputs + self._speculative_step(seqs)
         logits = self.runner.run(seqs, is_prefill)
         tokens, logprobs = self.sampler(
             logits, [s.sampling for s in seqs], [s.sample_index for s in seqs]
         )
         self.scheduler.postprocess(seqs, tokens, logprobs)
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
-            finished = seq.is_finished
-            outputs.append(
-                StepOutput(seq.request_id, [token], [logprob], finished, seq.finish_reason)
-            )
-            if finished:
-                del self._live[seq.request_id]
+            outputs.append(self._output(seq, [token], [logprob]))
         return outputs
+
+    def _output(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> StepOutput:
+        """The step's output of ``seq`` (forgotten here once finished)."""
+        if seq.is_finished:
+            del self._live[seq.request_id]
+            self._lookups.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, tokens, logprobs, seq.is_finished, seq.finish_reason)
+
+    def _speculative_step(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """A decode step that also feeds each sequence's draft tokens (prompt lookup) and keeps
+        the longest prefix of them the model itself produces, plus the token after it.
+
+        Exact in deterministic mode: row ``j`` of a sequence computes position ``n - 1 + j``
+        from the sequence's tokens and drafts before it, bitwise as a later one-token step
+        would once those drafts are its tokens; its token is drawn with the sampler's index
+        of that position (``sample_index + j``). So where the drafts agree with the drawn
+        tokens, the tokens and log-probabilities are the ones one-token decoding gives."""
+        drafts = self._drafts(seqs)
+        logits = self.runner.run(seqs, False, drafts)
+        params: list[SamplingParams] = []
+        indices: list[int] = []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            params += [seq.sampling] * (len(draft) + 1)
+            indices += range(seq.sample_index, seq.sample_index + len(draft) + 1)
+        tokens, logprobs = self.sampler(logits, params, indices)
+        outputs, row = [], 0
+        for seq, draft in zip(seqs, drafts, strict=True):
+            drawn = tokens[row : row + len(draft) + 1]
+            kept = 1
+            while kept <= len(draft) and draft[kept - 1] == drawn[kept - 1]:
+                kept += 1
+            n = self.scheduler.accept(seq, drawn[:kept], logprobs[row : row + kept])
+            self.draft_tokens_proposed += len(draft)
+            self.draft_tokens_accepted += n - 1
+            outputs.append(self._output(seq, drawn[:n], logprobs[row : row + n]))
+            row += len(draft) + 1
+        return outputs
+
+    def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Each sequence's guesses, cut to ``speculative_rows`` in all: a first draft token for
+        every sequence that has one, then a second, and so on."""
+        guesses = [self._guess(seq) for seq in seqs]
+        counts = [0] * len(seqs)
+        left = self.config.speculative_rows
+        while left > 0:
+            open_ = [i for i, g in enumerate(guesses) if counts[i] < len(g)]
+            for i in open_[:left]:
+                counts[i] += 1
+            left -= min(left, len(open_))
+            if not open_:
+                break
+        manager = self.scheduler.block_manager
+        drafts = []
+        for seq, guess, count in zip(seqs, guesses, counts, strict=True):
+            if count:
+                room = manager.reserve(seq, seq.num_tokens + count, len(self.scheduler.running))
+                count = min(count, room - seq.num_tokens)
+            drafts.append(guess[:count])
+        return drafts
+
+    def _guess(self, seq: Sequence) -> list[int]:
+        """Up to ``speculative_tokens`` guesses of ``seq``'s next tokens that its budget and the
+        model length leave room for (KV blocks: :meth:`_drafts` takes one only while every
+        running sequence's next token still finds one free)."""
+        cfg = self.config
+        k = min(
+            cfg.speculative_tokens,
+            seq.sampling.max_tokens - seq.num_generated - 1,
+            cfg.max_model_len - seq.num_tokens - 1,
+        )
+        if k < 1:
+            return []
+        lookup = self._lookups.get(seq.request_id)
+        if lookup is None:
+            lookup = self._lookups[seq.request_id] = PromptLookup()
+        return lookup.propose(seq.token_ids, k)
 
     def has_unfinished(self) -> bool:
         """True while a request waits, runs, or has an abort not yet reported."""

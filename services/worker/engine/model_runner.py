@@ -22,19 +22,29 @@ class ModelRunner:
         self.block_size = block_size
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> Tensor:
-        """Logits ``[len(seqs), vocab]`` at the last position of each sequence."""
-        return self.run_on(self.kv_cache, seqs, is_prefill)
+    def run(
+        self, seqs: list[Sequence], is_prefill: bool, drafts: list[list[int]] | None = None
+    ) -> Tensor:
+        """Logits ``[len(seqs), vocab]`` at the last position of each sequence; with
+        ``drafts`` (a decode step), also one row per draft token after its sequence's row, in
+        sequence order: the logits at the position the draft token was fed in at."""
+        return self.run_on(self.kv_cache, seqs, is_prefill, drafts)
 
     @torch.inference_mode()
-    def run_on(self, kv_cache: Tensor, seqs: list[Sequence], is_prefill: bool) -> Tensor:
+    def run_on(
+        self,
+        kv_cache: Tensor,
+        seqs: list[Sequence],
+        is_prefill: bool,
+        drafts: list[list[int]] | None = None,
+    ) -> Tensor:
         """Like :meth:`run` but on another cache of the same geometry (warm-up scratch)."""
         dev = kv_cache.device
         if is_prefill:
             input_ids, positions, attn, last = self._prepare_prefill(seqs, dev)
             hidden = self.model(input_ids, positions, attn, kv_cache)[last]
         else:
-            input_ids, positions, attn = self._prepare_decode(seqs, dev)
+            input_ids, positions, attn = self._prepare_decode(seqs, dev, drafts)
             hidden = self.model(input_ids, positions, attn, kv_cache)
         logits = self.model.compute_logits(hidden)
         return logits if dev.type == "cpu" else logits.cpu()
@@ -66,17 +76,27 @@ class ModelRunner:
         )
 
     def _prepare_decode(
-        self, seqs: list[Sequence], dev: torch.device
+        self, seqs: list[Sequence], dev: torch.device, drafts: list[list[int]] | None = None
     ) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        """One row per sequence (its last token), each followed by a row per draft token at
+        the next positions. A draft row is a decode row of the same sequence one position on:
+        its K/V is written before any row attends (every layer writes the step's keys first),
+        so it attends to the drafts before it, as a later decode step would."""
         bs = self.block_size
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [seq.num_tokens - 1 for seq in seqs]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        owners: list[Sequence] = []
+        for i, seq in enumerate(seqs):
+            fed = [seq.last_token] + (drafts[i] if drafts is not None else [])
+            input_ids += fed
+            positions += range(seq.num_tokens - 1, seq.num_tokens - 1 + len(fed))
+            owners += [seq] * len(fed)
         slots = [
-            seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions, strict=True)
+            seq.block_table[p // bs] * bs + p % bs for seq, p in zip(owners, positions, strict=True)
         ]
         max_blocks = max(len(seq.block_table) for seq in seqs)
         # Padding points at block 0: it is read but masked out, never written.
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
+        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in owners]
         context_lens = torch.tensor(positions, device=dev) + 1
         attn = AttentionMetadata.decode(
             torch.tensor(slots, device=dev),

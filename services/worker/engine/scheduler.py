@@ -104,6 +104,20 @@ class Scheduler:
                 self._finish(seq, reason)
                 self.running.remove(seq)
 
+    def accept(self, seq: Sequence, token_ids: list[int], logprobs: list[float]) -> int:
+        """Append ``seq``'s tokens of one speculative step in order until it finishes (the
+        rest is dropped, as one-token decoding would never have produced it); retires it if
+        it finished. Returns the tokens appended."""
+        for n, (token, logprob) in enumerate(zip(token_ids, logprobs, strict=True), start=1):
+            seq.token_ids.append(token)
+            seq.output_logprobs.append(logprob)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+                self.running.remove(seq)
+                return n
+        return len(token_ids)
+
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a waiting or running request; returns it, or None if unknown."""
         for queue in (self.waiting, self.running):
