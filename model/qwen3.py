@@ -76,6 +76,10 @@ class AttentionMetadata:
     det_cache: dict[str, Tensor] = field(default_factory=dict)
     """Deterministic decode: tensors derived from this metadata once per step and shared by
     the layers (the cache gather index, the attention masks)."""
+    row_groups: list[int] | None = None
+    """Decode only: consecutive rows of one sequence (its last token, then draft tokens at the
+    next positions: speculative decoding), per sequence; None: one row each. Deterministic
+    mode attends with each group's rows together, over its sequence's keys read once."""
 
     @classmethod
     def prefill(cls, slot_mapping: Tensor, seq_lens: list[int]) -> AttentionMetadata:
@@ -84,9 +88,15 @@ class AttentionMetadata:
 
     @classmethod
     def decode(
-        cls, slot_mapping: Tensor, block_tables: Tensor, context_lens: Tensor, block_size: int
+        cls,
+        slot_mapping: Tensor,
+        block_tables: Tensor,
+        context_lens: Tensor,
+        block_size: int,
+        row_groups: list[int] | None = None,
     ) -> AttentionMetadata:
-        """Metadata for one token per sequence; ``context_lens`` counts that token too."""
+        """Metadata for one token per row; ``context_lens`` counts that token too. A sequence
+        may have several consecutive rows at consecutive positions (``row_groups``)."""
         span = block_tables.shape[1] * block_size
         # Built once per step, shared by every layer.
         mask = torch.arange(span, device=context_lens.device) < context_lens[:, None]
@@ -98,6 +108,7 @@ class AttentionMetadata:
             attn_mask=mask[:, None, None, :],
             context_lens=context_lens,
             block_size=block_size,
+            row_groups=row_groups,
         )
 
     def deterministic_kv_slots(self) -> list[Tensor]:
@@ -338,6 +349,8 @@ class Qwen3Attention(nn.Module):
                 start += n
             return torch.cat(outs)
         assert attn.context_lens is not None
+        if attn.row_groups is not None:
+            return self._grouped_attention(q, attn, flat_cache, kv_slots[0], attn.row_groups)
         b, g = q.shape[0], self.num_heads // self.num_kv_heads
         slots, kvh, hd = kv_slots[0], self.num_kv_heads, self.head_dim
         cache = attn.det_cache
@@ -352,6 +365,47 @@ class Qwen3Attention(nn.Module):
         if pos is None:
             pos = cache["pos"] = (attn.context_lens - 1)[:, None].expand(b, g)
         return bi.attend(rows, pos, kv, cache).reshape(b, self.num_heads, hd)
+
+    def _grouped_attention(
+        self,
+        q: Tensor,
+        attn: AttentionMetadata,
+        flat_cache: Tensor,
+        slots: Tensor,
+        groups: list[int],
+    ) -> Tensor:
+        """Deterministic decode where a sequence has several rows at consecutive positions:
+        each sequence's rows attend together, as a prefill's tokens do
+        (:meth:`_attend_sequence`), over its keys gathered once; every query row gets the bits
+        it gets alone (``model.batch_invariant.attend``: a row sees keys up to its position)."""
+        assert attn.context_lens is not None
+        s, width = len(groups), max(groups)
+        g, kvh, hd = self.num_heads // self.num_kv_heads, self.num_kv_heads, self.head_dim
+        cache = attn.det_cache
+        if "group-take" not in cache:  # once per step, shared by the layers
+            starts = [sum(groups[:i]) for i in range(s)]
+            # Row j of group i is step row starts[i] + j; a group's padding rows repeat its
+            # last row (same position, output dropped).
+            take = [
+                st + min(j, n - 1)
+                for st, n in zip(starts, groups, strict=True)
+                for j in range(width)
+            ]
+            keep = [i * width + j for i, n in enumerate(groups) for j in range(n)]
+            cache["group-take"] = torch.tensor(take, device=q.device)
+            cache["group-keep"] = torch.tensor(keep, device=q.device)
+            first = torch.tensor(starts, device=q.device)
+            cache["group-gather"] = bi.gather_index(slots[first], kvh, flat_cache.shape[1])
+            rows_pos = (attn.context_lens - 1)[cache["group-take"]]
+            cache["group-pos"] = rows_pos.view(s, width).repeat_interleave(g, dim=1)
+        chunks = slots.shape[1] // bi.ATTENTION_CHUNK
+        kv = flat_cache.view(-1, hd).index_select(0, cache["group-gather"])
+        kv = kv.view(2, chunks, s, kvh, bi.ATTENTION_CHUNK, hd)
+        rows = q.index_select(0, cache["group-take"]).view(s, width, kvh, g, hd)
+        rows = rows.permute(0, 2, 1, 3, 4).reshape(s, kvh, width * g, hd)
+        out = bi.attend(rows, cache["group-pos"], kv, cache)
+        out = out.view(s, kvh, width, g, hd).permute(0, 2, 1, 3, 4).reshape(s * width, -1, hd)
+        return out.index_select(0, cache["group-keep"])
 
     def _decode_attention(self, q: Tensor, attn: AttentionMetadata, block_cache: Tensor) -> Tensor:
         assert attn.block_tables is not None and attn.attn_mask is not None

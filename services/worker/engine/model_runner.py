@@ -98,10 +98,14 @@ class ModelRunner:
         # Padding points at block 0: it is read but masked out, never written.
         tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in owners]
         context_lens = torch.tensor(positions, device=dev) + 1
+        groups = None
+        if drafts is not None and any(drafts):
+            groups = [1 + len(d) for d in drafts]
         attn = AttentionMetadata.decode(
             torch.tensor(slots, device=dev),
             torch.tensor(tables, device=dev),
             context_lens,
             self.block_size,
+            groups,
         )
         return torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), attn
