@@ -39,7 +39,7 @@ RUNNERS = ("hf", "fast", "deterministic")
 EXTRA_RUNNERS = ("det-no-drafts", "hf-lookup")
 """Measured beside them, not judged: deterministic mode with ``speculative_tokens=0``, and
 HF ``generate`` with prompt lookup (batch 1 only)."""
-HF_LOOKUP_TOKENS = 4
+HF_LOOKUP_TOKENS = 7
 """``prompt_lookup_num_tokens`` of ``hf-lookup``: as many as the engine's
 ``EngineConfig.speculative_tokens``."""
 

@@ -26,7 +26,7 @@ class EngineConfig:
     resumes exactly, and a trainer built with the same switch computes bitwise-equal
     log-probabilities (``model.batch_invariant``; on GPU: SGLang's
     ``--enable-deterministic-inference``). Costs some throughput (``belayer bench engine``)."""
-    speculative_tokens: int = 4
+    speculative_tokens: int = 7
     """Deterministic mode: draft tokens per sequence per decode step, guessed by prompt lookup
     (:mod:`~services.worker.engine.draft`) and verified in the same forward; 0 turns it off.
     Exact, not approximate: every row of a deterministic step is computed as if alone, so an
