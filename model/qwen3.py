@@ -29,7 +29,7 @@ parameters.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -39,96 +39,8 @@ from torch import Tensor, nn
 from model import batch_invariant as bi
 from model.config import ModelConfig
 from model.fused import Projection
-
-
-def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of the paged KV cache: ``[layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]``.
-
-    The arena must start finite (zeros): padded block-table entries and the unused tail of a
-    sequence's last block are read and masked out, and a NaN there would survive the mask.
-    """
-    return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-
-
-@dataclass
-class AttentionMetadata:
-    """Where this step's tokens go in the KV cache and what each sequence attends to.
-
-    Build with :meth:`prefill` or :meth:`decode`. A prefill step holds whole sequences from
-    position 0 (no prefix caching: a preempted sequence is recomputed from scratch); a decode
-    step holds exactly one new token per sequence.
-    """
-
-    is_prefill: bool
-    """True when the batch is whole sequences, false for one token per sequence."""
-    slot_mapping: Tensor
-    """``[T]`` flat cache slot (``block * block_size + offset``) of every input token."""
-    seq_lens: list[int]
-    """Prefill only: tokens of each sequence, in batch order."""
-    block_tables: Tensor | None = None
-    """Decode only: ``[B, max_blocks]`` block ids per sequence, padded with any valid id."""
-    attn_mask: Tensor | None = None
-    """Decode only: ``[B, 1, 1, max_blocks * block_size]``, true where a slot is in context."""
-    context_lens: Tensor | None = None
-    """Decode only: ``[B]`` tokens in each sequence's context, the new one included."""
-    block_size: int = 0
-    """Decode only: token slots per KV block (to address a position through a block table)."""
-    det_cache: dict[str, Tensor] = field(default_factory=dict)
-    """Deterministic decode: tensors derived from this metadata once per step and shared by
-    the layers (the cache gather index, the attention masks)."""
-    row_groups: list[int] | None = None
-    """Decode only: consecutive rows of one sequence (its last token, then draft tokens at the
-    next positions: speculative decoding), per sequence; None: one row each. Deterministic
-    mode attends with each group's rows together, over its sequence's keys read once."""
-
-    @classmethod
-    def prefill(cls, slot_mapping: Tensor, seq_lens: list[int]) -> AttentionMetadata:
-        """Metadata for whole sequences packed one after the other."""
-        return cls(is_prefill=True, slot_mapping=slot_mapping, seq_lens=seq_lens)
-
-    @classmethod
-    def decode(
-        cls,
-        slot_mapping: Tensor,
-        block_tables: Tensor,
-        context_lens: Tensor,
-        block_size: int,
-        row_groups: list[int] | None = None,
-    ) -> AttentionMetadata:
-        """Metadata for one token per row; ``context_lens`` counts that token too. A sequence
-        may have several consecutive rows at consecutive positions (``row_groups``)."""
-        span = block_tables.shape[1] * block_size
-        # Built once per step, shared by every layer.
-        mask = torch.arange(span, device=context_lens.device) < context_lens[:, None]
-        return cls(
-            is_prefill=False,
-            slot_mapping=slot_mapping,
-            seq_lens=[],
-            block_tables=block_tables,
-            attn_mask=mask[:, None, None, :],
-            context_lens=context_lens,
-            block_size=block_size,
-            row_groups=row_groups,
-        )
-
-    def deterministic_kv_slots(self) -> list[Tensor]:
-        """Per sequence, the flat cache slot of each key position, padded with slot 0 (read,
-        then masked) to a whole number of attention chunks (the deterministic forward)."""
-        if self.is_prefill:
-            out, start = [], 0
-            for n in self.seq_lens:
-                pad = bi.chunks_for(n) * bi.ATTENTION_CHUNK - n
-                seg = self.slot_mapping[start : start + n]
-                out.append(torch.cat([seg, seg.new_zeros(pad)]))
-                start += n
-            return out
-        assert self.block_tables is not None and self.context_lens is not None
-        bs, width = self.block_size, self.block_tables.shape[1]
-        length = bi.chunks_for(int(self.context_lens.max())) * bi.ATTENTION_CHUNK
-        pos = torch.arange(length, device=self.block_tables.device)
-        # Positions past a table's end point at its last block: read, then masked out.
-        slots = self.block_tables[:, (pos // bs).clamp(max=width - 1)] * bs + pos % bs
-        return [slots]
+from model.paged import AttentionMetadata
+from model.paged import kv_cache_shape as kv_cache_shape  # re-exported: callers import it here
 
 
 @dataclass(frozen=True)
