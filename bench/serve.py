@@ -71,13 +71,14 @@ ENGINE_ID = "e0"
 
 TARGETS: dict[str, Target] = {
     **engine_bench.TARGETS,
-    "bus_loss_b8": ("<=", 0.10),
+    "bus_loss_b8": ("<=", 0.05),
     "bus_det_ratio_b8": (">=", 0.5),
     "attach_s": ("<=", 0.2),
     "up_s": ("<=", 15.0),
 }
-"""Metric → (comparison, bound). ``bus_loss_b8`` (fast node vs fast engine) and
-``bus_det_ratio_b8`` (deterministic node vs fast node) are fractions (0.10 = 10 %)."""
+"""Metric → (comparison, bound). ``bus_loss_b8`` (fast node vs fast engine: the bus path keeps
+at least 95 % of the engine's throughput) and ``bus_det_ratio_b8`` (deterministic node vs fast
+node) are fractions (0.05 = 5 %)."""
 
 
 def progress(message: str) -> None:
