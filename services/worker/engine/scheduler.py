@@ -97,17 +97,12 @@ class Scheduler:
     ) -> None:
         """Append each sequence's new token and retire those that finished."""
         for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
-            seq.token_ids.append(token)
-            seq.output_logprobs.append(logprob)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason)
-                self.running.remove(seq)
+            self.accept(seq, [token], [logprob])
 
     def accept(self, seq: Sequence, token_ids: list[int], logprobs: list[float]) -> int:
-        """Append ``seq``'s tokens of one speculative step in order until it finishes (the
-        rest is dropped, as one-token decoding would never have produced it); retires it if
-        it finished. Returns the tokens appended."""
+        """Append ``seq``'s tokens of one step in order until it finishes (the rest of a
+        speculative step's is dropped, as one-token decoding would never have produced it);
+        retires it if it finished. Returns the tokens appended."""
         for n, (token, logprob) in enumerate(zip(token_ids, logprobs, strict=True), start=1):
             seq.token_ids.append(token)
             seq.output_logprobs.append(logprob)
