@@ -28,11 +28,12 @@ class AttentionMetadata:
 
     Build with :meth:`prefill` or :meth:`decode`. A prefill step holds whole sequences from
     position 0 (no prefix caching: a preempted sequence is recomputed from scratch); a decode
-    step holds exactly one new token per sequence.
+    step holds one new token per row: one row per sequence, followed by a row per draft token
+    of that sequence at the next positions when it speculates (``row_groups``).
     """
 
     is_prefill: bool
-    """True when the batch is whole sequences, false for one token per sequence."""
+    """True when the batch is whole sequences, false for one token per row (decode)."""
     slot_mapping: Tensor
     """``[T]`` flat cache slot (``block * block_size + offset``) of every input token."""
     seq_lens: list[int]
