@@ -11,7 +11,7 @@ whoever published it. ``docs/protocol.md`` §6 is the catalogue (checked against
 
 from __future__ import annotations
 
-from typing import ClassVar, get_args
+from typing import ClassVar, Literal, get_args
 
 from schemas.env import CheckpointId, CheckpointInfo, SandboxId
 from schemas.event_base import (
@@ -386,6 +386,23 @@ class AdoptMismatch(RouterEvent, tag="AdoptMismatch.v1"):
     """Tokens in the log."""
 
 
+class StalledRequestReconciled(RouterEvent, tag="StalledRequestReconciled.v1"):
+    """A request got no token between two heartbeats and its worker's copy said why: the
+    worker had finished it (the step batch with its last tokens was lost: they are taken from
+    the copy and the request finishes), or had no copy or a different one (a lost submit: it
+    was resubmitted from the tokens held)."""
+
+    kind: ClassVar[str] = "stalled_request_reconciled"
+    request_id: RequestId
+    """The request."""
+    held: int
+    """Tokens the router held."""
+    recovered: int
+    """Tokens taken from the worker's finished copy (0 when resubmitted)."""
+    outcome: Literal["finished", "resubmitted"]
+    """What the router did."""
+
+
 class TokenGapResubmitted(RouterEvent, tag="TokenGapResubmitted.v1"):
     """A step batch was lost (the next one starts past the tokens held): the request was
     resubmitted from the tokens held."""
@@ -492,6 +509,7 @@ AnyEvent = (
     | RequestsAdopted
     | AdoptMismatch
     | TokenGapResubmitted
+    | StalledRequestReconciled
     | RequestFailed
     | WeightsUpdated
     | KvFlushed

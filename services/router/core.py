@@ -30,7 +30,9 @@ from schemas.serving import (
     TokenDelta,
     TokenLogChunk,
 )
+from services.router import watchdog
 from services.router.config import RouterConfig
+from services.router.placement import place
 from services.router.state import (
     AbortOnEngine,
     Action,
@@ -147,38 +149,10 @@ class RouterCore:
         return actions
 
     # --- placement --------------------------------------------------------------------------
-    def _healthy_up(self) -> list[EngineState]:
-        return [e for e in self.engines.values() if e.status is EngineStatus.UP]
-
     def _place(self, reqs: list[RequestState]) -> list[Action]:
-        """Assign each request to the least-loaded up engine with room (or its pinned one), by
-        what the workers themselves report holding; requests with nowhere to go wait in
-        ``pending``. One submit per engine."""
-        by_engine: dict[str, list[EngineRequest]] = {}
-        for req in reqs:
-            target: EngineState | None = None
-            if req.pinned_engine is not None:
-                pinned = self.engines.get(req.pinned_engine)
-                if pinned is not None and pinned.status is EngineStatus.UP:
-                    target = pinned if pinned.has_room else None
-                elif pinned is None or pinned.status is EngineStatus.UNHEALTHY:
-                    req.pinned_engine = None  # its engine left: any healthy engine will do
-            if target is None and req.pinned_engine is None:
-                ups = [e for e in self._healthy_up() if e.has_room]
-                if ups:
-                    target = min(ups, key=lambda e: (e.load, e.id))
-            if target is None:
-                if req.request_id not in self.pending:
-                    self.pending.append(req.request_id)
-                req.engine_id = None
-                continue
-            req.engine_id = target.id
-            if not req.engine_history or req.engine_history[-1] != target.id:
-                req.engine_history.append(target.id)
-            target.assigned.add(req.request_id)
-            target.sent_since_report += 1
-            by_engine.setdefault(target.id, []).append(self._engine_request(req))
-        return [SubmitToEngine(eid, self.engines[eid].epoch, ers) for eid, ers in by_engine.items()]
+        """Placement (``placement.place``): requests with nowhere to go wait in ``pending``."""
+        baseline = self.config.recovery == "baseline"
+        return place(self.engines, self.pending, reqs, baseline=baseline)
 
     def _fill(self, eng: EngineState) -> list[Action]:
         """Waiting requests get placed once an engine has room again."""
@@ -395,7 +369,7 @@ class RouterCore:
             req = self.active.get(h.request_id)
             if req is None or req.engine_id is not None or len(h.token_ids) < len(req.tokens):
                 continue
-            if h.token_ids[: len(req.tokens)] != req.tokens:
+            if not watchdog.extends(h, req):
                 mismatch = ev.AdoptMismatch(
                     engine_id=engine_id, request_id=h.request_id, logged=len(req.tokens)
                 )
@@ -404,27 +378,59 @@ class RouterCore:
             if h.request_id in self.pending:
                 self.pending.remove(h.request_id)
             logged = len(req.tokens)
-            req.tokens = list(h.token_ids)
-            req.logprobs = req.logprobs + list(h.logprobs[logged:])
-            req.versions = req.versions + [weight_version] * (len(req.tokens) - logged)
             req.engine_id = engine_id
             req.engine_history.append(engine_id)
             eng.assigned.add(h.request_id)
             adopted.append(h.request_id)
             # The caller got at least the logged tokens from the old router (it streamed them
             # before logging them): catch up from there; clients drop what they already hold.
-            actions += [
-                SendToCaller(inbox, self._delta(req, logged, len(req.tokens)))
-                for inbox, stream in req.subscribers.items()
-                if stream and len(req.tokens) > logged
-            ]
-            actions += self._log_full_chunks(req)
+            more = list(h.token_ids[logged:])
+            actions += self._append(req, more, list(h.logprobs[logged:]), weight_version)
             if h.finished:
                 actions += self._finish(req, h.finish_reason or "stop")
         if held:
             event = ev.RequestsAdopted(engine_id=engine_id, count=len(held), request_ids=adopted)
             actions.append(EmitEvent(event))
             self.counters["adopted"] += len(held)
+        return actions
+
+    # --- stall watchdog (``watchdog.py``) ----------------------------------------------------
+    def stalled(self, engine_id: str) -> list[str]:
+        """Requests on up engine ``engine_id`` with no token since the previous call."""
+        eng = self.engines.get(engine_id)
+        up = eng is not None and eng.status is EngineStatus.UP
+        return watchdog.stalled(eng, self.active) if eng is not None and up else []
+
+    def reconcile(
+        self, engine_id: str, epoch: int, asked: list[str], copies: list[HeldRequest], version: int
+    ) -> list[Action]:
+        """Act on the worker's copies of ``asked`` (``stalled``; ``watchdog.verdict``): take
+        the lost last tokens of a finished copy and finish, or resubmit from the tokens held
+        (the worker replaces any copy; overlapping tokens are dropped by index)."""
+        eng = self.engines.get(engine_id)
+        if eng is None or eng.status is not EngineStatus.UP or epoch != eng.epoch:
+            return []
+        by_id = {h.request_id: h for h in copies}
+        actions: list[Action] = []
+        for rid in asked:
+            req, h = self.active.get(rid), by_id.get(rid)
+            if req is None or req.engine_id != engine_id:
+                continue
+            outcome = watchdog.verdict(req, h)
+            if outcome == "wait":
+                continue
+            held = len(req.tokens)
+            more = list(h.token_ids[held:]) if h is not None and outcome == "finish" else []
+            event = ev.StalledRequestReconciled(
+                engine_id=engine_id, request_id=rid, held=held, recovered=len(more),
+                outcome="finished" if outcome == "finish" else "resubmitted",
+            )  # fmt: skip
+            actions.append(EmitEvent(event))
+            if h is None or outcome == "resubmit":
+                actions.append(SubmitToEngine(eng.id, eng.epoch, [self._engine_request(req)]))
+                continue
+            actions += self._append(req, more, list(h.logprobs[held:]), version)
+            actions += self._finish(req, h.finish_reason or "stop")
         return actions
 
     # --- tokens -----------------------------------------------------------------------------
@@ -487,26 +493,34 @@ class RouterCore:
             req.regenerated += overlap
             self.regenerated_tokens += overlap
             toks, lps = toks[overlap:], lps[overlap:]
-        actions: list[Action] = []
-        if toks:
-            if req.versions and req.versions[-1] != version:
-                req.version_changed = True
-            self.counters["tokens"] += len(toks)
-            req.tokens += toks
-            req.logprobs += lps
-            req.versions += [version] * len(toks)
-            actions += [
-                SendToCaller(inbox, self._delta(req, held, len(req.tokens)))
-                for inbox, stream in req.subscribers.items()
-                if stream
-            ]
-            actions += self._log_full_chunks(req)
+        actions = self._append(req, toks, lps, version)
         if d.finished:
             # A regenerating worker (baseline) that stops before reaching the held tokens
             # cannot finish what the caller already holds more of.
             if start + len(d.token_ids) >= held:
                 actions += self._finish(req, d.finish_reason or "stop")
         return actions
+
+    def _append(
+        self, req: RequestState, toks: list[int], lps: list[float], version: int
+    ) -> list[Action]:
+        """Hold a worker's new tokens (those past the ones held; counted in ``tokens``): stream
+        them to the callers and log every full chunk."""
+        if not toks:
+            return []
+        held = len(req.tokens)
+        self.counters["tokens"] += len(toks)
+        if req.versions and req.versions[-1] != version:
+            req.version_changed = True
+        req.tokens += toks
+        req.logprobs += lps
+        req.versions += [version] * len(toks)
+        actions: list[Action] = [
+            SendToCaller(inbox, self._delta(req, held, len(req.tokens)))
+            for inbox, stream in req.subscribers.items()
+            if stream
+        ]
+        return actions + self._log_full_chunks(req)
 
     def _delta(self, req: RequestState, start: int, end: int) -> TokenDelta:
         return req.delta(start, end, self.router_id)
@@ -524,22 +538,7 @@ class RouterCore:
             self.pending.remove(req.request_id)
         if req.engine_id is not None and req.engine_id in self.engines:
             self.engines[req.engine_id].assigned.discard(req.request_id)
-        result = GenerateResult(
-            request_id=req.request_id,
-            token_ids=req.tokens,
-            text=self.decode(req.tokens),
-            logprobs=req.logprobs,
-            weight_version=req.versions[-1] if req.versions else 0,
-            finish_reason=reason,  # type: ignore[arg-type]  # callers pass FinishReason values
-            prompt_token_ids=req.prompt_ids,
-            token_weight_versions=req.versions,
-            engine_ids=req.engine_history,
-            resumes=req.resumes,
-            version_changed=req.version_changed,
-            regenerated=req.regenerated,
-            router_id=self.router_id,
-            router_restarts=req.router_restarts,
-        )
+        result = req.result(reason, self.decode(req.tokens), self.router_id)
         self.remember(result, req.identity)
         actions: list[Action] = [
             PersistChunk(req.chunk(len(req.tokens), final=True, reason=reason))

@@ -487,6 +487,26 @@ class RouterService(Service[RouterConfig]):
                     await self.execute(
                         self.core.report_load(eng.id, epoch, pid, pong.running, pong.waiting)
                     )
+                    await self._watch(eng.id)
+
+    async def _watch(self, engine_id: str) -> None:
+        """The stall watchdog (``watchdog.py``): ask the worker for its copies of the requests
+        that got no token since the previous heartbeat, and let the core act on them."""
+        stalled = self.core.stalled(engine_id)
+        if not stalled:
+            return
+        try:
+            reply = await held_requests(
+                self.nc, engine_id, stalled, timeout_s=self.config.heartbeat_timeout_s
+            )
+        except BelayerError as exc:
+            self.log.warning("engine_state_failed", engine=engine_id, error=str(exc))
+            return
+        await self.execute(
+            self.core.reconcile(
+                engine_id, reply.epoch, stalled, reply.requests, reply.weight_version
+            )
+        )
 
 
 async def run(

@@ -13,7 +13,14 @@ from common.errors import InvalidRequest
 from common.limits import check_request
 from schemas.base import Message
 from schemas.events import AnyEvent
-from schemas.serving import EngineInfo, EngineRequest, SamplingParams, TokenDelta, TokenLogChunk
+from schemas.serving import (
+    EngineInfo,
+    EngineRequest,
+    GenerateResult,
+    SamplingParams,
+    TokenDelta,
+    TokenLogChunk,
+)
 from services.router.config import RouterConfig
 
 
@@ -142,6 +149,8 @@ class RequestState:
     """Tokens a worker produced again that the router already held (dropped by index)."""
     router_restarts: int = 0
     """1 when a restarted router rebuilt this request from the durable log."""
+    watch_mark: tuple[str, int, int] | None = None
+    """(engine, epoch, tokens held) at the previous stall check (``RouterCore.stalled``)."""
     identity: str = ""
     """Digest of the request as the caller sent it (``request_identity``): a resubmission of
     the same id must match it."""
@@ -189,6 +198,25 @@ class RequestState:
             generated_offset=held,
             sampling=sampling,
             held_logprobs=list(self.logprobs),
+        )
+
+    def result(self, reason: str, text: str, router_id: str) -> GenerateResult:
+        """The finished request as its callers get it (``text``: the tokens decoded)."""
+        return GenerateResult(
+            request_id=self.request_id,
+            token_ids=self.tokens,
+            text=text,
+            logprobs=self.logprobs,
+            weight_version=self.versions[-1] if self.versions else 0,
+            finish_reason=reason,  # type: ignore[arg-type]  # callers pass FinishReason values
+            prompt_token_ids=self.prompt_ids,
+            token_weight_versions=self.versions,
+            engine_ids=self.engine_history,
+            resumes=self.resumes,
+            version_changed=self.version_changed,
+            regenerated=self.regenerated,
+            router_id=router_id,
+            router_restarts=self.router_restarts,
         )
 
     def delta(self, start: int, end: int, router_id: str) -> TokenDelta:

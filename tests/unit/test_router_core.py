@@ -440,3 +440,71 @@ def test_status_shows_a_down_engine_as_not_healthy() -> None:
     c.engine_failed("e0", now=0.0, reason="exited", epoch=1)
     info = c.engines["e0"].info()
     assert not info.healthy and info.state == "down"
+
+
+def test_a_lost_last_batch_is_taken_from_the_workers_finished_copy() -> None:
+    from schemas.events import StalledRequestReconciled
+    from schemas.serving import HeldRequest
+
+    c = core()
+    c.register("e0", 1, 100)
+    c.submit("r", [1, 2], SamplingParams(max_tokens=4), inbox="in")
+    c.submit("q", [3], SamplingParams(max_tokens=9), inbox="in2")
+    c.on_step(batch("e0", 1, "r", [5, 6]))
+    assert c.stalled("e0") == []  # the first look only marks
+    c.on_step(batch("e0", 1, "q", [7]))
+    assert c.stalled("e0") == ["r"]  # q got a token since; r did not
+    # The worker finished r; the batch holding its last two tokens never arrived.
+    copies = [
+        HeldRequest(request_id="r", token_ids=[5, 6, 8, 9], logprobs=[-0.5] * 2 + [-1.0, -2.0],
+                    finished=True, finish_reason="length"),
+    ]  # fmt: skip
+    assert c.reconcile("e0", 0, ["r"], copies, 1) == []  # a reply from an older epoch
+    acts = c.reconcile("e0", 1, ["r"], copies, 1)
+    (event,) = emitted(acts)
+    assert isinstance(event, StalledRequestReconciled)
+    assert (event.request_id, event.held, event.recovered, event.outcome) == ("r", 2, 2, "finished")
+    delta, result = [a.message for a in of(acts, SendToCaller)]
+    assert isinstance(delta, TokenDelta) and (delta.start, delta.token_ids) == (2, [8, 9])
+    assert isinstance(result, GenerateResult) and result.token_ids == [5, 6, 8, 9]
+    assert result.logprobs[-1] == -2.0 and result.finish_reason == "length"
+    chunks = [(a.chunk.token_ids, a.chunk.final) for a in of(acts, PersistChunk)]
+    assert chunks == [([5, 6, 8, 9], False), ([], True)]  # k = 4: a full chunk, then the end
+    assert "r" not in c.active and c.engines["e0"].assigned == {"q"}
+    # the batch was only late after all: it changes nothing
+    assert c.on_step(batch("e0", 1, "r", [8, 9], start=2, finished=True)) == []
+    assert c.regenerated_tokens == 0 and c.metrics()["tokens"] == 5
+
+
+def test_a_stalled_request_waits_or_is_resubmitted_by_what_the_worker_holds() -> None:
+    from schemas.events import StalledRequestReconciled
+    from schemas.serving import HeldRequest
+
+    c = core()
+    c.register("e0", 1, 100)
+    for rid in ("queued", "lost", "other"):
+        c.submit(rid, [1], SamplingParams(max_tokens=8), inbox=f"in-{rid}")
+        c.on_step(batch("e0", 1, rid, [4]))
+    c.stalled("e0")
+    asked = c.stalled("e0")
+    assert asked == ["lost", "other", "queued"]
+    copies = [
+        HeldRequest(request_id="queued", token_ids=[4], logprobs=[-0.5]),
+        HeldRequest(request_id="other", token_ids=[6, 6], logprobs=[-0.5] * 2, finished=True),
+    ]  # still queued; no copy of "lost" (its submit was lost); a copy that disagrees
+    acts = c.reconcile("e0", 1, asked, copies, 1)
+    events = emitted(acts)
+    assert all(isinstance(e, StalledRequestReconciled) for e in events)
+    assert [(e.request_id, e.outcome) for e in events] == [  # type: ignore[attr-defined]
+        ("lost", "resubmitted"),
+        ("other", "resubmitted"),
+    ]
+    subs = of(acts, SubmitToEngine)
+    assert [(s.engine_id, s.requests[0].request_id, s.requests[0].token_ids) for s in subs] == [
+        ("e0", "lost", [1, 4]),
+        ("e0", "other", [1, 4]),
+    ]
+    assert not of(acts, SendToCaller) and set(c.active) == {"queued", "lost", "other"}
+    # a down engine's requests wait for its next worker: nothing to watch
+    c.engine_failed("e0", 0.0, reason="exited")
+    assert c.stalled("e0") == [] and c.reconcile("e0", 1, asked, copies, 1) == []
