@@ -192,7 +192,7 @@ def main(
         model = warm_model(workload, tmp / "model")
         for seed in seeds:
             label = f"seed{seed}"
-            report = belayer_run(tmp, label, workload, model, steps, "", list(run_args), seed)
+            report = belayer_run(tmp, label, workload, model, steps, "", list(run_args), seed, NAME)
             results.append(seed_result(seed, tmp / label, report))
             progress(NAME, f"seed {seed}: {results[-1]['start']} → {results[-1]['last']}")
     problems = [e for r in results for e in r["errors"]]

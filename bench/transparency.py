@@ -34,6 +34,8 @@ NAME = "transparency"
 SEED = 7
 RUN_TIMEOUT_S = 3600.0
 """Bound on one ``belayer run`` (a 3-step swe run takes minutes on a busy 2-core machine)."""
+STOP_GRACE_S = 120.0
+"""How long a stopped ``belayer run`` may take to stop its node and write its report."""
 COMPARED = ("weights_sha256", "batch_sha256", "rewards", "loss")
 """What must be equal in every step's record (``metrics.jsonl``)."""
 
@@ -80,6 +82,7 @@ def belayer_run(
     inject: str,
     options: list[str],
     seed: int = SEED,
+    bench: str = NAME,
 ) -> dict[str, Any]:
     """One ``belayer run`` on a fresh node under ``root/label``; its ``--json`` report."""
     out = root / label
@@ -89,7 +92,7 @@ def belayer_run(
            "--model", str(model), "--seed", str(seed), "--out", str(out), "--json", *options]  # fmt: skip
     if inject:
         cmd += ["--inject", inject]
-    progress(NAME, f"{label} run: belayer run {workload} --steps {steps} --inject {inject!r}")
+    progress(bench, f"{label} run: belayer run {workload} --steps {steps} --inject {inject!r}")
     t0 = time.monotonic()
     env = {**os.environ, "BELAYER_HOME": str(home)}
     code, stdout, stderr = run_bounded(cmd, env, RUN_TIMEOUT_S)
@@ -103,15 +106,14 @@ def belayer_run(
         tail = stderr.strip().splitlines()[-3:]
         report.setdefault("errors", []).append(f"belayer run exited {code}: {' / '.join(tail)}")
     report["bench_seconds"] = round(seconds, 2)
-    progress(NAME, f"{label} run: {seconds:.0f} s, exit {code}")
+    progress(bench, f"{label} run: {seconds:.0f} s, exit {code}")
     return report
 
 
 def run_bounded(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
     """Run ``cmd``; past ``timeout`` — or when this process is interrupted (Ctrl-C, SIGTERM) —
-    interrupt it as Ctrl-C does (``belayer run`` then stops the node it started and writes its
-    report), and kill it if that takes a minute more. Its own session: a terminal's Ctrl-C
-    reaches it once, through this process."""
+    stop it (``interrupt``). Its own session: a terminal's Ctrl-C reaches it once, through this
+    process."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
@@ -127,11 +129,14 @@ def run_bounded(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[in
     return proc.returncode, out, err
 
 
-def interrupt(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    """Ctrl-C for ``proc``; SIGKILL if it has not ended a minute later. Its output."""
-    proc.send_signal(signal.SIGINT)
+def interrupt(proc: subprocess.Popen[str], grace_s: float = STOP_GRACE_S) -> tuple[str, str]:
+    """SIGTERM for ``proc`` (``belayer run`` takes it as Ctrl-C: it stops the node it started
+    and writes its report); SIGKILL if it has not ended ``grace_s`` later. Its output. Not
+    SIGINT: a process started in a shell's background inherits SIGINT ignored, and then a
+    killed run would leave its node running (seen: a bench stopped by SIGTERM did)."""
+    proc.send_signal(signal.SIGTERM)
     try:
-        return proc.communicate(timeout=60.0)
+        return proc.communicate(timeout=grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.communicate()

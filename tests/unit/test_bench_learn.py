@@ -81,7 +81,8 @@ def test_run_args_reach_every_run_and_the_json(tmp_path: Path, monkeypatch) -> N
 
     calls = []
 
-    def fake_run(root, label, workload, model, steps, inject, options, seed):
+    def fake_run(root, label, workload, model, steps, inject, options, seed, bench):
+        assert bench == "learn"  # its progress lines say whose run it is
         calls.append((seed, options))
         write_run(root / label, [record(0, 16), record(steps, 32)])
         return {"wall_seconds": 1.0, "errors": []}

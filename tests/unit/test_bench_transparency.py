@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from typing import Any
 
-from bench.transparency import compare, default_inject, problems_of
+from bench.transparency import compare, default_inject, interrupt, problems_of
+
+CHILD = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a run started in a shell's background has it
+def stop(signum, frame):
+    print("stopped its node")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+signal.pause()
+"""
 
 
 def report(
@@ -52,3 +66,16 @@ def test_every_kind_is_injected_and_worker_and_shadow_kills_never_share_a_step()
         at = {i.split("@")[0]: i.split("@")[1] for i in spec if "step=" in i}
         assert at["worker-kill"] != at["shadow-kill"]
     assert all(i.endswith("step=1") for i in default_inject("math", 1).split(","))
+
+
+def test_a_stopped_run_gets_to_stop_its_node_even_with_sigint_ignored() -> None:
+    """``interrupt`` asks a ``belayer run`` to stop in a way it hears however it was started:
+    a child that ignores SIGINT (inherited from a shell's background) stops on its own, with
+    its handler's output, instead of being killed and leaving its node behind."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    out, _ = interrupt(proc, grace_s=30.0)
+    assert proc.returncode == 143 and out == "stopped its node\n"
+    assert proc.returncode != -signal.SIGKILL
