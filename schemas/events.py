@@ -389,8 +389,8 @@ class AdoptMismatch(RouterEvent, tag="AdoptMismatch.v1"):
 class StalledRequestReconciled(RouterEvent, tag="StalledRequestReconciled.v1"):
     """A request got no token between two heartbeats and its worker's copy said why: the
     worker had finished it (the step batch with its last tokens was lost: they are taken from
-    the copy and the request finishes), or had no copy or a different one (a lost submit: it
-    was resubmitted from the tokens held)."""
+    the copy and the request finishes), or had no copy, a different one or one it dropped (a lost
+    submit: it was resubmitted from the tokens held)."""
 
     kind: ClassVar[str] = "stalled_request_reconciled"
     request_id: RequestId

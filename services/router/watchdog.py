@@ -39,9 +39,10 @@ def extends(copy: HeldRequest, req: RequestState) -> bool:
 def verdict(req: RequestState, copy: HeldRequest | None) -> Verdict:
     """``wait``: the worker still runs or queues it (its deltas come). ``finish``: the worker
     finished it and its copy extends the tokens held (the lost last tokens are in it).
-    ``resubmit``: the worker has no copy (a lost submit) or a different one."""
+    ``resubmit``: the worker has no copy (a lost submit), a different one, or one it dropped
+    (finished ``abort``: not the caller's abort, which ends the request at the router)."""
     if copy is not None and not copy.finished:
         return "wait"
-    if copy is not None and extends(copy, req):
+    if copy is not None and copy.finish_reason != "abort" and extends(copy, req):
         return "finish"
     return "resubmit"

@@ -482,29 +482,38 @@ def test_a_stalled_request_waits_or_is_resubmitted_by_what_the_worker_holds() ->
 
     c = core()
     c.register("e0", 1, 100)
-    for rid in ("queued", "lost", "other"):
+    for rid in ("queued", "lost", "other", "dropped"):
         c.submit(rid, [1], SamplingParams(max_tokens=8), inbox=f"in-{rid}")
         c.on_step(batch("e0", 1, rid, [4]))
     c.stalled("e0")
     asked = c.stalled("e0")
-    assert asked == ["lost", "other", "queued"]
+    assert asked == ["dropped", "lost", "other", "queued"]
     copies = [
         HeldRequest(request_id="queued", token_ids=[4], logprobs=[-0.5]),
         HeldRequest(request_id="other", token_ids=[6, 6], logprobs=[-0.5] * 2, finished=True),
-    ]  # still queued; no copy of "lost" (its submit was lost); a copy that disagrees
+        HeldRequest(
+            request_id="dropped",
+            token_ids=[4],
+            logprobs=[-0.5],
+            finished=True,
+            finish_reason="abort",
+        ),
+    ]  # still queued; no copy of "lost" (its submit was lost); one that disagrees; one dropped
     acts = c.reconcile("e0", 1, asked, copies, 1)
     events = emitted(acts)
     assert all(isinstance(e, StalledRequestReconciled) for e in events)
     assert [(e.request_id, e.outcome) for e in events] == [  # type: ignore[attr-defined]
+        ("dropped", "resubmitted"),
         ("lost", "resubmitted"),
         ("other", "resubmitted"),
     ]
     subs = of(acts, SubmitToEngine)
     assert [(s.engine_id, s.requests[0].request_id, s.requests[0].token_ids) for s in subs] == [
+        ("e0", "dropped", [1, 4]),
         ("e0", "lost", [1, 4]),
         ("e0", "other", [1, 4]),
     ]
-    assert not of(acts, SendToCaller) and set(c.active) == {"queued", "lost", "other"}
+    assert not of(acts, SendToCaller) and set(c.active) == {"queued", "lost", "other", "dropped"}
     # a down engine's requests wait for its next worker: nothing to watch
     c.engine_failed("e0", 0.0, reason="exited")
     assert c.stalled("e0") == [] and c.reconcile("e0", 1, asked, copies, 1) == []
