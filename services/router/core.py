@@ -398,8 +398,9 @@ class RouterCore:
     def stalled(self, engine_id: str) -> list[str]:
         """Requests on up engine ``engine_id`` with no token since the previous call."""
         eng = self.engines.get(engine_id)
-        up = eng is not None and eng.status is EngineStatus.UP
-        return watchdog.stalled(eng, self.active) if eng is not None and up else []
+        if eng is None or eng.status is not EngineStatus.UP:
+            return []
+        return watchdog.stalled(eng, self.active)
 
     def reconcile(
         self, engine_id: str, epoch: int, asked: list[str], copies: list[HeldRequest], version: int
