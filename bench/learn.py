@@ -9,7 +9,9 @@ accuracy (swe: the share of held-out instances solved, reward 1.0; the held-out 
 interval (paired bootstrap over the held-out problems: each problem right or wrong at step 0
 and at the last step). Target: a gain of at least ``GAIN_TARGET`` in every seed; a seed's
 verdict reads its interval (``PASS`` when all of it meets the target, ``UNSURE`` when it
-straddles it). The plot ``learning.png`` beside the JSON shows every seed's held-out curve.
+straddles it). The plot ``learning.png`` beside the JSON shows every seed's held-out curve;
+``solved`` keeps the held-out tasks solved at every evaluation (the bench removes its run
+directories when it ends, stopped or not).
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ def curve(metrics: list[dict[str, Any]]) -> list[tuple[int, float]]:
         elif solved := right(r):
             out[r["step"]] = round(sum(solved.values()) / len(solved), 4)
     return sorted(out.items())
+
+
+def solved_by_step(metrics: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Evaluated step → the held-out task ids solved there (reward 1.0; every held-out task,
+    the swe held-out families included): which problems a gain or a loss was made of, kept
+    in the JSON since the bench removes its run directories."""
+    out = {}
+    for r in metrics:
+        if r.get("heldout_rewards"):
+            out[str(r["step"])] = sorted(t for t, ok in right(r, lambda _: True).items() if ok)
+    return out
 
 
 def training_curves(metrics: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
@@ -127,6 +140,7 @@ def seed_result(seed: int, run_dir: Path, report: dict[str, Any]) -> dict[str, A
         "interval": interval.as_json() if interval is not None else None,
         "verdict": interval_verdict(interval, ">=", GAIN_TARGET),
         "curve": curve(metrics),
+        "solved": solved_by_step(metrics),
         "family_gain": {k: family[k] for k in ("start", "last", "gain", "problems")}
         if family["gain"] is not None
         else None,
@@ -189,17 +203,20 @@ def main(
             results.append(seed_result(seed, Path(run_dir), report))
     else:
         tmp = Path(tempfile.mkdtemp(prefix="belayer-bench-learn-"))
-        model = warm_model(workload, tmp / "model")
-        for seed in seeds:
-            label = f"seed{seed}"
-            report = belayer_run(tmp, label, workload, model, steps, "", list(run_args), seed, NAME)
-            results.append(seed_result(seed, tmp / label, report))
-            progress(NAME, f"seed {seed}: {results[-1]['start']} → {results[-1]['last']}")
+        try:  # removed however the runs end: a stopped bench leaves no run directories
+            model = warm_model(workload, tmp / "model")
+            for seed in seeds:
+                label = f"seed{seed}"
+                report = belayer_run(
+                    tmp, label, workload, model, steps, "", list(run_args), seed, NAME
+                )
+                results.append(seed_result(seed, tmp / label, report))
+                progress(NAME, f"seed {seed}: {results[-1]['start']} → {results[-1]['last']}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     problems = [e for r in results for e in r["errors"]]
     verdict = MISS if problems else _overall([r["verdict"] for r in results])
     picture = plot(Path(json_path).with_suffix(".png"), workload, results)
-    if tmp is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
     result: dict[str, Any] = {
         "bench": NAME, "timestamp": timestamp(), "machine": machine, "workload": workload,
         "steps": steps, "run_args": list(run_args), "seeds": results, "gain_target": GAIN_TARGET, "verdict": verdict,

@@ -50,6 +50,10 @@ def test_swe_gain_counts_held_out_instances_and_reports_families_apart(tmp_path:
     (seed,) = main(tmp_path / "learn.json", seeds=(0,), runs=(tmp_path / "a",))["seeds"]
     assert seed["curve"] == [(0, 0.25), (1, 0.5), (2, 0.75)]
     assert seed["family_gain"] == {"start": 0.0, "last": 0.5, "gain": 0.5, "problems": 6}
+    ids = held_out_ids(18)
+    inst, fam = [t for t in ids if "-i-" in t], [t for t in ids if "-f-" in t]
+    assert seed["solved"]["0"] == sorted(inst[:3])
+    assert seed["solved"]["2"] == sorted(inst[:9] + fam[:3])
 
 
 def write_run(run_dir: Path, records: list[dict]) -> None:
@@ -94,3 +98,26 @@ def test_run_args_reach_every_run_and_the_json(tmp_path: Path, monkeypatch) -> N
     assert calls == [(0, ["--beta", "0.04"]), (1, ["--beta", "0.04"])]
     assert json.loads(out.read_text())["run_args"] == ["--beta", "0.04"]
     assert [s["gain"] for s in result["seeds"]] == [0.25, 0.25]
+
+
+def test_a_stopped_bench_leaves_no_run_directory(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C or SIGTERM (the CLI raises ``KeyboardInterrupt``) during a seed's run: the
+    bench's temporary directory — model, run directories, node homes — is removed."""
+    import tempfile
+
+    import bench.learn as learn
+
+    def stopped_run(root, label, *args):
+        write_run(root / label, [record(0, 16)])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(learn, "warm_model", lambda workload, path: path)
+    monkeypatch.setattr(learn, "belayer_run", stopped_run)
+    try:
+        main(tmp_path / "learn.json", seeds=(0,), steps=2)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interruption was swallowed")
+    assert list(tmp_path.glob("belayer-bench-learn-*")) == []
