@@ -457,8 +457,9 @@ def bench_learn(
     other option at its default (or --run-args), a fresh node each: per seed the held-out greedy exact accuracy
     (swe: the share of held-out instances solved; held-out families reported apart)
     at step 0 and after the last step, the gain with its 95 % interval (paired bootstrap over
-    the held-out problems) against +0.15, and one plot of every seed's curve (beside the
-    JSON). Minutes per seed."""
+    the held-out problems) against +0.15, the held-out tasks solved at every evaluation, and
+    one plot of every seed's curve (beside the JSON). Minutes per seed; SIGTERM or Ctrl-C
+    stops the run and its node and removes the runs' directories."""
     try:
         seed_list = [int(s) for s in seeds.split(",") if s.strip()]
     except ValueError:
