@@ -34,13 +34,16 @@ BENCH_TIMEOUT_S = 400.0
 """Bound on both runs (about 2 minutes on a quiet 2-core machine; much more under load)."""
 
 
-def bench(*args: str) -> tuple[int, str, str]:
+def bench(tmp: Path, *args: str) -> tuple[int, str, str]:
     """``belayer bench transparency ARGS``; past the bound, Ctrl-C for the whole process group
-    (each ``belayer run`` then stops the node it started), then a failure."""
+    (each ``belayer run`` then stops the node it started), then a failure. Its temporary
+    directory is made under ``tmp`` (``TMPDIR``): the runs a MISS keeps for diagnosis — ~280 MB,
+    mostly trainer checkpoints — stay with the test's own files, not in ``/tmp``."""
     cmd = [sys.executable, "-m", "services.cli.main", "bench", "transparency", *args]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=BENCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -60,8 +63,9 @@ def test_a_worker_kill_and_a_trainer_kill_leave_no_trace_in_the_weights(
     model = warm_model("math")
     out = tmp_path / "transparency.json"
     code, stdout, stderr = bench(
-        "--workload", "math", "--steps", str(STEPS), "--model", str(model), "--tasks", str(TASKS),
-        "--n", str(N), "--held-out", "1", "--inject", INJECT, "--out", str(out), "--json",
+        tmp_path, "--workload", "math", "--steps", str(STEPS), "--model", str(model),
+        "--tasks", str(TASKS), "--n", str(N), "--held-out", "1", "--inject", INJECT,
+        "--out", str(out), "--json",
     )  # fmt: skip
     assert code == 0, stderr[-4000:]
     result = json.loads(stdout)
@@ -99,9 +103,9 @@ def test_a_sandbox_kill_leaves_no_trace_in_what_is_trained(
     model = warm_model("swe")
     out = tmp_path / "transparency-swe.json"
     code, stdout, stderr = bench(
-        "--workload", "swe", "--steps", "2", "--seed", str(SWE_SEED), "--model", str(model),
-        "--tasks", "2", "--n", "2", "--held-out", "1", "--inject", SWE_INJECT, "--out", str(out),
-        "--json",
+        tmp_path, "--workload", "swe", "--steps", "2", "--seed", str(SWE_SEED),
+        "--model", str(model), "--tasks", "2", "--n", "2", "--held-out", "1",
+        "--inject", SWE_INJECT, "--out", str(out), "--json",
     )  # fmt: skip
     assert code == 0, stderr[-4000:]
     result = json.loads(stdout)
