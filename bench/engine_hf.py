@@ -31,6 +31,7 @@ from bench import report
 from bench.engine import BATCHES, PROMPT_LEN, TINY_MODEL, bench_llm_engine, model_or_tiny, prompts
 from bench.report import Row, Target, progress, target_text
 from bench.stats import Interval, ci_text, judged_json, paired_ratio
+from model.batch_invariant import bucket
 from model.config import load_model_config
 from services.worker.engine.sequence import SamplingParams
 
@@ -133,7 +134,16 @@ def measure(model_dir: Path, new_tokens: int, repeats: int, num_threads: int = 1
         "cpu": cpu,
         "greedy_equal_to_hf": same,
         "draft_tokens": {"proposed": proposed, "accepted": accepted},
+        "det_step_rows": det_step_rows(det.model.det_min_rows()),
     }
+
+
+def det_step_rows(floor: int) -> dict[str, int]:
+    """Rows a deterministic decode step's products run with at each batch size (no drafts):
+    the batch padded to the bucket this machine's GEMM needs to be row-invariant
+    (``floor``: ``Qwen3ForCausalLM.det_min_rows``; 4 on the AVX2 EPYC these docs were first
+    measured on, 16 on an AVX-512 Xeon, where a batch-8 step pays for 16 rows)."""
+    return {str(b): bucket(b, floor) for b in BATCHES}
 
 
 def _runners_at(batch: int) -> tuple[str, ...]:
@@ -182,6 +192,13 @@ def rows(result: dict[str, Any]) -> list[Row]:
                     f"{result['wall_tok_s'][r][key]:.0f} wall",
                 )
             )
+    step_rows = result["det_step_rows"]
+    out.append(
+        Row(
+            "rows of a deterministic step",
+            " / ".join(map(str, step_rows.values())) + f" (batch {' / '.join(step_rows)})",
+        )
+    )
     drafts = result["draft_tokens"]
     kept = drafts["accepted"] / drafts["proposed"] if drafts["proposed"] else 0.0
     out.append(
@@ -244,6 +261,7 @@ def main(
         "wall_ratios": wall_ratios,
         "greedy_equal_to_hf": measured["greedy_equal_to_hf"],
         "draft_tokens": measured["draft_tokens"],
+        "det_step_rows": measured["det_step_rows"],
         "runs": {
             kind: {
                 r: {str(b): v for b, v in runs.items() if v} for r, runs in measured[kind].items()

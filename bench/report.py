@@ -191,13 +191,41 @@ def machine_after(machine: Mapping[str, Any]) -> dict[str, Any]:
     return {**machine, "loadavg_after": loadavg()}
 
 
+CPU_FEATURES = ("avx2", "avx512f", "amx_tile")
+"""Instruction sets ``cpu_flags`` reports: the CPU kernels (MKL's GEMMs, ``exp``) and so the
+engine's numbers differ between them (docs/bench/README.md)."""
+
+
+def cpu_model(cpuinfo: str | None = None) -> tuple[str | None, list[str]]:
+    """The CPU's model name and which of :data:`CPU_FEATURES` it has, from ``/proc/cpuinfo``
+    (``cpuinfo``: its text; read when None); ``(None, [])`` where there is none."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None, []
+    name: str | None = None
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and name is None:
+            name = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return name, [f for f in CPU_FEATURES if f in flags]
+
+
 def machine_info() -> dict[str, Any]:
-    """CPUs, load, torch and Python versions: what the numbers depend on. Imports no torch."""
+    """CPUs (model and instruction sets), load, torch and Python versions: what the numbers
+    depend on. Imports no torch."""
     try:
         torch_version: str | None = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = None
+    model, flags = cpu_model()
     return {
+        "cpu_model": model,
+        "cpu_flags": flags,
         "cpu_count": os.cpu_count(),
         "sched_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "loadavg": loadavg(),

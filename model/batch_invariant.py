@@ -15,9 +15,12 @@ row-invariant with this repository's torch/MKL on CPU with one intra-op thread
   a bucket of :data:`ROW_BUCKETS` no smaller than :func:`min_rows`, the fewest rows from which,
   for that product's shape on this machine, the buckets up to ``MIN_GEMM_ROWS`` give the bits
   of ``MIN_GEMM_ROWS`` rows (probed once per shape and process; 16 where nothing smaller holds).
-  Padding to fewer rows therefore changes no bit, only the cost: a decode step of batch 1 pads
-  to 4 rows and one of batch 8 not at all where the kernels allow it (this AMD EPYC: 4). With two or more threads the rows are split and a thread's share can
-  fall below the minimum, so the deterministic forward runs on one thread (:func:`one_thread`).
+  Padding to fewer rows therefore changes no bit, only the cost: where the floor is 4 (the
+  AMD EPYC the engine was first measured on) a decode step of batch 1 pads to 4 rows and one
+  of batch 8 not at all; where it is 16 (an AVX-512 Intel Xeon) every step below 16 rows runs
+  16 (``belayer bench engine --vs-hf`` records which, ``det_step_rows``). With two or more
+  threads the rows are split and a thread's share can fall below the minimum, so the
+  deterministic forward runs on one thread (:func:`one_thread`).
 - :func:`silu`: ``F.silu`` finishes a tensor whose size is not a multiple of the vector width
   with a scalar loop whose ``exp`` differs from the vectorised one in the last bit, so a row's
   result would depend on the tensor's total size; ``x / (1 + exp(-x))`` uses ops that are

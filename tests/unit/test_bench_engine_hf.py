@@ -3,7 +3,7 @@ itself is the benchmark's, not a test's: no wall-clock asserts here)."""
 
 from __future__ import annotations
 
-from bench.engine_hf import RUNNERS, TARGETS, _ratios
+from bench.engine_hf import RUNNERS, TARGETS, _ratios, det_step_rows
 from bench.report import MISS, PASS
 from bench.stats import judge_all
 
@@ -51,3 +51,11 @@ def test_the_extra_runners_are_compared_where_they_ran() -> None:
     assert values["det_vs_det_no_drafts_b8"] == 2.0
     assert values["det_vs_hf_lookup_b1"] == 1.2
     assert "det_vs_hf_lookup_b8" not in values
+
+
+def test_det_step_rows_pads_each_batch_to_the_machines_bucket() -> None:
+    """The rows a deterministic decode step's products run with: the batch padded to the
+    bucket from this machine's GEMM floor (4 on AVX2, 16 on AVX-512: twice HF's rows at 8)."""
+    assert det_step_rows(4) == {"1": 4, "8": 8}
+    assert det_step_rows(16) == {"1": 16, "8": 16}
+    assert det_step_rows(1) == {"1": 1, "8": 8}

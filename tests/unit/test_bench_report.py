@@ -13,6 +13,7 @@ from bench.report import (
     MISS,
     PASS,
     Row,
+    cpu_model,
     machine_info,
     percentile,
     print_table,
@@ -90,6 +91,19 @@ def test_write_json_creates_parents_and_indents(tmp_path: Path) -> None:
     assert loaded["n"] == [1, 2]
     assert loaded["machine"]["cpu_count"] >= 1
     assert {"sched_cpus", "loadavg", "torch", "python", "platform"} <= set(loaded["machine"])
+    assert {"cpu_model", "cpu_flags"} <= set(loaded["machine"])
+
+
+def test_cpu_model_reads_the_first_processor_and_the_kernels_flags() -> None:
+    info = (
+        "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+        "flags\t\t: fpu sse avx2 avx512f avx512bw amx_tile\n\n"
+        "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n"
+    )
+    assert cpu_model(info) == ("Intel(R) Xeon(R) Processor", ["avx2", "avx512f", "amx_tile"])
+    amd = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu avx avx2 fma\n"
+    assert cpu_model(amd) == ("AMD EPYC 7B13", ["avx2"])
+    assert cpu_model("") == (None, [])
 
 
 def test_percentile_is_nearest_rank_and_ratio_guards_missing_values() -> None:
