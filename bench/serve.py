@@ -8,9 +8,13 @@ Measures, with the tiny model (hidden 256, 4 layers, vocab 4096):
 2. the full bus path (client → router → worker → router → client) on a real node started with
    the CLI in a temporary run directory: batch 1 = one request, batch 8 = eight concurrent
    requests on the one engine; tokens/s = generated tokens / wall time from submit to the last
-   result; the loss against the engine alone. Two nodes, one after the other: ``belayer up
-   --deterministic`` and ``--no-deterministic``, so the cost of deterministic mode is measured
-   end to end in the same run (target: at least 50 % of the fast throughput at batch 8);
+   result. Its loss is judged against an in-process engine of the node's mode that runs the
+   same batch just before each bus run (``engine_alone_tok_s`` of each run): interleaved
+   pairs, so a slow spell of the machine hits both sides (the engine-alone runs of 1. are
+   minutes apart from the bus runs; the loss against them is ``bus_loss_unpaired``). Two
+   nodes, one after the other: ``belayer up --deterministic`` and ``--no-deterministic``, so
+   the cost of deterministic mode is measured end to end in the same run (target: at least
+   50 % of the fast throughput at batch 8);
 3. attaching a worker to the weights and KV arena in shared memory (the ``attach_s`` the worker
    reports in its ``worker_ready`` event, and the same steps timed here) against a cold load
    from safetensors (read the file, build the engine);
@@ -21,7 +25,8 @@ its value's 95 % bootstrap interval (over the runs; the attach time and ``up`` o
 nodes). Alongside the
 numbers the bus runs record where the time went (engine steps, time to first token, CPU seconds
 of each process), so a miss can be explained from the JSON alone. The node is always stopped
-with ``belayer down``, whatever happens.
+with ``belayer down``, whatever happens. The result, its intervals and the table:
+:mod:`bench.serve_report`.
 """
 
 from __future__ import annotations
@@ -41,44 +46,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import engine as engine_bench
-from bench.engine import BATCHES, PROMPT_LEN, prompts
+from bench.engine import BATCHES, prompts
 from bench.node import belayer
-from bench.report import (
-    Row,
-    Target,
-    machine_after,
-    machine_info,
-    publish,
-    ratio,
-    target_text,
-    targets_json,
-    timestamp,
-)
+from bench.report import machine_info, publish
 from bench.report import progress as report_progress
-from bench.stats import (
-    Interval,
-    ci_text,
-    intervals_json,
-    judge_all,
-    median_interval,
-    median_ratio,
-    two_sample,
-)
+from bench.serve_report import REPEATS, build_rows, summarize
 
-REPEATS = 3
-"""Runs per measurement; the median is reported."""
 ENGINE_ID = "e0"
-
-TARGETS: dict[str, Target] = {
-    **engine_bench.TARGETS,
-    "bus_loss_b8": ("<=", 0.05),
-    "bus_det_ratio_b8": (">=", 0.5),
-    "attach_s": ("<=", 0.2),
-    "up_s": ("<=", 15.0),
-}
-"""Metric → (comparison, bound). ``bus_loss_b8`` (fast node vs fast engine: the bus path keeps
-at least 95 % of the engine's throughput) and ``bus_det_ratio_b8`` (deterministic node vs fast
-node) are fractions (0.05 = 5 %)."""
 
 
 def progress(message: str) -> None:
@@ -90,6 +64,29 @@ def progress(message: str) -> None:
 def measure_engine(model_dir: Path, new_tokens: int) -> dict[str, Any]:
     """Median tokens/s of the in-process engine at each batch size over ``REPEATS`` runs."""
     return engine_bench.measure(model_dir, new_tokens, REPEATS, bench_name="serve")
+
+
+def engine_alone(model_dir: Path, new_tokens: int, deterministic: bool) -> Callable[[int], float]:
+    """An in-process engine of one mode, built now (warmed up); the returned function runs one
+    batch on it (one torch thread, greedy, ``ignore_eos``) and gives its tokens/s (wall)."""
+    import torch
+
+    from services.worker.engine.sequence import SamplingParams
+
+    engine = engine_bench.bench_llm_engine(model_dir, new_tokens, max(BATCHES), deterministic)
+    sampling = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+
+    def run(batch: int) -> float:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            start = time.perf_counter()
+            out = engine.generate(prompts(batch, engine.model_config.vocab_size), sampling)
+            return sum(len(o.token_ids) for o in out) / (time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(previous)
+
+    return run
 
 
 # --- 3b. cold load -----------------------------------------------------------------------------
@@ -264,21 +261,33 @@ async def bus_run(nc: Any, probe: Any, batch: int, new_tokens: int, vocab: int) 
 
 
 async def measure_bus(
-    nc: Any, probe: Any, new_tokens: int, vocab: int, pids: dict[str, int]
+    nc: Any,
+    probe: Any,
+    new_tokens: int,
+    vocab: int,
+    pids: dict[str, int],
+    alone: Callable[[int], float] | None = None,
 ) -> dict[str, Any]:
-    """Warm the path, then ``REPEATS`` rounds of batch 1 and batch 8; medians per batch."""
+    """Warm the path, then ``REPEATS`` rounds of batch 1 and batch 8; medians per batch.
+    ``alone``: the same batch on an in-process engine of the node's mode (tokens/s), run just
+    before each bus run (``engine_alone_tok_s`` of the run), so the bus loss is a ratio of
+    interleaved pairs: a slow spell of the machine hits both sides."""
     for b in BATCHES:  # first-call costs (tokenizer decode, JetStream consumers, allocations)
         await bus_run(nc, probe, b, min(8, new_tokens), vocab)
     runs: dict[int, list[dict[str, Any]]] = {b: [] for b in BATCHES}
     for rep in range(REPEATS):
         for b in BATCHES:
+            before_alone = alone(b) if alone is not None else None
             before = cpu_snapshot(pids)
             run = await bus_run(nc, probe, b, new_tokens, vocab)
             run["cpu_s"] = cpu_delta(pids, before, cpu_snapshot(pids))
+            if before_alone is not None:
+                run["engine_alone_tok_s"] = before_alone
             runs[b].append(run)
+            paired = f", engine alone {before_alone:.0f}" if before_alone is not None else ""
             progress(
                 f"bus path run {rep + 1}/{REPEATS} batch {b}: {run['tok_s']:.0f} tok/s "
-                f"({run['wall_s']:.3f} s, {run['engine_steps']} engine steps)"
+                f"({run['wall_s']:.3f} s, {run['engine_steps']} engine steps){paired}"
             )
     return {
         "tok_s": {b: statistics.median(r["tok_s"] for r in v) for b, v in runs.items()},
@@ -324,6 +333,7 @@ async def measure_node(
     *,
     attach: bool = True,
     run_dir: Path | None = None,
+    alone: Callable[[int], float] | None = None,
 ) -> dict[str, Any]:
     from common.bus import connect
     from common.config import RunPaths
@@ -339,7 +349,7 @@ async def measure_node(
     probe = await connect(url, name="bench-serve-probe", bus=control, reconnect=False)
     try:
         progress("bus path: warming up")
-        bus = await measure_bus(nc, probe, new_tokens, vocab, pids)
+        bus = await measure_bus(nc, probe, new_tokens, vocab, pids, alone)
         reported = await worker_reported_timings(nc)
         if not attach:
             return {"bus": bus, "worker_reported": reported}
@@ -355,155 +365,6 @@ async def measure_node(
     finally:
         await probe.drain()
         await nc.drain()
-
-
-# --- report ------------------------------------------------------------------------------------
-def shown(value: float | None, unit: str) -> str:
-    """A value with its unit as the table shows it."""
-    if value is None:
-        return "n/a"
-    if unit == "%":
-        return f"{value * 100:.1f} %"
-    if unit == "tok/s":
-        return f"{value:.0f} tok/s"
-    if unit == "x":
-        return f"{value:.1f}x"
-    return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
-
-
-def build_rows(r: dict[str, Any]) -> list[Row]:
-    def row(metric: str, value: float | None, unit: str, key: str | None = None) -> Row:
-        """A table row; ``key`` names its target (None: informational), judged on its
-        interval (shown)."""
-        if key is None:
-            return Row(metric, shown(value, unit))
-        interval = r["intervals"].get(key)
-        text = shown(value, unit)
-        if value is not None:
-            text += ci_text(interval, lambda x: shown(x, unit))
-        return Row(metric, text, target_text(TARGETS[key], unit), r["verdicts"].get(key, ""))
-
-    eng, bus = r["engine_tok_s"], r["bus_tok_s"]
-    eng_det, bus_det = r["engine_det_tok_s"], r["bus_det_tok_s"]
-    return [
-        row("engine alone, batch 1", eng["1"], "tok/s", "engine_tok_s_b1"),
-        row("engine alone, batch 8", eng["8"], "tok/s", "engine_tok_s_b8"),
-        row("engine alone, deterministic, batch 1", eng_det["1"], "tok/s"),
-        row("engine alone, deterministic, batch 8", eng_det["8"], "tok/s"),
-        row(
-            "engine deterministic / fast, batch 8",
-            r["engine_det_ratio"]["8"],
-            "%",
-            "engine_det_ratio_b8",
-        ),
-        row("bus path, batch 1", bus["1"], "tok/s"),
-        row("bus path, batch 8", bus["8"], "tok/s"),
-        row("bus loss, batch 1", r["bus_loss"]["1"], "%"),
-        row("bus loss, batch 8", r["bus_loss"]["8"], "%", "bus_loss_b8"),
-        row("bus path, --deterministic, batch 1", bus_det["1"], "tok/s"),
-        row("bus path, --deterministic, batch 8", bus_det["8"], "tok/s"),
-        row("bus --deterministic / fast, batch 1", r["bus_det_ratio"]["1"], "%"),
-        row(
-            "bus --deterministic / fast, batch 8", r["bus_det_ratio"]["8"], "%", "bus_det_ratio_b8"
-        ),
-        row("attach from shm (worker_ready)", r["attach_s"], "s", "attach_s"),
-        row("attach from shm (timed here)", r["attach_inprocess_s"], "s"),
-        row("cold load (safetensors + build)", r["cold_load_s"], "s"),
-        row("cold load / attach", r["cold_over_attach"], "x"),
-        row("belayer up → ready (outside)", r["up_s"], "s", "up_s"),
-        row("belayer up → ready (reported)", r["up_reported_s"], "s"),
-    ]
-
-
-def summarize(
-    new_tokens: int,
-    engine: dict[str, Any],
-    cold: dict[str, Any],
-    up: dict[str, Any],
-    node: dict[str, Any],
-    node_det: dict[str, Any],
-    machine_before: dict[str, Any],
-    up_det: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The result: ``node`` is the fast (``--no-deterministic``) node's measurements (bus path,
-    attach), ``node_det`` the deterministic node's bus path (and its worker's attach time);
-    ``up``/``up_det`` the two nodes' start times."""
-    eng = {str(b): v for b, v in engine["tok_s"].items()}
-    bus = {str(b): v for b, v in node["bus"]["tok_s"].items()}
-    eng_det = {str(b): v for b, v in engine["det_tok_s"].items()}
-    bus_det = {str(b): v for b, v in node_det["bus"]["tok_s"].items()}
-    attach = node["worker_reported"].get("attach_s", node["attach"]["attach_inprocess_s"])
-    result: dict[str, Any] = {
-        "bench": "serve",
-        "timestamp": timestamp(),
-        "unix_time": time.time(),
-        "new_tokens": new_tokens,
-        "prompt_tokens": PROMPT_LEN,
-        "repeats": REPEATS,
-        "model": engine_bench.TINY_MODEL,
-        "engine_tok_s": eng,
-        "bus_tok_s": bus,
-        "bus_over_engine": {b: ratio(bus[b], eng[b]) for b in eng},
-        "bus_loss": {b: 1.0 - (ratio(bus[b], eng[b]) or 0.0) for b in eng},
-        "engine_det_tok_s": eng_det,
-        "engine_det_ratio": {b: ratio(eng_det[b], eng[b]) for b in eng},
-        "bus_det_tok_s": bus_det,
-        "bus_det_loss": {b: 1.0 - (ratio(bus_det[b], eng_det[b]) or 0.0) for b in eng},
-        "bus_det_ratio": {b: ratio(bus_det[b], bus[b]) for b in eng},
-        "attach_s": attach,
-        "attach_inprocess_s": node["attach"]["attach_inprocess_s"],
-        "worker_reported": node["worker_reported"],
-        "load_safetensors_s": cold["load_safetensors_s"],
-        "cold_load_s": cold["cold_load_s"],
-        "cold_over_attach": ratio(cold["cold_load_s"], attach),
-        "up_s": up["up_s"],
-        "up_reported_s": up["up_reported_s"],
-        "targets": targets_json(TARGETS),
-        "runs": {
-            "engine_tok_s": {str(b): v for b, v in engine["runs"].items()},
-            "engine_det_tok_s": {str(b): v for b, v in engine["det_runs"].items()},
-            "bus": {str(b): v for b, v in node["bus"]["runs"].items()},
-            "bus_det": {str(b): v for b, v in node_det["bus"]["runs"].items()},
-            "attach_inprocess_s": node["attach"]["runs"],
-            "cold_load_s": cold["runs"],
-        },
-        "machine": machine_after(machine_before),
-    }
-    reports = [n["worker_reported"]["attach_s"] for n in (node, node_det)
-               if n.get("worker_reported", {}).get("attach_s") is not None]  # fmt: skip
-    ups = [u["up_s"] for u in (up, up_det) if u is not None]
-    result["runs"]["attach_reported_s"] = reports
-    result["runs"]["up_s"] = ups
-    values = {
-        "engine_tok_s_b1": eng["1"],
-        "engine_tok_s_b8": eng["8"],
-        "bus_loss_b8": result["bus_loss"]["8"],
-        "engine_det_ratio_b8": result["engine_det_ratio"]["8"],
-        "bus_det_ratio_b8": result["bus_det_ratio"]["8"],
-        "attach_s": attach,
-        "up_s": up["up_s"],
-    }
-    intervals = serve_intervals(result["runs"])
-    result["intervals"] = intervals_json(intervals)
-    result["verdicts"] = judge_all(TARGETS, values, intervals)
-    return result
-
-
-def serve_intervals(runs: dict[str, Any]) -> dict[str, Interval | None]:
-    """Each target's 95 % bootstrap interval: the engine's over its runs (``bench.engine``),
-    the bus loss and the deterministic node's ratio over two independent samples (different
-    processes, different nodes), the attach and up times over the two nodes."""
-    tok = {b: [r["tok_s"] for r in v] for b, v in runs["bus"].items()}
-    tok_det = {b: [r["tok_s"] for r in v] for b, v in runs["bus_det"].items()}
-    out = engine_bench.engine_intervals(runs["engine_tok_s"], runs["engine_det_tok_s"])
-    out["bus_loss_b8"] = two_sample(
-        tok["8"], runs["engine_tok_s"]["8"],
-        lambda a, b: 1.0 - statistics.median(a) / statistics.median(b),
-    )  # fmt: skip
-    out["bus_det_ratio_b8"] = median_ratio(tok_det["8"], tok["8"])
-    out["attach_s"] = median_interval(runs.get("attach_reported_s", []))
-    out["up_s"] = median_interval(runs.get("up_s", []))
-    return out
 
 
 def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
@@ -525,6 +386,7 @@ def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
         ups: dict[str, Any] = {}
         for flag in ("--no-deterministic", "--deterministic"):
             run_dir = Path(tmp) / f"run{flag}"
+            alone = engine_alone(model_dir, new_tokens, flag == "--deterministic")
             try:
                 progress(f"starting a node: belayer up --detach --engines 1 {flag}")
                 started = start_node(run_dir, model_dir, flag)
@@ -535,7 +397,9 @@ def main(json_path: Path, new_tokens: int = 128) -> dict[str, Any]:
                 pids = node_pids(run_dir, started["node"])
                 url, fast = started["node"]["nats_url"], flag == "--no-deterministic"
                 nodes[flag] = asyncio.run(
-                    measure_node(url, new_tokens, 4096, pids, attach=fast, run_dir=run_dir)
+                    measure_node(
+                        url, new_tokens, 4096, pids, attach=fast, run_dir=run_dir, alone=alone
+                    )
                 )
                 ups[flag] = started
             finally:

@@ -10,7 +10,7 @@ import pytest
 
 def test_engine_and_serve_intervals_come_from_their_runs() -> None:
     from bench.engine import engine_intervals
-    from bench.serve import serve_intervals
+    from bench.serve_report import serve_intervals
 
     fast = {"1": [160.0, 170.0, 165.0], "8": [700.0, 720.0, 680.0]}
     det = {"1": [100.0, 110.0, 105.0], "8": [420.0, 430.0, 410.0]}
@@ -38,6 +38,28 @@ def test_engine_and_serve_intervals_come_from_their_runs() -> None:
     attach = s["attach_s"]
     assert attach is not None and (attach.low, attach.high) == (0.05, 0.07)
     assert s["up_s"] is None  # one node start: no interval (the verdict is UNSURE)
+
+
+def test_the_bus_loss_is_judged_over_interleaved_pairs_where_the_runs_have_them() -> None:
+    """A slow spell that hits the bus run and the engine run beside it equally is no loss;
+    against the engine-alone runs measured before the node (700 tok/s) it would look like
+    one."""
+    from bench.serve_report import bus_loss, paired_alone, serve_intervals
+
+    bus8 = [{"tok_s": t, "engine_alone_tok_s": a} for t, a in ((600, 606), (500, 505), (640, 640))]
+    fast = {"1": [160.0, 170.0, 165.0], "8": [700.0, 720.0, 680.0]}
+    runs = {
+        "engine_tok_s": fast, "engine_det_tok_s": fast,
+        "bus": {"1": [{"tok_s": 150.0}] * 3, "8": bus8}, "bus_det": {"1": [], "8": bus8},
+    }  # fmt: skip
+    loss = serve_intervals(runs)["bus_loss_b8"]
+    assert loss is not None and loss.n == 3
+    assert loss.value == pytest.approx(1 - 600 / 606)
+    assert loss.low <= loss.value <= loss.high < 0.05
+    assert bus_loss(bus8, 700.0) == pytest.approx(1 - 600 / 606)
+    assert paired_alone({8: bus8, 1: [{"tok_s": 150.0}]}) == {"8": 606.0, "1": None}
+    # without interleaved runs: against the engine measured before the node, as before
+    assert bus_loss([{"tok_s": 650.0}], 700.0) == pytest.approx(1 - 650 / 700)
 
 
 def test_handover_intervals_and_invariants() -> None:
