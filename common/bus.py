@@ -48,6 +48,22 @@ R = TypeVar("R")
 
 log = get_logger(component="bus")
 
+RECONNECT_WAIT_S = 0.25
+"""Pause between two tries of the same NATS server (nats-py's ``reconnect_time_wait``)."""
+
+
+def connect_attempts(timeout: float, reconnect: bool) -> int:
+    """nats-py's ``max_reconnect_attempts`` for :func:`connect`: unbounded (-1) for a service's
+    connection (it keeps reconnecting); for a one-off one, as many tries of a refusing server
+    as fit in ``timeout`` less one pause, so the attempt gives up by itself before the
+    timeout. Counting on the timeout alone could hang: nats-py retries a refusing server
+    forever when the count is unbounded, and Python 3.11's ``asyncio.wait_for`` inside its
+    connect can swallow the cancellation that should stop it (seen once in a CI run:
+    ``belayer up --join`` a dead port hung past its 120 s test limit)."""
+    if reconnect:
+        return -1
+    return max(1, int(timeout / RECONNECT_WAIT_S) - 1)
+
 
 async def connect(
     url: str,
@@ -90,8 +106,8 @@ async def connect(
                 servers,
                 name=name,
                 connect_timeout=min(timeout, 2.0),
-                max_reconnect_attempts=-1 if reconnect else 0,
-                reconnect_time_wait=0.25,
+                max_reconnect_attempts=connect_attempts(timeout, reconnect),
+                reconnect_time_wait=RECONNECT_WAIT_S,
                 allow_reconnect=reconnect,
                 error_cb=error_cb,
                 **opts,

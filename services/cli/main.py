@@ -157,7 +157,8 @@ def bench_serve(
 
     On the tiny model: the engine in-process (before a node starts), then a real node
     (`belayer up` in a temporary run directory) serving batch 1 and 8 through client → router →
-    worker, the bus loss against the engine alone, a worker's attach to the shared-memory
+    worker, the bus loss against an in-process engine run just before each bus run
+    (interleaved pairs, so the machine's drift hits both), a worker's attach to the shared-memory
     weights and KV arena against a cold load from safetensors, and `belayer up` to ready.
     Medians of 3 runs, with CPU seconds per process in the JSON. About a minute; the node is
     always stopped.
