@@ -141,7 +141,7 @@ def measure(model_dir: Path, new_tokens: int, repeats: int, num_threads: int = 1
 def det_step_rows(floor: int) -> dict[str, int]:
     """Rows a deterministic decode step's products run with at each batch size (no drafts):
     the batch padded to the bucket this machine's GEMM needs to be row-invariant
-    (``floor``: ``Qwen3ForCausalLM.det_min_rows``; 4 on the AVX2 EPYC these docs were first
+    (``floor``: ``Qwen3ForCausalLM.det_min_rows``; 4 on the AMD EPYC these docs were first
     measured on, 16 on an AVX-512 Xeon, where a batch-8 step pays for 16 rows)."""
     return {str(b): bucket(b, floor) for b in BATCHES}
 
