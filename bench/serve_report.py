@@ -199,8 +199,9 @@ def bus_loss(runs: list[dict[str, Any]], engine_tok_s: float) -> float:
 
 def serve_intervals(runs: dict[str, Any]) -> dict[str, Interval | None]:
     """Each target's 95 % bootstrap interval: the engine's over its runs (``bench.engine``),
-    the bus loss and the deterministic node's ratio over two independent samples (different
-    processes, different nodes), the attach and up times over the two nodes."""
+    the bus loss over its interleaved pairs (else, for runs without them, over two independent
+    samples), the deterministic node's ratio over two independent samples (different nodes),
+    the attach and up times over the two nodes."""
     tok = {b: [r["tok_s"] for r in v] for b, v in runs["bus"].items()}
     tok_det = {b: [r["tok_s"] for r in v] for b, v in runs["bus_det"].items()}
     out = engine_bench.engine_intervals(runs["engine_tok_s"], runs["engine_det_tok_s"])
