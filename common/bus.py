@@ -53,13 +53,15 @@ RECONNECT_WAIT_S = 0.25
 
 
 def connect_attempts(timeout: float, reconnect: bool) -> int:
-    """nats-py's ``max_reconnect_attempts`` for :func:`connect`: unbounded (-1) for a service's
-    connection (it keeps reconnecting); for a one-off one, as many tries of a refusing server
-    as fit in ``timeout`` less one pause, so the attempt gives up by itself before the
-    timeout. Counting on the timeout alone could hang: nats-py retries a refusing server
-    forever when the count is unbounded, and Python 3.11's ``asyncio.wait_for`` inside its
-    connect can swallow the cancellation that should stop it (seen once in a CI run:
-    ``belayer up --join`` a dead port hung past its 120 s test limit)."""
+    """nats-py's ``max_reconnect_attempts`` once connected: unbounded (-1) for a service's
+    connection (it keeps reconnecting), else as many tries of a refusing server as fit in
+    ``timeout`` less one pause. The first connect of every connection uses the bounded count
+    (``reconnect=False``), so it gives up by itself before the timeout; a service's connection
+    lifts the bound once it is up. Counting on the timeout alone could hang: nats-py retries a
+    refusing server forever when the count is unbounded, and Python 3.11's
+    ``asyncio.wait_for`` inside its connect can swallow the cancellation that should stop it
+    (seen once in a CI run: ``belayer up --join`` a dead port hung past its 120 s test
+    limit)."""
     if reconnect:
         return -1
     return max(1, int(timeout / RECONNECT_WAIT_S) - 1)
@@ -106,7 +108,7 @@ async def connect(
                 servers,
                 name=name,
                 connect_timeout=min(timeout, 2.0),
-                max_reconnect_attempts=connect_attempts(timeout, reconnect),
+                max_reconnect_attempts=connect_attempts(timeout, reconnect=False),
                 reconnect_time_wait=RECONNECT_WAIT_S,
                 allow_reconnect=reconnect,
                 error_cb=error_cb,
@@ -115,6 +117,9 @@ async def connect(
             timeout,
         )
         nc._belayer_denials = denials  # type: ignore[attr-defined]  # our attribute on nats-py's client
+        # nats-py reads this option at each reconnection: a service's connection now retries
+        # without bound (its first connect above was bounded).
+        nc.options["max_reconnect_attempts"] = connect_attempts(timeout, reconnect)
         return nc
     except ssl.SSLError as exc:
         raise Unauthorized(f"TLS with NATS at {where} failed: {exc.reason or exc}") from None

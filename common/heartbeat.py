@@ -2,10 +2,11 @@
 records who it is in the file's content; the shadow reads both to decide whether the main
 worker is alive, dead or hung. The decision (``assess``) is pure and unit-tested. Beside it, the
 liveness of a pid: ``PidWatch`` (a pidfd, for a process one watches) and ``process_alive`` (one
-look at ``/proc``, for any pid)."""
+look at ``/proc``, for any pid), and ``exits_within`` (waits a bounded time for one to exit)."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import os
@@ -118,3 +119,29 @@ class PidWatch:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+async def exits_within(pid: int, timeout: float) -> bool:
+    """Whether ``pid`` exits (or is already gone) within ``timeout`` seconds, awaited on its
+    pidfd. A process in the middle of dying (a SIGKILLed namespace init waiting for its
+    children, not yet a zombie) still looks alive to ``process_alive`` although its cgroup
+    and ``/proc`` entries are going away; this tells that death from a live process."""
+    watch = PidWatch(pid)
+    if watch.fd is None:
+        return True
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(watch.fd, readable)
+    try:
+        await asyncio.wait_for(exited, timeout)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(watch.fd)
+        watch.close()

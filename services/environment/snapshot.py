@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from common.errors import BelayerError, CheckpointInvalid, Conflict, NotFound, SandboxError
-from common.heartbeat import process_alive
+from common.heartbeat import exits_within, process_alive
 from schemas.env import CheckpointInfo
 from services.environment import core, quiescent
 from services.environment import criu_ops as ops
@@ -27,6 +27,11 @@ T = TypeVar("T")
 
 LAYER = "layer"
 """The method of a checkpoint that is the writable layer alone (a quiescent sandbox)."""
+
+
+DYING_GRACE_S = 5.0
+"""How long a checkpoint that found no freezer cgroup waits for the container's init to exit
+before it calls the cgroup missing rather than the container dead."""
 
 
 class Progress:
@@ -60,26 +65,26 @@ async def capture(
     (method ``layer``)."""
     info = await asyncio.to_thread(docker.inspect, rec.container_id)
     if not info["State"]["Running"]:
-        rec.move(SandboxState.FAILED)
-        raise SandboxError("sandbox's container is not running", sandbox_id=rec.id)
+        raise _died_before_dump(rec, "is not running: it died before the dump completed")
     pid = int(info["State"]["Pid"])
     progress.pid = pid
     paused = bool(info["State"].get("Paused"))
     upper = str(info["GraphDriver"]["Data"]["UpperDir"])
     method, root = checkpoint_method(config, rec.container_id)
     control = ops.freezer_path(pid)
-    if control is None and not process_alive(pid):
-        # Killed between the inspect and here: its cgroup went with it. Docker may not have
-        # noticed yet, so this is the death the caller must hear of, not a missing cgroup.
-        raise _died_before_dump(rec)
     if control is None:
+        # Killed between the inspect and here: its cgroup went with it. Docker may not have
+        # noticed yet, and a dying init can look alive a moment longer (it waits for its
+        # children), so this is the death the caller must hear of, not a missing cgroup.
+        if await exits_within(pid, DYING_GRACE_S):
+            raise _died_before_dump(rec)
         raise SandboxError("cannot find the container's freezer cgroup", sandbox_id=rec.id)
     t0 = time.monotonic()
     watch = _PauseWatch(docker, rec, armed=not paused)
     try:
         await ops.freeze(control)
     except OSError:  # the cgroup went away under the freeze: killed meanwhile?
-        if process_alive(pid):
+        if not await exits_within(pid, DYING_GRACE_S):
             raise
         raise _died_before_dump(rec) from None
     try:
@@ -87,7 +92,7 @@ async def capture(
             try:
                 why = await quiescent.reason(control, pid, baseline)
             except OSError:  # its cgroup or /proc entries went away: killed meanwhile?
-                if process_alive(pid):
+                if not await exits_within(pid, DYING_GRACE_S):
                     raise
                 raise _died_before_dump(rec) from None
             method = LAYER if why is None else method
@@ -126,12 +131,14 @@ async def capture(
     return manifest
 
 
-def _died_before_dump(rec: SandboxRecord) -> SandboxError:
-    """The sandbox (now ``failed``) lost its container before the process dump completed."""
+def _died_before_dump(
+    rec: SandboxRecord, what: str = "died during the checkpoint, before the dump completed"
+) -> SandboxError:
+    """The sandbox (now ``failed``) lost its container before the process dump completed
+    (``what``: it died during the capture, or Docker already says it is not running)."""
     rec.move(SandboxState.FAILED)
     return SandboxError(
-        "the sandbox's container died during the checkpoint, before the dump completed "
-        "(the checkpoint is dropped; full_restore the sandbox)",
+        f"the sandbox's container {what} (the checkpoint is dropped; full_restore the sandbox)",
         sandbox_id=rec.id,
         dump_completed=False,
     )

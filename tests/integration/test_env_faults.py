@@ -13,9 +13,14 @@ import docker.errors
 import pytest
 
 from common.errors import BelayerError, Conflict, SandboxError
+from common.heartbeat import process_alive
 from schemas.env import EnvRestored, SandboxLimits
 from services.environment import criu_ops as ops
+from services.environment import snapshot
 from services.environment.client import EnvClient
+from services.environment.core import Limits, SandboxRecord, SandboxState
+from services.environment.docker_ops import DockerOps
+from services.environment.snapshot import Progress
 from tests.integration.env_helpers import (
     BUMP,
     COUNTER,
@@ -157,6 +162,45 @@ async def test_container_dying_during_a_checkpoint_is_failed_not_running(env) ->
     assert r.prefix == 2 or r.checkpoint_id == first.checkpoint_id
     assert (await c.exec(sid, "cat /root/f")).stdout.strip() == "one"
     assert (await _info(c, sid)).state == "running"
+
+
+async def test_a_capture_in_a_killed_containers_last_moments_says_it_died(env, tmp_path) -> None:
+    """The window CI once hit: a SIGKILLed container's init still looks alive (``S``/``R`` in
+    /proc for some tens of ms, waiting for its children) while its freezer cgroup is already
+    gone. A capture that starts then is the container's death before the dump (``failed``,
+    ``dump_completed=False``), not "cannot find the container's freezer cgroup"."""
+    c, dk = env.client, require_docker()
+    sid = (await c.create(limits=SandboxLimits(memory_mb=768))).sandbox_id
+    await c.exec(
+        sid,
+        'nohup python3 -c "import signal\n'
+        "b=bytearray(384<<20)\nfor i in range(0,len(b),4096): b[i]=1\n"
+        'signal.pause()" >/dev/null 2>&1 & sleep 2.5',
+    )
+    cid = (await _info(c, sid)).container_id
+    pid = int(dk.api.inspect_container(cid)["State"]["Pid"])
+    assert ops.freezer_path(pid) is not None
+    rec = SandboxRecord(
+        id=sid, image=env.config.image, container_id=cid,
+        limits=Limits(memory_mb=768, cpus=1.0, pids=256),
+    )  # fmt: skip
+    killer = threading.Thread(target=dk.api.kill, args=(cid,), daemon=True)
+    killer.start()
+    window = False
+    for _ in range(200_000):  # until the cgroup is gone (bounded)
+        if ops.freezer_path(pid) is None:
+            window = process_alive(pid)
+            break
+    else:
+        raise AssertionError("the killed container's cgroup never went away")
+    with pytest.raises(SandboxError) as caught:
+        await snapshot.capture(
+            DockerOps(env.config), env.config, rec, tmp_path / "ck", "ck-1", 1, "t", Progress()
+        )
+    killer.join(30)
+    assert caught.value.data["dump_completed"] is False, (window, str(caught.value))
+    assert "before the dump completed" in str(caught.value)
+    assert rec.status is SandboxState.FAILED
 
 
 def _wedge(dk, cid: str, control: Path) -> threading.Thread:

@@ -10,6 +10,7 @@ import pytest
 
 from common.bus import RECONNECT_WAIT_S, connect, connect_attempts
 from common.errors import BusUnavailable
+from common.natsserver import NatsServer
 
 
 def test_a_one_off_connection_tries_as_often_as_fits_in_its_timeout() -> None:
@@ -32,3 +33,22 @@ async def test_a_refusing_server_ends_the_attempt_before_the_timeout() -> None:
     assert "cannot reach NATS" in message and url in message
     # the tries ran out ("no servers"), not the timeout ("TimeoutError")
     assert "no servers available" in message and "TimeoutError" not in message
+
+
+async def test_a_service_connection_gives_up_by_itself_too_then_reconnects_without_bound(
+    nats_server: NatsServer,
+) -> None:
+    """A service's connection (``reconnect=True``) bounds its first connect the same way; once
+    it is up, nats-py's reconnection count is unbounded again."""
+    url = f"nats://127.0.0.1:{_closed_port()}"
+    with pytest.raises(BusUnavailable) as caught:
+        await connect(url, name="t", timeout=2.0, reconnect=True)
+    assert "no servers available" in str(caught.value)
+    service = await connect(nats_server.url, name="t", timeout=2.0, reconnect=True)
+    one_off = await connect(nats_server.url, name="t", timeout=2.0, reconnect=False)
+    try:
+        assert service.options["max_reconnect_attempts"] == -1
+        assert one_off.options["max_reconnect_attempts"] == connect_attempts(2.0, reconnect=False)
+    finally:
+        await service.close()
+        await one_off.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import subprocess
@@ -13,6 +14,7 @@ from common.heartbeat import (
     PidWatch,
     Verdict,
     assess,
+    exits_within,
     process_alive,
     read_identity,
     write_identity,
@@ -77,3 +79,23 @@ def test_backoff_doubles_and_resets() -> None:
     assert [b.next_delay(1.0) for _ in range(5)] == [0.5, 1.0, 2.0, 4.0, 4.0]
     assert b.next_delay(60.0) == 0.5
     assert b.restarts == 6
+
+
+async def test_exits_within_waits_for_a_death_and_times_out_on_a_live_process() -> None:
+    gone = await asyncio.create_subprocess_exec("true")
+    await gone.wait()
+    assert await exits_within(gone.pid, 0.05)  # reaped: no such process
+    proc = await asyncio.create_subprocess_exec("sleep", "30")
+    try:
+        t0 = time.monotonic()
+        assert not await exits_within(proc.pid, 0.2)  # alive the whole time
+        assert time.monotonic() - t0 >= 0.2
+        asyncio.get_running_loop().call_soon(proc.kill)  # dies while it is being waited on
+        t0 = time.monotonic()
+        assert await exits_within(proc.pid, 10.0)
+        assert time.monotonic() - t0 < 5.0  # woken by the pidfd, not by the timeout
+        assert await exits_within(proc.pid, 0.05)  # exited (reaped or a zombie)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
