@@ -89,7 +89,7 @@ async def test_exits_within_waits_for_a_death_and_times_out_on_a_live_process() 
     try:
         t0 = time.monotonic()
         assert not await exits_within(proc.pid, 0.2)  # alive the whole time
-        assert time.monotonic() - t0 >= 0.2
+        assert time.monotonic() - t0 >= 0.19  # (asyncio may wake a timer a hair early)
         asyncio.get_running_loop().call_soon(proc.kill)  # dies while it is being waited on
         t0 = time.monotonic()
         assert await exits_within(proc.pid, 10.0)
