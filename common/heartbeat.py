@@ -2,11 +2,11 @@
 records who it is in the file's content; the shadow reads both to decide whether the main
 worker is alive, dead or hung. The decision (``assess``) is pure and unit-tested. Beside it, the
 liveness of a pid: ``PidWatch`` (a pidfd, for a process one watches) and ``process_alive`` (one
-look at ``/proc``, for any pid), and ``exits_within`` (waits a bounded time for one to exit)."""
+look at ``/proc``, for any pid) and ``process_exiting`` (the same look, which also counts a
+process that has begun to exit)."""
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import json
 import os
@@ -96,6 +96,26 @@ def process_alive(pid: int | None) -> bool:
     return state not in (b"Z", b"X", b"x")
 
 
+PF_EXITING = 0x4
+"""The kernel's per-task flag (``/proc/<pid>/stat`` field 9) set when a task begins to exit."""
+
+
+def process_exiting(pid: int | None) -> bool:
+    """``pid`` has begun to exit, or is gone: the kernel set ``PF_EXITING``, or it is a zombie,
+    dead or absent. A SIGKILLed container init still reads as sleeping or running for some tens
+    of milliseconds (it waits for its children) after its cgroup is gone; its ``PF_EXITING``
+    is set first (measured on real containers), so this tells that death at once where
+    ``process_alive`` would still say alive."""
+    if not pid or pid < 0:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b") ", 1)[-1].split()
+    except OSError:
+        return True
+    return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & PF_EXITING)
+
+
 class PidWatch:
     """Liveness of one pid through a pidfd: exact even while the process is an unreaped zombie,
     and immune to pid reuse."""
@@ -119,29 +139,3 @@ class PidWatch:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-async def exits_within(pid: int, timeout: float) -> bool:
-    """Whether ``pid`` exits (or is already gone) within ``timeout`` seconds, awaited on its
-    pidfd. A process in the middle of dying (a SIGKILLed namespace init waiting for its
-    children, not yet a zombie) still looks alive to ``process_alive`` although its cgroup
-    and ``/proc`` entries are going away; this tells that death from a live process."""
-    watch = PidWatch(pid)
-    if watch.fd is None:
-        return True
-    loop = asyncio.get_running_loop()
-    exited: asyncio.Future[None] = loop.create_future()
-
-    def readable() -> None:
-        if not exited.done():
-            exited.set_result(None)
-
-    loop.add_reader(watch.fd, readable)
-    try:
-        await asyncio.wait_for(exited, timeout)
-        return True
-    except TimeoutError:
-        return False
-    finally:
-        loop.remove_reader(watch.fd)
-        watch.close()

@@ -39,7 +39,7 @@ from common.errors import (
     SandboxError,
     Timeout,
 )
-from common.heartbeat import process_alive
+from common.heartbeat import process_exiting
 from common.logging import get_logger
 from common.tasks import keep
 from schemas.env import CheckpointInfo, ReadyPointer, SandboxInfo
@@ -373,7 +373,7 @@ class SandboxManager:
                 manifest = await self._capture(
                     rec, tmp, ck_id, prefix, trajectory_id, timeout, progress
                 )
-                exited = not process_alive(progress.pid)  # its init (no dockerd call)
+                exited = process_exiting(progress.pid)  # its init (no dockerd call)
                 tmp.rename(final)
                 if self.config.fsync:  # off the event loop: a journal commit can take seconds
                     await asyncio.to_thread(ops.fsync_dir, final.parent)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from common.errors import BelayerError, CheckpointInvalid, Conflict, NotFound, SandboxError
-from common.heartbeat import exits_within, process_alive
+from common.heartbeat import process_exiting
 from schemas.env import CheckpointInfo
 from services.environment import core, quiescent
 from services.environment import criu_ops as ops
@@ -27,11 +27,6 @@ T = TypeVar("T")
 
 LAYER = "layer"
 """The method of a checkpoint that is the writable layer alone (a quiescent sandbox)."""
-
-
-DYING_GRACE_S = 5.0
-"""How long a checkpoint that found no freezer cgroup waits for the container's init to exit
-before it calls the cgroup missing rather than the container dead."""
 
 
 class Progress:
@@ -72,19 +67,19 @@ async def capture(
     upper = str(info["GraphDriver"]["Data"]["UpperDir"])
     method, root = checkpoint_method(config, rec.container_id)
     control = ops.freezer_path(pid)
-    if control is None:
+    if control is None and process_exiting(pid):
         # Killed between the inspect and here: its cgroup went with it. Docker may not have
-        # noticed yet, and a dying init can look alive a moment longer (it waits for its
-        # children), so this is the death the caller must hear of, not a missing cgroup.
-        if await exits_within(pid, DYING_GRACE_S):
-            raise _died_before_dump(rec)
+        # noticed yet, and its init may not be a zombie yet (it waits for its children), so
+        # this is the death the caller must hear of, not a missing cgroup.
+        raise _died_before_dump(rec)
+    if control is None:
         raise SandboxError("cannot find the container's freezer cgroup", sandbox_id=rec.id)
     t0 = time.monotonic()
     watch = _PauseWatch(docker, rec, armed=not paused)
     try:
         await ops.freeze(control)
     except OSError:  # the cgroup went away under the freeze: killed meanwhile?
-        if not await exits_within(pid, DYING_GRACE_S):
+        if not process_exiting(pid):
             raise
         raise _died_before_dump(rec) from None
     try:
@@ -92,7 +87,7 @@ async def capture(
             try:
                 why = await quiescent.reason(control, pid, baseline)
             except OSError:  # its cgroup or /proc entries went away: killed meanwhile?
-                if not await exits_within(pid, DYING_GRACE_S):
+                if not process_exiting(pid):
                     raise
                 raise _died_before_dump(rec) from None
             method = LAYER if why is None else method
@@ -237,13 +232,13 @@ def checkpoint_method(config: EnvConfig, container_id: str) -> tuple[str, Path]:
 
 
 async def container_alive(docker: DockerOps, container_id: str) -> bool:
-    """Docker says running and its init process (host pid) is alive, not a zombie."""
+    """Docker says running and its init process (host pid) has not begun to exit."""
     try:
         info = await asyncio.to_thread(docker.inspect, container_id)
     except NotFound:
         return False
     state = info["State"]
-    return bool(state.get("Running")) and process_alive(int(state.get("Pid") or 0))
+    return bool(state.get("Running")) and not process_exiting(int(state.get("Pid") or 0))
 
 
 class NotTheCheckpoint(Exception):

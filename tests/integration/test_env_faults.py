@@ -166,10 +166,10 @@ async def test_container_dying_during_a_checkpoint_is_failed_not_running(env) ->
 
 
 async def test_a_capture_in_a_killed_containers_last_moments_says_it_died(env, tmp_path) -> None:
-    """The window CI once hit: a SIGKILLed container's init still looks alive (``S``/``R`` in
-    /proc for some tens of ms, waiting for its children) while its freezer cgroup is already
-    gone. A capture that starts then is the container's death before the dump (``failed``,
-    ``dump_completed=False``), not "cannot find the container's freezer cgroup"."""
+    """The window CI once hit: a SIGKILLed container's init still reads as sleeping or running
+    in /proc for some tens of ms (waiting for its children) while its freezer cgroup is
+    already gone. A capture that starts then is the container's death before the dump
+    (``failed``, ``dump_completed=False``), not "cannot find the container's freezer cgroup"."""
     c, dk = env.client, require_docker()
     sid = (await c.create(limits=SandboxLimits(memory_mb=768))).sandbox_id
     await c.exec(
@@ -190,7 +190,7 @@ async def test_a_capture_in_a_killed_containers_last_moments_says_it_died(env, t
     deadline = time.monotonic() + 60.0
     while ops.freezer_path(pid) is not None:  # until the cgroup is gone (bounded)
         assert time.monotonic() < deadline, "the killed container's cgroup never went away"
-    window = process_alive(pid)  # most often True: the init is still exiting
+    window = process_alive(pid)  # most often True: the init is exiting, not yet a zombie
     with pytest.raises(SandboxError) as caught:
         await snapshot.capture(
             DockerOps(env.config), env.config, rec, tmp_path / "ck", "ck-1", 1, "t", Progress()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import select
 import subprocess
@@ -14,8 +13,8 @@ from common.heartbeat import (
     PidWatch,
     Verdict,
     assess,
-    exits_within,
     process_alive,
+    process_exiting,
     read_identity,
     write_identity,
 )
@@ -81,21 +80,18 @@ def test_backoff_doubles_and_resets() -> None:
     assert b.restarts == 6
 
 
-async def test_exits_within_waits_for_a_death_and_times_out_on_a_live_process() -> None:
-    gone = await asyncio.create_subprocess_exec("true")
-    await gone.wait()
-    assert await exits_within(gone.pid, 0.05)  # reaped: no such process
-    proc = await asyncio.create_subprocess_exec("sleep", "30")
+def test_process_exiting_counts_a_zombie_and_a_gone_pid_but_not_a_live_one() -> None:
+    assert not process_exiting(os.getpid())
+    assert process_exiting(None) and process_exiting(0) and process_exiting(-1)
+    proc = subprocess.Popen(["sleep", "30"])
     try:
-        t0 = time.monotonic()
-        assert not await exits_within(proc.pid, 0.2)  # alive the whole time
-        assert time.monotonic() - t0 >= 0.19  # (asyncio may wake a timer a hair early)
-        asyncio.get_running_loop().call_soon(proc.kill)  # dies while it is being waited on
-        t0 = time.monotonic()
-        assert await exits_within(proc.pid, 10.0)
-        assert time.monotonic() - t0 < 5.0  # woken by the pidfd, not by the timeout
-        assert await exits_within(proc.pid, 0.05)  # exited (reaped or a zombie)
+        assert not process_exiting(proc.pid)
+        proc.kill()
+        watch = PidWatch(proc.pid)  # its pidfd turns readable once the child is a zombie
+        assert watch.fd is not None
+        select.select([watch.fd], [], [], 5.0)
+        watch.close()
+        assert process_exiting(proc.pid)  # a zombie, not yet reaped
     finally:
-        if proc.returncode is None:
-            proc.kill()
-        await proc.wait()
+        proc.wait()
+    assert process_exiting(proc.pid)  # reaped: no such process
