@@ -176,6 +176,7 @@ def _supervisor_grant() -> tuple[list[str], list[str]]:
             subjects.router_status(),
             subjects.router_engine_failed(),
             subjects.env("list"),
+            f"{P}.envhost.*.ping",
             subjects.rollout_status(),
             subjects.trainer_status(),
             *_kv_read(subjects.BUCKET_ENGINE_EPOCHS),
@@ -190,8 +191,9 @@ def _supervisor_grant() -> tuple[list[str], list[str]]:
 
 def _host_grant() -> tuple[list[str], list[str]]:
     """The supervisor of a host that joins a deployment (``--role env-host``): lists the
-    sandboxes."""
-    return ([subjects.env("list")], [])
+    sandboxes, pings its environment service (its own host name is chosen at start, so any
+    host's ping)."""
+    return ([subjects.env("list"), f"{P}.envhost.*.ping"], [])
 
 
 _WEIGHT_OBJECTS_STREAM = f"OBJ_{subjects.BUCKET_WEIGHT_OBJECTS}"

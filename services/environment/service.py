@@ -227,9 +227,12 @@ async def adopt_when_reachable(manager: SandboxManager, stop: asyncio.Event) -> 
             await asyncio.wait_for(stop.wait(), 2.0)
 
 
-async def register(svc: EnvHandlers, js: JetStreamContext, stop: asyncio.Event) -> None:
+async def register(
+    svc: EnvHandlers, js: JetStreamContext, stop: asyncio.Event, tried: asyncio.Event
+) -> None:
     """Keep this host's registration (KV ``env_hosts``) fresh: every ``register_every_s`` and
-    whenever its number of sandboxes changed; deleted on a graceful stop."""
+    whenever its number of sandboxes changed; deleted on a graceful stop. ``tried`` is set
+    once the first registration was written (or failed: the next round retries)."""
     kv: KeyValue | None = None
     host = svc.config.node
     try:
@@ -238,6 +241,7 @@ async def register(svc: EnvHandlers, js: JetStreamContext, stop: asyncio.Event) 
             with isolated(log, "env_host_register"):  # a bus hiccup: the next round retries
                 kv = kv or await js.key_value(subjects.BUCKET_ENV_HOSTS)
                 await kv.put(host, encode(svc.info()))
+            tried.set()
             with contextlib.suppress(TimeoutError):
                 changed = asyncio.ensure_future(svc.changed.wait())
                 stopped = asyncio.ensure_future(stop.wait())
@@ -253,6 +257,11 @@ async def register(svc: EnvHandlers, js: JetStreamContext, stop: asyncio.Event) 
         if kv is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(kv.delete(host), 2.0)
+
+
+REGISTER_WAIT_S = 10.0
+"""How long the service's start waits for its first registration before it answers pings
+anyway (a bus that refuses the write: the registration loop keeps retrying)."""
 
 
 class EnvService(Service[EnvConfig]):
@@ -302,10 +311,15 @@ class EnvService(Service[EnvConfig]):
             await self.server.serve(
                 subjects.env_host(config.node, op), typ, handler, concurrent=True
             )
+        # Registered (placeable) before this host answers its ping, the probe its supervisor
+        # waits on: a `belayer up --role env-host` that has returned can be placed on.
+        tried = asyncio.Event()
+        self.registering = asyncio.create_task(register(svc, self.js, self.stop_requested, tried))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(tried.wait(), REGISTER_WAIT_S)
         await self.server.serve(
             subjects.env_host(config.node, "ping"), wire.EnvPing, svc.on_ping, concurrent=True
         )
-        self.registering = asyncio.create_task(register(svc, self.js, self.stop_requested))
         log.info("sandboxes_adopted", node=config.node, sandboxes=len(manager.records))
 
     async def drain(self) -> None:

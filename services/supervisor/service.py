@@ -312,7 +312,7 @@ class Supervisor(Service[SupervisorConfig]):
         log.info("engine_host_ready", nats_url=redact(self.nats_url), engines=self.engine_ids)
 
     async def _start_environment(self) -> None:
-        """The environment service of this host, started and answering ``env.list``. In a
+        """The environment service of this host, started, registered and answering its ping. In a
         deployment (``--join``) its ready checkpoints also go to the object store, so that
         another host can restore its sandboxes when it dies."""
         store = self.config.env.checkpoint_store or bool(self.config.nats_url)
@@ -325,9 +325,12 @@ class Supervisor(Service[SupervisorConfig]):
         )  # fmt: skip
 
     async def _env_probe(self, nc: NATS) -> Any:
-        from schemas.env import EnvList, EnvListing
+        """This host's own environment service answers its ping (served once it registered):
+        ``env.list`` would be answered by any host of a deployment."""
+        from schemas.env import EnvHostInfo, EnvPing
 
-        return await request(nc, subjects.env("list"), EnvList(), EnvListing, timeout=2)
+        ping = subjects.env_host(node_label(self.run_id), "ping")
+        return await request(nc, ping, EnvPing(), EnvHostInfo, timeout=2)
 
     async def _controller_probe(self, nc: NATS) -> Any:
         """The controller answers ``rollout.status`` (``not_found`` for a probe id: it is up)."""

@@ -194,6 +194,10 @@ async def test_an_env_host_dies_and_its_sandboxes_continue_on_the_other(
 ) -> None:
     d = deployment
     nc = await connect(d.server.url, name="t", bus=d.bus("operator"))
+    # `up --role env-host` returns once its host is registered (placeable), not when any host
+    # answers `env.list`: both hosts are placed on from the first sandbox.
+    placeable = {h.host for h in await PlacedEnvClient(nc).hosts(now=True)}
+    assert placeable == {f"node-{h.run_id}" for h in d.hosts.values()}, placeable
     watch = await Watch().start(nc)
     try:
         request = RolloutRequest(
