@@ -48,6 +48,13 @@ def sh_wait(condition: str, what: str, seconds: float = 10.0) -> str:
     )
 
 
+# A process holding 384 MB of touched memory, started in the background (a dump that takes a
+# while, a death that takes some ms); the shell waits 2.5 s for the pages to be touched.
+BIG_PROCESS = (
+    'nohup python3 -c "import signal\n'
+    "b=bytearray(384<<20)\nfor i in range(0,len(b),4096): b[i]=1\n"
+    'signal.pause()" >/dev/null 2>&1 & sleep 2.5'
+)
 # Start the counter in the background and return once its SIGUSR1 handler is installed.
 START_COUNTER = (
     "{ rm -f /root/counter.ready; nohup python3 /root/counter.py >/dev/null 2>&1 & } && "

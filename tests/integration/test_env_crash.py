@@ -19,7 +19,7 @@ from common import subjects
 from common.errors import BelayerError
 from schemas.env import ReadyPointer, SandboxLimits
 from services.environment.client import EnvClient
-from tests.integration.env_helpers import leftover_containers, require_docker
+from tests.integration.env_helpers import BIG_PROCESS, leftover_containers, require_docker
 
 pytestmark = [pytest.mark.docker]
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,9 +71,7 @@ async def test_service_killed_mid_checkpoint_keeps_previous_pointer(
         sid = (await c.create(limits=SandboxLimits(memory_mb=768))).sandbox_id
         await c.exec(
             sid,
-            'echo one > /root/f; nohup python3 -c "import signal\n'
-            "b=bytearray(384<<20)\nfor i in range(0,len(b),4096): b[i]=1\n"
-            'signal.pause()" >/dev/null 2>&1 & sleep 2.5',
+            "echo one > /root/f; " + BIG_PROCESS,
         )
         first = await c.checkpoint(sid, 1)
         await c.exec(sid, "echo two > /root/f")

@@ -23,6 +23,7 @@ from services.environment.core import Limits, SandboxRecord, SandboxState
 from services.environment.docker_ops import DockerOps
 from services.environment.snapshot import Progress
 from tests.integration.env_helpers import (
+    BIG_PROCESS,
     BUMP,
     COUNTER,
     START_COUNTER,
@@ -133,9 +134,7 @@ async def test_container_dying_during_a_checkpoint_is_failed_not_running(env) ->
     sid = (await c.create(limits=SandboxLimits(memory_mb=768))).sandbox_id
     await c.exec(
         sid,
-        'echo one > /root/f; nohup python3 -c "import signal\n'
-        "b=bytearray(384<<20)\nfor i in range(0,len(b),4096): b[i]=1\n"
-        'signal.pause()" >/dev/null 2>&1 & sleep 2.5',
+        "echo one > /root/f; " + BIG_PROCESS,
     )
     first = await c.checkpoint(sid, 1)
     cid = (await _info(c, sid)).container_id
@@ -174,9 +173,7 @@ async def test_a_capture_in_a_killed_containers_last_moments_says_it_died(env, t
     sid = (await c.create(limits=SandboxLimits(memory_mb=768))).sandbox_id
     await c.exec(
         sid,
-        'nohup python3 -c "import signal\n'
-        "b=bytearray(384<<20)\nfor i in range(0,len(b),4096): b[i]=1\n"
-        'signal.pause()" >/dev/null 2>&1 & sleep 2.5',
+        BIG_PROCESS,
     )
     cid = (await _info(c, sid)).container_id
     pid = int(dk.api.inspect_container(cid)["State"]["Pid"])
