@@ -333,6 +333,7 @@ class DockerOps:
             )
             sock = self.api.exec_start(ex["Id"], socket=True)
         raw = _raw_socket(sock)
+        early = _buffered(sock, raw)
         out, err = bytearray(), bytearray()
         truncated = False
         killed = False
@@ -343,7 +344,7 @@ class DockerOps:
             return frozen is not None and is_frozen(frozen) and self.paused(container_id)
 
         try:
-            for stream, chunk in _frames(raw, deadline, stop=paused):
+            for stream, chunk in _frames(raw, deadline, stop=paused, early=early):
                 target = out if stream == 1 else err
                 room = cap - len(target)
                 if room > 0:
@@ -432,12 +433,40 @@ def _raw_socket(sock: Any) -> socket.socket:
     return raw
 
 
+def _buffered(sock: Any, raw: socket.socket) -> bytes:
+    """The stream's first bytes, which http.client may already have taken off the socket.
+
+    docker-py hands back the raw socket under the HTTP response, but the response's headers
+    were parsed through a buffered reader that reads what the socket holds, up to 8 KiB: a
+    command that printed before this thread parsed the headers (a short one, on a loaded
+    machine) had its output in that buffer, and reading the raw socket alone lost it — an empty
+    observation with exit code 0 (seen in CI: ``cat`` of the repository's files came back
+    empty in one run, whole in the other). Read without blocking: what is buffered, or nothing."""
+    reader = getattr(
+        getattr(getattr(getattr(sock, "_response", None), "raw", None), "_fp", None), "fp", None
+    )
+    if reader is None or not hasattr(reader, "peek"):
+        return b""
+    raw.setblocking(False)
+    try:
+        held = reader.peek()
+        return bytes(reader.read(len(held))) if held else b""
+    except OSError:
+        return b""
+    finally:
+        raw.setblocking(True)
+
+
 def _frames(
-    sock: socket.socket, deadline: float, stop: Callable[[], bool] = lambda: False
+    sock: socket.socket,
+    deadline: float,
+    stop: Callable[[], bool] = lambda: False,
+    early: bytes = b"",
 ) -> Iterator[tuple[int, bytes]]:
-    """Docker's multiplexed stream: 8-byte header (stream, 0, 0, 0, size BE32) + payload.
-    Ends early when ``stop()`` holds after a second of silence."""
-    buf = bytearray()
+    """Docker's multiplexed stream: 8-byte header (stream, 0, 0, 0, size BE32) + payload,
+    starting with ``early`` (bytes already off the socket, :func:`_buffered`). Ends early when
+    ``stop()`` holds after a second of silence."""
+    buf = bytearray(early)
 
     def read(n: int) -> bytes | None:
         while len(buf) < n:
