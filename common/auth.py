@@ -175,7 +175,6 @@ def _supervisor_grant() -> tuple[list[str], list[str]]:
             subjects.kv_get(),
             subjects.router_status(),
             subjects.router_engine_failed(),
-            subjects.env("list"),
             f"{P}.envhost.*.ping",
             subjects.rollout_status(),
             subjects.trainer_status(),
@@ -190,10 +189,10 @@ def _supervisor_grant() -> tuple[list[str], list[str]]:
 
 
 def _host_grant() -> tuple[list[str], list[str]]:
-    """The supervisor of a host that joins a deployment (``--role env-host``): lists the
-    sandboxes, pings its environment service (its own host name is chosen at start, so any
+    """The supervisor of a host that joins a deployment (``--role env-host``): pings its
+    environment service, its start-up probe (its own host name is chosen at start, so any
     host's ping)."""
-    return ([subjects.env("list"), f"{P}.envhost.*.ping"], [])
+    return ([f"{P}.envhost.*.ping"], [])
 
 
 _WEIGHT_OBJECTS_STREAM = f"OBJ_{subjects.BUCKET_WEIGHT_OBJECTS}"
