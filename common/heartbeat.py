@@ -83,17 +83,26 @@ def assess(*, pid_alive: bool | None, age_s: float | None, stale_after_s: float)
     return Verdict.ALIVE
 
 
+def _stat_fields(pid: int | None) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first); None when
+    ``pid`` is not a process (None, 0, negative, or no such entry)."""
+    if not pid or pid < 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b") ", 1)[-1].split()
+    except OSError:
+        return None
+
+
+_DEAD_STATES = (b"Z", b"X", b"x")
+
+
 def process_alive(pid: int | None) -> bool:
     """``pid`` runs: it exists and is neither a zombie nor dead (``/proc/<pid>/stat``). None, 0
     and negative pids are not processes."""
-    if not pid or pid < 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b") ", 1)[-1][:1]
-    except OSError:
-        return False
-    return state not in (b"Z", b"X", b"x")
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in _DEAD_STATES
 
 
 PF_EXITING = 0x4
@@ -106,14 +115,8 @@ def process_exiting(pid: int | None) -> bool:
     of milliseconds (it waits for its children) after its cgroup is gone; its ``PF_EXITING``
     is set first (measured on real containers), so this tells that death at once where
     ``process_alive`` would still say alive."""
-    if not pid or pid < 0:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b") ", 1)[-1].split()
-    except OSError:
-        return True
-    return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & PF_EXITING)
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] in _DEAD_STATES or bool(int(fields[6]) & PF_EXITING)
 
 
 class PidWatch:

@@ -132,10 +132,7 @@ async def test_checkpoint_of_a_paused_sandbox_keeps_it_paused_and_usable(env) ->
 async def test_container_dying_during_a_checkpoint_is_failed_not_running(env) -> None:
     c, dk = env.client, require_docker()
     sid = (await c.create(limits=SandboxLimits(memory_mb=768))).sandbox_id
-    await c.exec(
-        sid,
-        "echo one > /root/f; " + BIG_PROCESS,
-    )
+    await c.exec(sid, "echo one > /root/f; " + BIG_PROCESS)
     first = await c.checkpoint(sid, 1)
     cid = (await _info(c, sid)).container_id
     pending = asyncio.create_task(c.checkpoint(sid, 2))
@@ -171,10 +168,7 @@ async def test_a_capture_in_a_killed_containers_last_moments_says_it_died(env, t
     (``failed``, ``dump_completed=False``), not "cannot find the container's freezer cgroup"."""
     c, dk = env.client, require_docker()
     sid = (await c.create(limits=SandboxLimits(memory_mb=768))).sandbox_id
-    await c.exec(
-        sid,
-        BIG_PROCESS,
-    )
+    await c.exec(sid, BIG_PROCESS)
     cid = (await _info(c, sid)).container_id
     pid = int(dk.api.inspect_container(cid)["State"]["Pid"])
     assert ops.freezer_path(pid) is not None
