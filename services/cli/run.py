@@ -28,9 +28,15 @@ from services.cli.shared import (
 from services.rl.node import (
     NodeFailed,
 )
-from services.rl.options import DEFAULTS, LOSS_TYPES, LR_DEFAULTS, RunOptions
+from services.rl.options import (
+    DEFAULTS,
+    LOSS_TYPES,
+    LR_DEFAULTS,
+    TEMPERATURE_DEFAULTS,
+    RunOptions,
+)
 from services.rl.report import step_table
-from services.rl.run_workload import PLUGIN_DEFAULTS, PLUGIN_LR
+from services.rl.run_workload import PLUGIN_DEFAULTS, PLUGIN_LR, PLUGIN_TEMPERATURE
 
 PHASES = ("rollout", "reward", "train", "push", "eval")
 
@@ -211,7 +217,9 @@ RUN_TEMPERATURE = typer.Option(
     min=0.01,
     max=10.0,
     callback=finite,
-    help="Rollout temperature.",
+    help="Rollout temperature (default: "
+    + ", ".join(f"{w} {t:g}" for w, t in TEMPERATURE_DEFAULTS.items())
+    + f", a plugin {PLUGIN_TEMPERATURE:g}).",
 )
 RUN_LOSS_TYPE = typer.Option(
     RunOptions.loss_type, "--loss-type",
@@ -260,7 +268,7 @@ def run(
     lr_schedule: str = RUN_LR_SCHEDULE,
     held_out: int | None = RUN_HELD_OUT,
     eval_every: int | None = RUN_EVAL_EVERY,
-    temperature: float = RUN_TEMPERATURE,
+    temperature: float | None = RUN_TEMPERATURE,
     loss_type: str = RUN_LOSS_TYPE,
     beta: float = RUN_BETA,
     minibatches: int = RUN_MINIBATCHES,

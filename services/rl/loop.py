@@ -117,6 +117,8 @@ class RunContext:
     """Tokens per response of the step's rollouts."""
     eval_every: int = 1
     """Held-out evaluation after every this many steps and the last (``evaluates``)."""
+    temperature: float = 1.0
+    """Sampling temperature of the step's rollouts (held-out evaluation is greedy)."""
     max_turns: int | None = None
     """LLM turns per trajectory of the step's rollouts (None: the request's default)."""
 
@@ -182,7 +184,7 @@ def step_request(ctx: RunContext, step: int, faults: StepFaults) -> RolloutReque
         rewards=list(ctx.opts.rewards),
         reward_weights=list(ctx.opts.reward_weights),
         n=st.n,
-        sampling=SamplingParams(temperature=ctx.opts.temperature, max_tokens=ctx.max_tokens),
+        sampling=SamplingParams(temperature=ctx.temperature, max_tokens=ctx.max_tokens),
         seed=derive_seed(st.seed, step) if ctx.rollout_seed is None else ctx.rollout_seed,
         policy=st.policy,
         failure_rate=ctx.failure_rate,

@@ -54,6 +54,9 @@ families and two tasks of each of the 3 held-out families (``workloads.swe``), e
 steps 0, 5, 10, 15 and 20: about thirteen minutes for 20 steps."""
 LR_DEFAULTS: dict[str, float] = {"math": 5e-5, "swe": 1e-4}
 """Per workload: the peak learning rate of a node the run starts (docs/training.md)."""
+TEMPERATURE_DEFAULTS: dict[str, float] = {"math": 1.0, "swe": 0.7}
+"""Per workload: the training rollouts' sampling temperature (docs/training.md: swe's name-free
+fixes are long ``sed -E`` scripts that sampling at 1 garbles; at 0.7 more of them run)."""
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 """``--loss-type``: TRL's ``loss_type`` values (``GrpoConfig.loss_type``)."""
 LR_SCHEDULES = ("cosine", "constant")
@@ -107,8 +110,9 @@ class RunOptions:
     eval_every: int | None = None
     """Evaluate the held-out tasks after every this many steps (and after the last; step 0
     always); None: the workload's default (``DEFAULTS``)."""
-    temperature: float = 1.0
-    """Sampling temperature of the training rollouts."""
+    temperature: float | None = None
+    """Sampling temperature of the training rollouts (None: the workload's default,
+    ``TEMPERATURE_DEFAULTS``, or a plugin's)."""
     loss_type: str = GrpoConfig.loss_type
     """How per-token losses are aggregated (TRL's ``loss_type``; a node the run starts)."""
     beta: float = GrpoConfig.beta

@@ -77,7 +77,11 @@ def execute(
     n, tasks = group_shape(opts, running, node_paths, prior, rw.defaults)
     seed = prior.seed if prior else opts.seed
     held_out = opts.held_out or rw.defaults["held_out"]
-    opts = replace(opts, eval_every=opts.eval_every or int(rw.defaults.get("eval_every", 1)))
+    opts = replace(
+        opts,
+        eval_every=opts.eval_every or int(rw.defaults.get("eval_every", 1)),
+        temperature=rw.temperature if opts.temperature is None else opts.temperature,
+    )
     pool, held_ids, _ = choose_tasks(
         opts.workload, opts.dataset, tasks, opts.steps, held_out, seed,
         columns=(opts.prompt_column, opts.answer_column),
@@ -318,12 +322,13 @@ async def train(
             dataset=options.get("path", ""), held_out=[wl.task(t) for t in state.held_out],
             chat=ChatFormat(load_tokenizer(model_dir)), specs=specs, sandboxed=sandboxed,
             start_step=done + 1, steps=opts.steps, base_step=state.trainer_base_step,
-            eval_every=opts.eval_every or 1,
+            eval_every=opts.eval_every or 1, temperature=opts.temperature or 1.0,
             deterministic=node.ours and SupervisorConfig().worker.engine.deterministic,
         )  # fmt: skip
         say(
             f"run {state.run_id}: {opts.workload}, steps {ctx.start_step}..{opts.steps}, "
-            f"{state.tasks} tasks × {state.n} samples, {len(ctx.held_out)} held-out, model "
+            f"{state.tasks} tasks × {state.n} samples at temperature {ctx.temperature:g}, "
+            f"{len(ctx.held_out)} held-out, model "
             f"{model_dir}, run dir {out}"
         )
         with ui:

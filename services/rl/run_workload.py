@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.errors import BelayerError, InvalidRequest
-from services.rl.options import DEFAULTS, LR_DEFAULTS, WORKLOADS, RunOptions, workload_spec
+from services.rl.options import (
+    DEFAULTS,
+    LR_DEFAULTS,
+    TEMPERATURE_DEFAULTS,
+    WORKLOADS,
+    RunOptions,
+    workload_spec,
+)
 from workloads import Outcome, Task, Workload, plugins
 from workloads.rewards import (
     RewardFunctions,
@@ -35,6 +42,8 @@ task, held-out tasks (at most what the workload holds out), steps between held-o
 evaluations."""
 PLUGIN_LR = 1e-4
 """A plugin's peak learning rate where its workload declares none."""
+PLUGIN_TEMPERATURE = 1.0
+"""A plugin's rollout temperature where ``--temperature`` gives none."""
 DEFAULT_KEYS = ("tasks", "n", "held_out", "eval_every", "lr")
 """The keys a workload's ``run_defaults`` may set."""
 
@@ -51,6 +60,8 @@ class RunWorkload:
     """``tasks``, ``n``, ``held_out`` where the options give none."""
     lr: float
     """The peak learning rate where ``--lr`` gives none."""
+    temperature: float
+    """The rollouts' temperature where ``--temperature`` gives none."""
     sandboxed: bool
     """Its tasks run in sandboxes (the node starts its environment service)."""
     single_turn: bool
@@ -76,7 +87,8 @@ def resolve(opts: RunOptions) -> RunWorkload:
     if not is_plugin(opts.workload):
         return RunWorkload(
             spec=opts.workload, label=opts.workload, defaults=DEFAULTS[opts.workload],
-            lr=LR_DEFAULTS[opts.workload], sandboxed=opts.workload == "swe",
+            lr=LR_DEFAULTS[opts.workload], temperature=TEMPERATURE_DEFAULTS[opts.workload],
+            sandboxed=opts.workload == "swe",
             single_turn=opts.workload == "math", plugin=False,
         )  # fmt: skip
     from workloads import load_workload
@@ -110,7 +122,7 @@ def resolve(opts: RunOptions) -> RunWorkload:
     return RunWorkload(
         spec=opts.workload, label=label_of(str(wl.name)),
         defaults={**PLUGIN_DEFAULTS, **{k: int(v) for k, v in declared.items()}}, lr=float(lr),
-        sandboxed=sandboxed,
+        temperature=PLUGIN_TEMPERATURE, sandboxed=sandboxed,
         single_turn=not sandboxed and all(t.limits.max_turns == 1 for t in first), plugin=True,
     )  # fmt: skip
 

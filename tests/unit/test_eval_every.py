@@ -34,3 +34,17 @@ def test_a_plugin_may_declare_eval_every() -> None:
     assert run_defaults("w", {"eval_every": 4}) == {"eval_every": 4}
     with pytest.raises(InvalidRequest, match="eval_every must be a whole number"):
         run_defaults("w", {"eval_every": 0})
+
+
+def test_the_rollout_temperature_is_the_workload_s_unless_given(tmp_path: Path) -> None:
+    """``belayer run``'s rollouts sample at ``--temperature``, else at the workload's default
+    (swe 0.7, math 1, a plugin 1); the step's request carries it."""
+    from services.rl.loop import step_request
+    from services.rl.options import TEMPERATURE_DEFAULTS, RunOptions, StepFaults
+    from services.rl.run_workload import resolve
+
+    assert TEMPERATURE_DEFAULTS == {"math": 1.0, "swe": 0.7}
+    assert resolve(RunOptions("swe")).temperature == 0.7
+    assert resolve(RunOptions("math")).temperature == 1.0
+    ctx = replace(context(tmp_path), temperature=0.7)
+    assert step_request(ctx, 1, StepFaults()).sampling.temperature == 0.7
