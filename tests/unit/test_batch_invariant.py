@@ -87,6 +87,58 @@ def test_chunked_attention_is_attention_and_each_query_only_sees_its_past() -> N
         assert torch.equal(short[p], out[p]), p
 
 
+def masked_online_softmax(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """``bi.attend``'s chunked online softmax written the direct way: hidden keys' scores set to
+    ``-inf`` before ``exp`` (its formulation before 2026-12-06; the same ops otherwise)."""
+    s, kvh, m, hd = q.shape
+    c, chunks = kv.shape[4], kv.shape[1]
+    need = max(bi.padded_rows("qk", hd, c, m), bi.padded_rows("pv", c, hd, m))
+    qp, _ = bi.pad_rows(q, 2, need)
+    rows = qp.shape[2]
+    qf = qp.reshape(s * kvh, rows, hd)
+    pos, _ = bi.pad_rows(q_pos, 1, need)
+    hidden = torch.arange(chunks * c).view(chunks, 1, 1, 1, c) > pos[None, :, None, :, None]
+    mx = denom = acc = qf
+    for i in range(chunks):
+        k, v = kv[0, i].view(s * kvh, c, hd), kv[1, i].view(s * kvh, c, hd)
+        scores = torch.matmul(qf, k.transpose(1, 2)) * hd**-0.5
+        scores = scores.view(s, kvh, rows, c).masked_fill(hidden[i], float("-inf"))
+        scores = scores.view(s * kvh, rows, c)
+        if i == 0:
+            mx = scores.amax(dim=-1)
+            p = torch.exp(scores - mx[..., None])
+            denom, acc = p.sum(dim=-1), torch.matmul(p, v)
+        else:
+            new = torch.maximum(mx, scores.amax(dim=-1))
+            alpha = torch.exp(mx - new)
+            p = torch.exp(scores - new[..., None])
+            denom = denom * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + torch.matmul(p, v)
+            mx = new
+    return (acc / denom[..., None]).view(s, kvh, rows, hd)[:, :, :m]
+
+
+@pytest.mark.parametrize(("s", "m", "chunks"), [(3, 2, 1), (2, 4, 2), (1, 16, 3), (1, 200, 4)])
+def test_attend_has_the_bits_of_masking_to_minus_infinity_forward_and_backward(
+    s: int, m: int, chunks: int
+) -> None:
+    """``bi.attend`` zeroes hidden keys around ``exp`` instead of masking their scores to
+    ``-inf`` (a slow path of ``exp``): the outputs and the gradients (the trainer's) are
+    bitwise the direct way's, for decode rows, draft groups and a training sequence."""
+    q0 = randn(s, 2, m, 64)
+    kv0 = randn(2, chunks, s, 2, bi.ATTENTION_CHUNK, 64) * 3
+    q_pos = torch.randint(0, chunks * bi.ATTENTION_CHUNK, (s, m), generator=GEN)
+    weight = randn(s, 2, m, 64)
+    results = []
+    for attend in (bi.attend, masked_online_softmax):
+        q, kv = q0.clone().requires_grad_(True), kv0.clone().requires_grad_(True)
+        out = attend(q, q_pos, kv)
+        (out * weight).sum().backward()
+        results.append((out.detach(), q.grad, kv.grad))
+    for ours, direct in zip(*results, strict=True):
+        assert torch.equal(ours, direct)
+
+
 def test_one_thread_restores_the_thread_count() -> None:
     torch.set_num_threads(2)
     try:
