@@ -72,10 +72,10 @@ def init(
         "give the node the same --engine-host).",
     ),
 ) -> None:
-    """Write the identities of a deployment: ``OUT/node/`` (every service of the node that
-    runs the router, engines and controller, plus ``client`` and ``operator``), ``OUT/<host>/``
-    per environment host (``host``, ``environment``), and ``OUT/auth.conf``, the
-    ``authorization`` block every nats-server of the cluster includes. Copy each directory only
+    """Write the identities of a deployment: `OUT/node/` (every service of the node that
+    runs the router, engines and controller, plus `client` and `operator`), `OUT/<host>/`
+    per environment host (`host`, `environment`), and `OUT/auth.conf`, the
+    `authorization` block every nats-server of the cluster includes. Copy each directory only
     to its host (seed files are mode 0600)."""
     try:
         for host in env_hosts:

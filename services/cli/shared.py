@@ -8,9 +8,11 @@ anything a command did not catch; ``run`` for what a coroutine raises."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import math
+import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -119,6 +121,8 @@ class OneLineErrors(TyperGroup):
         windows_expand_args: bool = True,
         **extra: Any,
     ) -> Any:
+        reflow_help(self)
+
         def inner() -> Any:
             return super(OneLineErrors, self).main(
                 args, prog_name, complete_var, False, windows_expand_args, **extra
@@ -131,6 +135,39 @@ class OneLineErrors(TyperGroup):
         except Exception as exc:
             sys.exit(_report(exc))
         sys.exit(code if isinstance(code, int) else 0)
+
+
+_ITEM = re.compile(r"\s*([-*\u2022]|\d+[.)])\s")
+
+
+def reflow(text: str) -> str:
+    """A command's docstring as its ``--help`` should show it: the source's line breaks
+    inside a paragraph joined (the terminal wraps), paragraphs, list items (``- ``, ``1. ``)
+    and click's ``\\b`` (keep as is) paragraphs kept; anything after ``\\f`` unchanged."""
+    head, cut, tail = inspect.cleandoc(text).partition("\f")
+    out = []
+    for para in head.split("\n\n"):
+        if para.startswith("\b"):
+            out.append(para)
+            continue
+        lines: list[str] = []
+        for line in para.splitlines():
+            if lines and not _ITEM.match(line):
+                lines[-1] = f"{lines[-1]} {line.strip()}"
+            else:
+                lines.append(line.rstrip())
+        out.append("\n".join(lines))
+    return "\n\n".join(out) + cut + tail
+
+
+def reflow_help(command: Any) -> None:
+    """:func:`reflow` the help of ``command`` (a click command of typer's) and of every command
+    under it (typer's command list would otherwise break a description where its docstring's
+    source line ends)."""
+    if command.help:
+        command.help = reflow(command.help)
+    for sub in getattr(command, "commands", {}).values():
+        reflow_help(sub)
 
 
 def _report(exc: Exception) -> int:
