@@ -94,10 +94,12 @@ def init(
         for host, count in hosts:
             ids = host_engine_ids(host, count)
             identities += ensure_identities(out / host, engine_host_identities(host, ids))
+        conf = out / "auth.conf"
+        conf.write_text(authorization_conf(identities))
     except (ValueError, BelayerError) as exc:
         fail(one_line(str(exc)), 2)
-    conf = out / "auth.conf"
-    conf.write_text(authorization_conf(identities))
+    except OSError as exc:
+        fail(one_line(f"cannot write {out}: {exc.strerror or exc}"))
     typer.echo(
         f"wrote {len(identities)} identities under {out} and {conf} (include it in every "
         "nats-server's config); give each host only its own directory"

@@ -141,6 +141,19 @@ _BENCH_JSON = typer.Option(
 )
 
 
+def _check_model(model: Path | None) -> None:
+    """A benchmark's ``--model`` that is not a checkpoint Belayer serves: one error line, exit 2."""
+    if model is None:
+        return
+    from common.errors import InvalidRequest
+    from services.rl.options import check_model_dir
+
+    try:
+        check_model_dir(model.resolve())
+    except InvalidRequest as exc:
+        fail(str(exc), 2)
+
+
 def _bench_out(name: str) -> Any:
     return typer.Option(
         Path(f"bench-results/{name}.json"), "--out", help="Where to write the JSON."
@@ -194,14 +207,7 @@ def bench_handover(
     """
     from bench.handover import main as bench_main
 
-    if model is not None:
-        from common.errors import InvalidRequest
-        from services.rl.options import check_model_dir
-
-        try:
-            check_model_dir(model.resolve())
-        except InvalidRequest as exc:
-            fail(str(exc), 2)
+    _check_model(model)
     _run_bench(
         lambda path: bench_main(path, failures=failures, heartbeat_s=heartbeat_s, model=model),
         out,
@@ -234,6 +240,7 @@ def bench_engine(
     mode interleaved, with the ratios judged against ≥ 2× HF at batch 1, ≥ 1.5× at batch 8
     (deterministic mode) and deterministic ≥ 90 % of fast at batch 8, on any model.
     """
+    _check_model(model)
     if vs_hf:
         from bench.engine_hf import main as hf_main
 
@@ -283,6 +290,7 @@ def bench_policy(
     p = 0.05 ≤ ⅓ of restart-from-scratch's; no restart from scratch while a ready checkpoint
     existed. Many minutes.
     """
+    _check_model(model)
     from bench.policy import main as bench_main
 
     _run_bench(
@@ -329,6 +337,7 @@ def bench_train(
     each node (as measured, with its 95 % interval over the kills), and baseline / Belayer
     ratios with 95 % intervals over the kill pairs. About 20 minutes.
     """
+    _check_model(model)
     if trainer_procs > 1:
         from bench.train_dp import main as dp_main
 
@@ -422,6 +431,7 @@ def bench_transparency(
     is, every injection fired and neither run had an error. Minutes (math), longer (swe)."""
     if workload not in ("math", "swe"):
         raise typer.BadParameter("math or swe", param_hint="--workload")
+    _check_model(model)
     from bench.transparency import main as bench_main
 
     _run_bench(
