@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -75,6 +76,30 @@ def shm_prefix(run_id: str) -> str:
 def shm_path(run_id: str, name: str) -> Path:
     """A shared-memory file of this node."""
     return SHM_DIR / f"{shm_prefix(run_id)}{name}"
+
+
+def unmakeable_dir(path: Path) -> str | None:
+    """Why ``path`` cannot be (or be made) a directory this process writes in; None when it
+    can. Leaves the file system as it found it: the missing part is made, then removed."""
+    missing: list[Path] = []
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    try:
+        for part in reversed(missing):
+            part.mkdir()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        for part in missing:
+            with contextlib.suppress(OSError):
+                part.rmdir()
+    if not missing and not os.access(path, os.W_OK):
+        return "not writable"
+    return None
 
 
 # --- command-line flags generated from a config dataclass ---------------------------------

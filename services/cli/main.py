@@ -12,6 +12,7 @@ from typing import Any
 
 import typer
 
+from common.config import unmakeable_dir
 from services.cli import auth as auth_cmds
 from services.cli import generate as generate_cmd
 from services.cli import model_cmd
@@ -23,6 +24,7 @@ from services.cli import top as top_cmd
 from services.cli import workloads as workloads_cmds
 from services.cli.shared import (
     OneLineErrors,
+    check_model,
     exit_status,
     fail,
     terminate_as_interrupt,
@@ -89,6 +91,9 @@ def model_init(
             err=True,
         )
         raise typer.Exit(2)
+    why = unmakeable_dir(out_dir)
+    if why is not None:
+        fail(f"cannot write {out_dir} ({why})", 2)
     if warm_start is not None:
         from services.cli.model_cmd import init_warm_command
 
@@ -139,19 +144,6 @@ def _run_bench(fn: Callable[[Path], dict[str, Any]], out: Path, as_json: bool) -
 _BENCH_JSON = typer.Option(
     False, "--json", help="Print the results as JSON on stdout (the table goes to stderr)."
 )
-
-
-def _check_model(model: Path | None) -> None:
-    """A benchmark's ``--model`` that is not a checkpoint Belayer serves: one error line, exit 2."""
-    if model is None:
-        return
-    from common.errors import InvalidRequest
-    from services.rl.options import check_model_dir
-
-    try:
-        check_model_dir(model.resolve())
-    except InvalidRequest as exc:
-        fail(str(exc), 2)
 
 
 def _bench_out(name: str) -> Any:
@@ -207,7 +199,7 @@ def bench_handover(
     """
     from bench.handover import main as bench_main
 
-    _check_model(model)
+    check_model(model)
     _run_bench(
         lambda path: bench_main(path, failures=failures, heartbeat_s=heartbeat_s, model=model),
         out,
@@ -240,7 +232,7 @@ def bench_engine(
     mode interleaved, with the ratios judged against ≥ 2× HF at batch 1, ≥ 1.5× at batch 8
     (deterministic mode) and deterministic ≥ 90 % of fast at batch 8, on any model.
     """
-    _check_model(model)
+    check_model(model, chat=False)
     if vs_hf:
         from bench.engine_hf import main as hf_main
 
@@ -290,7 +282,7 @@ def bench_policy(
     p = 0.05 ≤ ⅓ of restart-from-scratch's; no restart from scratch while a ready checkpoint
     existed. Many minutes.
     """
-    _check_model(model)
+    check_model(model)
     from bench.policy import main as bench_main
 
     _run_bench(
@@ -337,7 +329,7 @@ def bench_train(
     each node (as measured, with its 95 % interval over the kills), and baseline / Belayer
     ratios with 95 % intervals over the kill pairs. About 20 minutes.
     """
-    _check_model(model)
+    check_model(model)
     if trainer_procs > 1:
         from bench.train_dp import main as dp_main
 
@@ -431,7 +423,7 @@ def bench_transparency(
     is, every injection fired and neither run had an error. Minutes (math), longer (swe)."""
     if workload not in ("math", "swe"):
         raise typer.BadParameter("math or swe", param_hint="--workload")
-    _check_model(model)
+    check_model(model)
     from bench.transparency import main as bench_main
 
     _run_bench(

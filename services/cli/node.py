@@ -23,7 +23,7 @@ from common.errors import BelayerError
 from common.heartbeat import process_alive
 from common.node import read_node
 from services.cli.auth import preflight
-from services.cli.shared import fail, print_json, run, with_bus
+from services.cli.shared import check_model, fail, print_json, run, with_bus
 from services.rl.node import NodeFailed, docker_usable, launch, shut_down
 from services.rl.run import run_paths
 from services.supervisor.config import SupervisorConfig, parse_engine_host
@@ -261,6 +261,8 @@ def up(
     device_choice, backend = check_up_args(
         recovery, role, nats_url, host_name, device, engine_backend
     )
+    if model:  # the router would fail reading it, after NATS had started
+        check_model(Path(model), chat=False)
     paths = run_paths(run_dir)
     refuse_if_running(paths)
     bus = bus_config(tls_cert, tls_key, tls_ca, replicas)

@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import msgspec
@@ -98,6 +99,19 @@ def checked(msg: M) -> M:
         fail(one_line(str(exc)), 2)
     except (OverflowError, msgspec.EncodeError) as exc:
         fail(one_line(f"invalid request: {exc}"), 2)
+
+
+def check_model(model: Path | None, chat: bool = True) -> None:
+    """A ``--model`` that is not a checkpoint Belayer serves (with a ChatML tokenizer unless
+    ``chat`` is false): one error line, exit 2, before anything starts."""
+    if model is None:
+        return
+    from services.rl.options import check_model_dir
+
+    try:
+        check_model_dir(model.resolve(), chat=chat)
+    except InvalidRequest as exc:
+        fail(str(exc), 2)
 
 
 def finite(value: float | None) -> float | None:

@@ -201,9 +201,10 @@ def faults_of(specs: list[FaultSpec], step: int, *, sandboxed: bool) -> StepFaul
 
 
 # --- the model -------------------------------------------------------------------------------
-def check_model_dir(path: Path) -> None:
+def check_model_dir(path: Path, chat: bool = True) -> None:
     """``InvalidRequest`` unless ``path`` holds a checkpoint Belayer serves (a Qwen3 or Llama
-    family, ``model.qwen3.FAMILIES``) with a ChatML tokenizer."""
+    family, ``model.qwen3.FAMILIES``) with a tokenizer, a ChatML one unless ``chat`` is false
+    (serving alone, ``belayer up``, needs no chat format)."""
     from model.config import load_model_config
 
     def bad(why: str) -> InvalidRequest:
@@ -224,6 +225,8 @@ def check_model_dir(path: Path) -> None:
         raise bad("no model.safetensors (or index)")
     if not (path / "tokenizer.json").exists():
         raise bad("no tokenizer.json")
+    if not chat:
+        return
     try:
         from model.chat import ChatFormat
         from model.tokenizer import load_tokenizer

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from common.config import RunPaths
+from common.config import RunPaths, unmakeable_dir
 from common.errors import InvalidRequest
 from model.chat import ChatFormat
 from model.tokenizer import load_tokenizer
@@ -163,6 +163,9 @@ def run_directory(
         prior = None
         if read_state(out) is not None:
             raise InvalidRequest(f"{out} already holds a run: pass --resume, or another --out")
+        why = unmakeable_dir(out)
+        if why is not None:
+            raise InvalidRequest(f"--out {out}: cannot write a run there ({why})")
     return out.resolve(), prior
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from common.config import unmakeable_dir
+
 
 def belayer(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -47,3 +49,44 @@ def test_auth_init_into_a_directory_that_cannot_be_made(tmp_path: Path) -> None:
     proc = belayer("auth", "init", str(blocker / "auth"))
     assert proc.returncode == 1
     assert one_error_line(proc).startswith(f"error: cannot write {blocker / 'auth'}: ")
+
+
+def test_unmakeable_dir_says_why_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert unmakeable_dir(blocker / "a" / "b") == f"{blocker} is not a directory"
+    assert unmakeable_dir(blocker) == f"{blocker} is not a directory"
+    assert unmakeable_dir(Path("/proc/belayer-none/run")) is not None  # proc makes no dirs
+    assert unmakeable_dir(tmp_path / "new" / "deeper") is None
+    assert unmakeable_dir(tmp_path) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probe removed its dirs
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["run", "math", "--steps", "1", "--out"], "--out {}: cannot write a run there ("),
+        (["model", "init", "--tiny"], "cannot write {} ("),
+        (["model", "init", "--tiny", "--warm-start", "math"], "cannot write {} ("),
+    ],
+)
+def test_an_output_directory_that_cannot_be_made(
+    tmp_path: Path, args: list[str], words: str
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    target = blocker / "out"
+    proc = belayer(
+        *args, str(target), *(["--run-dir", str(tmp_path / "node")] if args[0] == "run" else [])
+    )
+    assert proc.returncode == 2
+    assert one_error_line(proc).startswith("error: " + words.format(target)), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing started
+
+
+def test_up_with_a_model_that_is_not_a_checkpoint_starts_nothing(tmp_path: Path) -> None:
+    node = tmp_path / "node"
+    proc = belayer("up", "--model", str(tmp_path / "none"), "--run-dir", str(node), "--detach")
+    assert proc.returncode == 2
+    assert one_error_line(proc).endswith("is not a Qwen3 or Llama checkpoint: no such directory")
+    assert not node.exists()  # no NATS, no router: the router used to fail reading it
