@@ -153,3 +153,29 @@ def test_derive_seed_gives_each_sample_its_own_stable_seed() -> None:
     assert len(draws) == 64
     with pytest.raises(ValueError):
         derive_seed(1, -1)
+
+
+def test_columns_past_the_tokenizer_are_left_out_of_the_draw_with_the_same_tokens() -> None:
+    """An engine's sampler knows the tokenizer's id range (the model's output vocabulary is
+    padded with −inf columns): it sorts only the real columns, and every token and
+    log-probability is bitwise what sorting them all gives — any temperature, top-p, seed —
+    and never a padding column."""
+    gen = torch.Generator().manual_seed(5)
+    real, width = 2042, 4096
+    logits = torch.randn(64, width, generator=gen) * 4
+    logits[:, real:] = float("-inf")
+    params = [
+        SamplingParams(temperature=t, top_p=p, seed=1000 + i)
+        for i, (t, p) in enumerate(
+            (t, p) for t in (0.3, 0.7, 1.0, 2.0) for p in (1.0, 0.9, 0.5, 0.05)
+        )
+    ] * 4
+    indices = list(range(64))
+    padded = Sampler(seed=3, vocab=real)(logits, params, indices)
+    full = Sampler(seed=3)(logits, params, indices)
+    assert padded == full
+    assert max(padded[0]) < real
+    unseeded = [SamplingParams(temperature=1.0)] * 64
+    assert Sampler(seed=4, vocab=real)(logits, unseeded, indices) == Sampler(seed=4)(
+        logits, unseeded, indices
+    )

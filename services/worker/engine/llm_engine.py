@@ -103,7 +103,7 @@ class LLMEngine(EngineBackend):
         eos = model_config.eos_token_id if eos_token_ids is None else eos_token_ids
         self.scheduler = Scheduler(config, eos)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size)
-        self.sampler = Sampler(sampler_seed)
+        self.sampler = Sampler(sampler_seed, model_config.output_vocab_size)
         self._live: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []
         self._ids = itertools.count()

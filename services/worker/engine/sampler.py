@@ -42,8 +42,11 @@ def seeded_uniform(seed: int, index: int) -> float:
 class Sampler:
     """Batched greedy / temperature / top-p sampling (see the module docstring)."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, vocab: int = 0) -> None:
+        """``vocab``: the tokenizer's id range (the model's ``output_vocab_size``), when the
+        logits have columns past it (−inf, never drawn); 0: every column is a token."""
         self._rng = random.Random(seed)
+        self._vocab = vocab
 
     def new_seed(self) -> int:
         """A fresh request seed from this sampler's stream (a signed 63-bit integer)."""
@@ -66,7 +69,10 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
             chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
             return tokens.tolist(), chosen.tolist()
-        sampled = self._sample(logprobs.exp(), params, sample_indices)
+        # The columns past the tokenizer are exact zeros here, last in the sort either way:
+        # leaving them out halves the sort (most of a sampled step's sampling) and draws the
+        # same tokens.
+        sampled = self._sample(logprobs[:, : self._vocab or None].exp(), params, sample_indices)
         greedy = torch.tensor([p.greedy for p in params])
         tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
