@@ -72,11 +72,10 @@ class Sampler:
         # The columns past the tokenizer are exact zeros here, last in the sort either way:
         # leaving them out shortens the sort, most of a sampled step's sampling (the tiny math
         # model: 358 of 4096 columns), and draws the same tokens.
-        sampled = self._sample(logprobs[:, : self._vocab or None].exp(), params, sample_indices)
+        tokens = self._sample(logprobs[:, : self._vocab or None].exp(), params, sample_indices)
         greedy = [p.greedy for p in params]
         if any(greedy):  # a mixed batch only (argmax of 64 rows: 0.45 ms, 40 % of their sort)
-            sampled = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
-        tokens = sampled
+            tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         return tokens.tolist(), chosen.tolist()
 
