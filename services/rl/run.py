@@ -52,6 +52,7 @@ from services.rl.run_workload import (
     scored_by_rewards,
 )
 from services.trainer.client import drop_unreplayable_plans as drop_plans
+from services.trainer.client import roll_back_to
 
 
 def run_paths(run_dir: Path | None) -> RunPaths:
@@ -209,7 +210,7 @@ def start_run_node(
     --reward-function`` would)."""
     paths = run_paths(out / "node")
     if resumed:
-        drop_unreplayable_plans(out / "trainer", say)
+        restart_point(out, state.trainer_base_step, say)
     say(f"starting a node for the run in {paths.root} …")
     t0 = time.monotonic()
     trainer = run_trainer_config(
@@ -229,12 +230,22 @@ def start_run_node(
     return node
 
 
-def drop_unreplayable_plans(checkpoint_dir: Path, say: Callable[[str], object]) -> None:
-    """A fresh node's bus has none of the old trajectories: a step planned after the latest
-    checkpoint cannot be redone from them, so its plan goes and the run redoes the step with a
-    new rollout."""
-    for step in drop_plans(checkpoint_dir):
-        say(f"step {step} was not checkpointed: it is run again")
+def restart_point(out: Path, base_step: int, say: Callable[[str], object]) -> None:
+    """Where a resumed run's trainer restarts: its latest checkpoint of a step the run recorded.
+
+    A run stopped between its trainer's checkpoint of a step and the step's record (the
+    weights pushed and evaluated, the metrics written) drops that checkpoint and runs the step
+    again, so every step trained is a step recorded (deterministic mode redoes it bit for bit:
+    the same weights, tasks and seeds). A fresh node's bus has none of the old trajectories, so
+    a step planned after the checkpoint cannot be redone from its plan either: the plan goes
+    and the step is run again with a new rollout."""
+    recorded = max((int(r.get("step", 0)) for r in read_metrics(out / "metrics.jsonl")), default=0)
+    unrecorded = roll_back_to(out / "trainer", base_step + recorded)
+    for step in unrecorded:
+        say(f"step {step - base_step} was trained but not recorded: it is run again")
+    for step in drop_plans(out / "trainer"):
+        if step not in unrecorded:
+            say(f"step {step - base_step} was not checkpointed: it is run again")
 
 
 async def trainer_shape(node: Any, paths: Any) -> tuple[int, int]:

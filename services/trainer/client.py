@@ -14,7 +14,14 @@ from schemas.trainer import TrainerStatus, TrainerStatusRequest
 from services.trainer import journal
 from services.trainer.config import GrpoConfig, LossType, TrainerConfig
 
-__all__ = ["GrpoConfig", "LossType", "TrainerConfig", "drop_unreplayable_plans", "trainer_status"]
+__all__ = [
+    "GrpoConfig",
+    "LossType",
+    "TrainerConfig",
+    "drop_unreplayable_plans",
+    "roll_back_to",
+    "trainer_status",
+]
 
 
 def drop_unreplayable_plans(checkpoint_dir: Path) -> list[int]:
@@ -28,6 +35,14 @@ def drop_unreplayable_plans(checkpoint_dir: Path) -> list[int]:
         journal.plan_path(checkpoint_dir, plan.step).unlink(missing_ok=True)
         dropped.append(plan.step)
     return dropped
+
+
+def roll_back_to(checkpoint_dir: Path, step: int) -> list[int]:
+    """Make ``step`` the trainer's latest checkpoint again: remove the checkpoints after it (a
+    run stopped after the trainer checkpointed a step but before the run recorded it redoes
+    that step), when one at or before ``step`` remains. Returns the steps removed. No torch,
+    no bus."""
+    return journal.remove_checkpoints_after(checkpoint_dir, step)
 
 
 async def trainer_status(nc: NATS, timeout: float = 2.0) -> TrainerStatus:

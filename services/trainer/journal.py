@@ -69,6 +69,22 @@ def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
+def remove_checkpoints_after(root: Path, step: int) -> list[int]:
+    """Remove the checkpoints of the steps after ``step``, newest first, when one at or before
+    ``step`` remains to restart from (else nothing); returns the steps removed. Each goes out
+    of sight at once (renamed to a name :func:`checkpoints` skips, then deleted)."""
+    found = checkpoints(root)
+    if not any(s <= step for s, _ in found):
+        return []
+    removed = []
+    for s, p in reversed([(s, p) for s, p in found if s > step]):
+        hidden = p.with_name(f"{p.name}.old-{os.getpid()}")
+        os.replace(p, hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+        removed.append(s)
+    return sorted(removed)
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -1,7 +1,8 @@
 """SIGTERM to ``belayer run`` (a job scheduler's stop, ``kill``, ``timeout``) does what Ctrl-C
 does — also when the run was started in a shell's background, where SIGINT is ignored: the
 node the run started is stopped — no supervisor, nats-server or service process,
-no shared-memory file of its run left — the report is written, and the command exits 143."""
+no shared-memory file of its run left — the report is written, and the command exits 143;
+``--resume`` then goes on with every step recorded once."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 from common.config import RunPaths
 from common.heartbeat import process_alive
 from common.node import read_node
+from services.rl.report import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -82,3 +84,22 @@ def test_sigterm_stops_the_node_the_run_started(
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"belayer-{node.run_id}")]
     report = json.loads((out / "report.json").read_text())
     assert 1 <= report["steps"] < 50
+    if sigint == "default":
+        check_resume(out, env, warm_model("math"), report["steps"])
+
+
+def check_resume(out: Path, env: dict[str, str], model: Path, recorded: int) -> None:
+    """``--resume`` one step further: wherever the signal landed (a step's rollout, its
+    update, its push or evaluation after the trainer's checkpoint), the metrics hold every step
+    once, in order."""
+    steps = recorded + 1
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "run", "math", "--resume", "--steps",
+         str(steps), "--model", str(model), "--out", str(out), "--held-out", "2", "--json"],
+        capture_output=True, text=True, timeout=240, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert report["steps"] == steps
+    assert [r["step"] for r in report["per_step"]] == list(range(steps + 1))
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(steps + 1))

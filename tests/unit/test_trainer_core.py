@@ -270,3 +270,21 @@ def test_plans_after_a_checkpoint_are_the_contiguous_run_and_prune_keeps_what_re
         "step-00000005.json",
         "step-00000007.json",
     ]
+
+
+def test_a_roll_back_removes_the_later_checkpoints_only_when_an_earlier_one_remains(
+    tmp_path: Path,
+) -> None:
+    from services.trainer import journal
+    from services.trainer.client import roll_back_to
+
+    for step in (1, 2, 3):
+        d = journal.checkpoint_path(tmp_path, step)
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text("{}")
+    assert roll_back_to(tmp_path, 0) == []  # nothing to restart from: all kept
+    assert [s for s, _ in journal.checkpoints(tmp_path)] == [1, 2, 3]
+    assert roll_back_to(tmp_path, 1) == [2, 3]
+    assert journal.latest_checkpoint(tmp_path) == (1, journal.checkpoint_path(tmp_path, 1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]  # nothing hidden left
+    assert roll_back_to(tmp_path, 1) == [] and roll_back_to(tmp_path, 5) == []
