@@ -320,6 +320,7 @@ async def train(
     records: list[dict[str, Any]] = []
     earlier = [r for r in read_metrics(out / "metrics.jsonl")] if opts.resume else []
     ctx: RunContext | None = None
+    stopped = False
     try:
         trainer = await wait_trainer(nc)
         if opts.resume:
@@ -347,6 +348,9 @@ async def train(
         )
         with ui:
             records = await train_loop(nc, ctx, ui)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        stopped = True
+        raise
     finally:  # metrics.jsonl holds every step recorded, also when the loop was interrupted
         all_records = read_metrics(out / "metrics.jsonl") or earlier + records
         report: dict[str, Any] = {}
@@ -361,5 +365,11 @@ async def train(
                 tensorboard=str(out / "tb"),
             )  # fmt: skip
             write_report(out, report, all_records)
+            if stopped:
+                last = max((int(r.get("step", 0)) for r in all_records), default=0)
+                say(
+                    f"stopped after step {last} of {opts.steps}: the report of the steps "
+                    f"recorded is {out / 'report.md'}; the same command with --resume goes on"
+                )
         await nc.drain()
     return report, all_records

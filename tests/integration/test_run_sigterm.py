@@ -65,7 +65,8 @@ def test_sigterm_stops_the_node_the_run_started(
         for line in proc.stderr or ():
             lines.put(line)
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     seen: list[str] = []
     try:
         while not any(x.strip().startswith("step 1:") for x in seen):  # a step trained
@@ -78,7 +79,10 @@ def test_sigterm_stops_the_node_the_run_started(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    reader.join(timeout=30)  # stderr closed: every line is in the queue
+    seen += list(lines.queue)
     assert code == 143, "".join(seen)
+    assert any(x.startswith("stopped after step ") for x in seen), "".join(seen[-20:])
     assert not process_alive(node.supervisor_pid)
     assert processes_under(out / "node") == []
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"belayer-{node.run_id}")]
