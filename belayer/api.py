@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
@@ -104,7 +105,9 @@ class AsyncNode:
         if info is None:
             if not self.start:
                 raise NotFound("no node is running here", run_dir=str(self.paths.root))
-            info = await asyncio.to_thread(launch, self.config, self.paths, self.timeout)
+            # Not kept: the node stops itself if this process dies without closing it.
+            config = dataclasses.replace(self.config, owner_pid=0 if self.keep else os.getpid())
+            info = await asyncio.to_thread(launch, config, self.paths, self.timeout)
             ours = True
         self.handle = NodeHandle(self.paths, info, ours=ours)
         self.nc, self.url = await open_bus(self.handle), info.nats_url

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import random
 import shutil
 import signal
@@ -379,6 +380,7 @@ def soak_config(paths: RunPaths, opts: SoakOptions) -> SupervisorConfig:
         d,
         restart_backoff_max_s=d.restart_backoff_s,
         run_dir=str(paths.root),
+        owner_pid=os.getpid(),  # a SIGKILLed soak leaves no node behind
         engines=opts.engines,
         environment=opts.workload == "swe",
         training=opts.train,

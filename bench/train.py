@@ -32,6 +32,7 @@ marked a lower bound (``ratios_are_lower_bounds``), and the measured time is sho
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import statistics
 import tempfile
@@ -93,8 +94,9 @@ def start(side: Side, model_dir: Path, tasks: int, n: int) -> None:
         group_size=n, groups_per_step=tasks, checkpoint_dir=side.root / "trainer", lr=1e-12
     )
     info = start_node(
-        paths, model_dir=model_dir, environment=True, trainer=trainer, recovery=side.recovery
-    )
+        paths, model_dir=model_dir, environment=True, trainer=trainer, recovery=side.recovery,
+        owner_pid=os.getpid(),  # a SIGKILLed benchmark leaves no node behind
+    )  # fmt: skip
     side.node = NodeHandle(paths, info, ours=True)
 
 

@@ -112,11 +112,14 @@ def start_node(
     timeout: float = 240.0,
     workload_plugins: tuple[str, ...] = (),
     reward_functions: tuple[str, ...] = (),
+    owner_pid: int = 0,
 ) -> NodeInfo:
     """A fresh node for the run (``belayer up --detach --training``, its JetStream store and
     all under ``paths``, so no stale trajectory is on its bus) with ``trainer``; its
     controller may load ``workload_plugins`` and ``reward_functions`` (``belayer up
-    --workload-plugin``/``--reward-function``)."""
+    --workload-plugin``/``--reward-function``). With ``owner_pid`` the node stops itself
+    when that process exits (``SupervisorConfig.owner_pid``). A node still running from
+    ``paths`` must be stopped first (:func:`stop_node`): its directory is started afresh."""
     shutil.rmtree(paths.root, ignore_errors=True)
     d = SupervisorConfig()
     config = dataclasses.replace(
@@ -126,6 +129,7 @@ def start_node(
         environment=environment,
         training=True,
         ready_timeout_s=timeout,
+        owner_pid=owner_pid,
         router=dataclasses.replace(
             d.router, recovery="baseline" if recovery == "baseline" else "belayer"
         ),

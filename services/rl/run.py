@@ -6,6 +6,7 @@ one for the run, train step after step (``services/rl/loop.py``), write the repo
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -14,6 +15,8 @@ from typing import Any
 
 from common.config import RunPaths, unmakeable_dir
 from common.errors import InvalidRequest
+from common.heartbeat import process_alive
+from common.node import read_node
 from model.chat import ChatFormat
 from model.tokenizer import load_tokenizer
 from services.rl.loop import Quiet, RunContext, train_loop
@@ -209,6 +212,10 @@ def start_run_node(
     the run's plugin and reward functions (as ``belayer up --workload-plugin
     --reward-function`` would)."""
     paths = run_paths(out / "node")
+    left = read_node(paths)
+    if left is not None and process_alive(left.supervisor_pid):  # an earlier invocation's
+        say(f"stopping the node an earlier invocation left running in {paths.root} …")
+        stop_node(paths)
     if resumed:
         restart_point(out, state.trainer_base_step, say)
     say(f"starting a node for the run in {paths.root} …")
@@ -224,6 +231,7 @@ def start_run_node(
         paths, model_dir=model_dir, environment=rw.sandboxed, trainer=trainer,
         recovery=opts.recovery, workload_plugins=rw.node_plugins,
         reward_functions=node_reward_functions(opts),
+        owner_pid=0 if opts.keep_node else os.getpid(),
     )  # fmt: skip
     node = NodeHandle(paths, info, ours=True)
     say(f"node ready in {time.monotonic() - t0:.1f} s (run {info.run_id}, {info.recovery})")

@@ -35,6 +35,7 @@ from common.bus import request
 from common.config import RunPaths, config_argv
 from common.errors import BelayerError, NotFound, Timeout
 from common.guard import isolated
+from common.heartbeat import PidWatch
 from common.logging import get_logger
 from common.natsserver import NatsServer, TlsFiles, start_nats_server
 from common.node import NodeInfo
@@ -102,6 +103,8 @@ class Supervisor(Service[SupervisorConfig]):
             else [f"e{i}" for i in range(config.engines)]
         )
         self.watchers: list[asyncio.Task[None]] = []
+        self.owner_watch: tuple[PidWatch, asyncio.AbstractEventLoop] | None = None
+        """``owner_pid``'s pidfd and the loop it is registered with (``_watch_owner``)."""
         self.engines = Engines(self)
         self.metrics: MetricsEndpoint | None = None
         self.metrics_url = ""
@@ -213,6 +216,7 @@ class Supervisor(Service[SupervisorConfig]):
             return
         await server.serve(subjects.supervisor_status(), SupervisorStatusRequest, self._on_status)
         await server.serve(subjects.supervisor_stop(), StopNode, self._on_stop)
+        self._watch_owner()
         model, rid = self.model_dir, self.run_id
         # The three stateless-to-each-other services start together (each pays torch/tokenizer
         # imports); workers need all three, so they start after.
@@ -271,6 +275,31 @@ class Supervisor(Service[SupervisorConfig]):
         ]
         self.engines.watch_all()
         await self.engines.subscribe()
+
+    def _watch_owner(self) -> None:
+        """With ``owner_pid``: stop the node the moment that process exits (its pidfd turns
+        readable), or at once if it is gone already."""
+        pid = self.config.owner_pid
+        if pid <= 0:
+            return
+        watch = PidWatch(pid)
+        fd = watch.fd
+        if fd is None:
+            self._owner_gone(pid)
+            return
+        loop = asyncio.get_running_loop()
+
+        def gone() -> None:
+            loop.remove_reader(fd)
+            watch.close()
+            self._owner_gone(pid)
+
+        loop.add_reader(fd, gone)
+        self.owner_watch = (watch, loop)
+
+    def _owner_gone(self, pid: int) -> None:
+        log.warning("owner_exited", owner_pid=pid)
+        self.stop_requested.set()
 
     async def _setup_env_host(self) -> None:
         """A host that joined a deployment to run only its sandboxes: the environment service
@@ -454,6 +483,9 @@ class Supervisor(Service[SupervisorConfig]):
         """Stop services in reverse start order, then NATS; remove shm files and node file.
         (The supervisor's own connection is already drained; the children drain theirs.)"""
         self.stop_requested.set()
+        if self.owner_watch is not None and (fd := self.owner_watch[0].fd) is not None:
+            self.owner_watch[1].remove_reader(fd)
+            self.owner_watch[0].close()
         for w in [*self.watchers, *self.engines.tasks]:
             w.cancel()
         if self.metrics is not None:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def test_sigterm_stops_the_node_the_run_started(
         check_resume(out, env, warm_model("math"), report["steps"])
 
 
-def check_resume(out: Path, env: dict[str, str], model: Path, recorded: int) -> None:
+def check_resume(out: Path, env: dict[str, str], model: Path, recorded: int) -> str:
     """``--resume`` one step further: wherever the signal landed (a step's rollout, its
     update, its push or evaluation after the trainer's checkpoint), the metrics hold every step
     once, in order."""
@@ -107,3 +108,57 @@ def check_resume(out: Path, env: dict[str, str], model: Path, recorded: int) -> 
     assert report["steps"] == steps
     assert [r["step"] for r in report["per_step"]] == list(range(steps + 1))
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(steps + 1))
+    return proc.stderr
+
+
+def test_a_sigkilled_run_leaves_no_node_and_resumes(
+    warm_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """SIGKILL cannot be handled: the node stops itself when the run's process is gone (its
+    supervisor watches it), and ``--resume`` goes on."""
+    out = tmp_path / "run"
+    env = {**os.environ, "BELAYER_HOME": str(tmp_path / "home")}
+    model = warm_model("math")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "run", "math", "--steps", "50",
+         "--model", str(model), "--out", str(out), "--held-out", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        for line in proc.stderr or ():
+            if line.strip().startswith("step 1:"):  # a step trained and recorded
+                break
+        node = read_node(RunPaths(out / "node"))
+        assert node is not None and process_alive(node.supervisor_pid)
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 90
+    while processes_under(out / "node") and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling the node's shutdown, bounded
+    assert processes_under(out / "node") == []
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"belayer-{node.run_id}")]
+    check_resume(out, env, model, len(read_metrics(out / "metrics.jsonl")) - 1)
+
+
+def test_a_node_left_running_in_the_run_directory_is_stopped_before_a_resume(
+    warm_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    env = {**os.environ, "BELAYER_HOME": str(tmp_path / "home")}
+    model = warm_model("math")
+    first = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "run", "math", "--steps", "1", "--keep-node",
+         "--model", str(model), "--out", str(out), "--held-out", "2"],
+        capture_output=True, text=True, timeout=240, env=env, check=False,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-4000:]
+    kept = read_node(RunPaths(out / "node"))
+    assert kept is not None and process_alive(kept.supervisor_pid)
+    said = check_resume(out, env, model, 1)
+    assert "stopping the node an earlier invocation left running" in said
+    assert not process_alive(kept.supervisor_pid)
+    assert processes_under(out / "node") == []
