@@ -182,12 +182,19 @@ def _g(v: Any) -> str:
     return f"{v:.2g}" if isinstance(v, int | float) else ""
 
 
+def of_planned(report: dict[str, Any]) -> str:
+    """``of 20 `` when the run recorded fewer steps than it was asked for (it was stopped)."""
+    planned = report.get("steps_planned")
+    return f"of {planned} " if planned and report["steps"] < planned else ""
+
+
 def markdown(report: dict[str, Any], records: list[dict[str, Any]]) -> str:
     """``report.md``: totals, the per-step table, the plots."""
     lines = [
         f"# belayer run {report['workload']} — {report['run_id']}",
         "",
-        f"{report['steps']} steps, {report['tasks']} tasks × {report['n']} samples per step, "
+        f"{report['steps']} {of_planned(report)}steps, {report['tasks']} tasks × {report['n']} "
+        "samples per step, "
         f"model `{report['model_dir']}`, node recovery {report['recovery']}, "
         f"{'deterministic' if report.get('deterministic') else 'fast'} inference; "
         f"{report['wall_seconds']:.0f} s.",

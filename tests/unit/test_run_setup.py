@@ -159,3 +159,14 @@ def test_a_resume_directory_of_another_model_is_refused(tmp_path: Path) -> None:
     assert "trained from another model (/elsewhere/model)" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (out / "node").exists()  # nothing started
+
+
+def test_the_report_of_a_stopped_run_says_how_many_steps_were_asked_for() -> None:
+    from services.rl.report import markdown
+
+    report = {"workload": "math", "run_id": "math1", "tasks": 8, "n": 8, "model_dir": "m",
+              "recovery": "belayer", "deterministic": True, "wall_seconds": 57.0}  # fmt: skip
+    stopped = markdown({**report, "steps": 14, "steps_planned": 20}, [])
+    assert "\n14 of 20 steps, 8 tasks × 8 samples per step" in stopped
+    done = markdown({**report, "steps": 20, "steps_planned": 20}, [])
+    assert "\n20 steps, 8 tasks × 8 samples per step" in done
