@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -443,7 +444,9 @@ def worker_config(
 
 
 def run_in_foreground(config: SupervisorConfig, paths: RunPaths) -> NoReturn:
-    """The supervisor as a child in the foreground until it exits (Ctrl-C drains it)."""
+    """The supervisor as a child in the foreground until it exits (Ctrl-C drains it; a
+    SIGKILL of this CLI stops it too: it watches this process, ``owner_pid``)."""
+    config = dataclasses.replace(config, owner_pid=os.getpid())
     argv = [sys.executable, "-m", "services.supervisor", *config_argv(config)]
     typer.echo(f"starting Belayer node in the foreground ({paths.root}); Ctrl-C stops it")
     # Own session: a terminal's Ctrl-C reaches only this CLI, which forwards exactly one
