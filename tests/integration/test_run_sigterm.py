@@ -22,6 +22,7 @@ import pytest
 from common.config import RunPaths
 from common.heartbeat import process_alive
 from common.node import read_node
+from services.rl.node import shut_down
 from services.rl.report import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -139,7 +140,9 @@ def test_a_sigkilled_run_leaves_no_node_and_resumes(
     deadline = time.monotonic() + 90
     while processes_under(out / "node") and time.monotonic() < deadline:
         time.sleep(0.2)  # polling the node's shutdown, bounded
-    assert processes_under(out / "node") == []
+    left = processes_under(out / "node")
+    shut_down(RunPaths(out / "node"), timeout=30.0)  # what a failed check would leave running
+    assert left == []
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"belayer-{node.run_id}")]
     check_resume(out, env, model, len(read_metrics(out / "metrics.jsonl")) - 1)
 
@@ -158,7 +161,10 @@ def test_a_node_left_running_in_the_run_directory_is_stopped_before_a_resume(
     assert first.returncode == 0, first.stderr[-4000:]
     kept = read_node(RunPaths(out / "node"))
     assert kept is not None and process_alive(kept.supervisor_pid)
-    said = check_resume(out, env, model, 1)
+    try:
+        said = check_resume(out, env, model, 1)
+    finally:
+        shut_down(RunPaths(out / "node"), timeout=30.0)
     assert "stopping the node an earlier invocation left running" in said
     assert not process_alive(kept.supervisor_pid)
     assert processes_under(out / "node") == []
