@@ -38,6 +38,9 @@ class NodeInfo:
     """``node`` or ``env-host`` (a host that joined another node's deployment)."""
     metrics_url: str = ""
     """The node's Prometheus endpoint (``belayer up --metrics-port``; empty: off)."""
+    owner_pid: int = 0
+    """The process the node stops with (``SupervisorConfig.owner_pid``: ``belayer run``'s own
+    node, a foreground ``belayer up``); 0: none."""
 
     def write(self, paths: RunPaths) -> None:
         paths.root.mkdir(parents=True, exist_ok=True)

@@ -213,9 +213,14 @@ def start_run_node(
     --reward-function`` would)."""
     paths = run_paths(out / "node")
     left = read_node(paths)
-    if left is not None and process_alive(left.supervisor_pid):  # an earlier invocation's
+    if left is not None and process_alive(left.supervisor_pid):
+        if left.owner_pid and process_alive(left.owner_pid):
+            raise InvalidRequest(
+                f"{out} is being trained by another `belayer run` (pid {left.owner_pid}): "
+                "stop it first (Ctrl-C or SIGTERM), then --resume"
+            )
         say(f"stopping the node an earlier invocation left running in {paths.root} …")
-        stop_node(paths)
+        stop_node(paths)  # --keep-node's, or one whose run is gone and is stopping itself
     if resumed:
         restart_point(out, state.trainer_base_step, say)
     say(f"starting a node for the run in {paths.root} …")

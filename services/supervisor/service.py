@@ -528,6 +528,7 @@ class Supervisor(Service[SupervisorConfig]):
             tls_key=self.config.bus.tls_key,
             role=self.config.role,
             metrics_url=self.metrics_url,
+            owner_pid=self.config.owner_pid,
         ).write(self.paths)
 
     def identities(self) -> list[str]:

@@ -75,6 +75,9 @@ def test_sigterm_stops_the_node_the_run_started(
             seen.append(lines.get(timeout=180))
         node = read_node(RunPaths(out / "node"))
         assert node is not None and process_alive(node.supervisor_pid)
+        if sigint == "ignored":  # meanwhile, a second invocation on the same run is refused
+            check_refused_while_running(out, env, warm_model("math"), proc.pid)
+            assert process_alive(node.supervisor_pid)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)
     finally:
@@ -92,6 +95,18 @@ def test_sigterm_stops_the_node_the_run_started(
     assert 1 <= report["steps"] < 50
     if sigint == "default":
         check_resume(out, env, warm_model("math"), report["steps"])
+
+
+def check_refused_while_running(out: Path, env: dict[str, str], model: Path, pid: int) -> None:
+    """``--resume`` of a run another invocation is training: one line, nothing touched."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "run", "math", "--resume", "--steps", "60",
+         "--model", str(model), "--out", str(out), "--held-out", "2"],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"is being trained by another `belayer run` (pid {pid})" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def check_resume(out: Path, env: dict[str, str], model: Path, recorded: int) -> str:
