@@ -46,9 +46,10 @@ class SupervisorConfig:
     metrics_addr: str = "127.0.0.1"
     """The address the metrics endpoint listens on."""
     owner_pid: int = 0
-    """The process this node is for (``belayer run``'s own node): when it exits — also by
-    SIGKILL, which it cannot clean up after — the supervisor stops the node as ``belayer
-    down`` would. 0: none (``belayer up``'s node runs until ``belayer down``)."""
+    """The process this node is for (``belayer run``'s own node, a foreground ``belayer up``):
+    when it exits — also by SIGKILL, which it cannot clean up after — the supervisor stops the
+    node as ``belayer down`` would. 0: none (``belayer up --detach``'s node runs until
+    ``belayer down``)."""
     role: Literal["node", "env-host", "engine-host"] = "node"
     """``node``: every service; ``env-host``: only the environment service, on a host that
     joins an existing deployment (``nats_url``), whose controller it serves; ``engine-host``:
