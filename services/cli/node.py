@@ -24,7 +24,14 @@ from common.errors import BelayerError
 from common.heartbeat import process_alive
 from common.node import read_node
 from services.cli.auth import preflight
-from services.cli.shared import check_model, fail, print_json, run, with_bus
+from services.cli.shared import (
+    check_model,
+    fail,
+    print_json,
+    run,
+    terminate_as_interrupt,
+    with_bus,
+)
 from services.rl.node import NodeFailed, docker_usable, launch, shut_down
 from services.rl.run import run_paths
 from services.supervisor.config import SupervisorConfig, parse_engine_host
@@ -444,11 +451,14 @@ def worker_config(
 
 
 def run_in_foreground(config: SupervisorConfig, paths: RunPaths) -> NoReturn:
-    """The supervisor as a child in the foreground until it exits (Ctrl-C drains it; a
-    SIGKILL of this CLI stops it too: it watches this process, ``owner_pid``)."""
+    """The supervisor as a child in the foreground until it exits (its status is the
+    command's). Ctrl-C or SIGTERM drains it, also where the shell started this command with
+    SIGINT ignored; a SIGKILL of this CLI stops it too (it watches this process,
+    ``owner_pid``)."""
     config = dataclasses.replace(config, owner_pid=os.getpid())
     argv = [sys.executable, "-m", "services.supervisor", *config_argv(config)]
     typer.echo(f"starting Belayer node in the foreground ({paths.root}); Ctrl-C stops it")
+    terminate_as_interrupt()
     # Own session: a terminal's Ctrl-C reaches only this CLI, which forwards exactly one
     # SIGTERM (a second signal would make the supervisor cancel instead of drain).
     proc = subprocess.Popen(argv, start_new_session=True)

@@ -113,13 +113,16 @@ def start_node(
     workload_plugins: tuple[str, ...] = (),
     reward_functions: tuple[str, ...] = (),
     owner_pid: int = 0,
+    first_version: int = 1,
 ) -> NodeInfo:
     """A fresh node for the run (``belayer up --detach --training``, its JetStream store and
     all under ``paths``, so no stale trajectory is on its bus) with ``trainer``; its
     controller may load ``workload_plugins`` and ``reward_functions`` (``belayer up
     --workload-plugin``/``--reward-function``). With ``owner_pid`` the node stops itself
-    when that process exits (``SupervisorConfig.owner_pid``). A node still running from
-    ``paths`` must be stopped first (:func:`stop_node`): its directory is started afresh."""
+    when that process exits (``SupervisorConfig.owner_pid``); its weight store loads the
+    model as ``first_version`` (``WeightStoreConfig.first_version``). A node still running
+    from ``paths`` must be stopped first (:func:`stop_node`): its directory is started
+    afresh."""
     shutil.rmtree(paths.root, ignore_errors=True)
     d = SupervisorConfig()
     config = dataclasses.replace(
@@ -130,6 +133,7 @@ def start_node(
         training=True,
         ready_timeout_s=timeout,
         owner_pid=owner_pid,
+        weights=dataclasses.replace(d.weights, first_version=first_version),
         router=dataclasses.replace(
             d.router, recovery="baseline" if recovery == "baseline" else "belayer"
         ),

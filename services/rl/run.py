@@ -54,8 +54,8 @@ from services.rl.run_workload import (
     resolve,
     scored_by_rewards,
 )
+from services.trainer.client import checkpoint_version, roll_back_to
 from services.trainer.client import drop_unreplayable_plans as drop_plans
-from services.trainer.client import roll_back_to
 
 
 def run_paths(run_dir: Path | None) -> RunPaths:
@@ -221,8 +221,12 @@ def start_run_node(
             )
         say(f"stopping the node an earlier invocation left running in {paths.root} …")
         stop_node(paths)  # --keep-node's, or one whose run is gone and is stopping itself
+    first_version = 1
     if resumed:
         restart_point(out, state.trainer_base_step, say)
+        # The trainer pushes its checkpoint as the version after the one the store starts at,
+        # so the run's weight versions go on where its checkpoint left them.
+        first_version = max(1, checkpoint_version(out / "trainer") - 1)
     say(f"starting a node for the run in {paths.root} …")
     t0 = time.monotonic()
     trainer = run_trainer_config(
@@ -236,7 +240,7 @@ def start_run_node(
         paths, model_dir=model_dir, environment=rw.sandboxed, trainer=trainer,
         recovery=opts.recovery, workload_plugins=rw.node_plugins,
         reward_functions=node_reward_functions(opts),
-        owner_pid=0 if opts.keep_node else os.getpid(),
+        owner_pid=0 if opts.keep_node else os.getpid(), first_version=first_version,
     )  # fmt: skip
     node = NodeHandle(paths, info, ours=True)
     say(f"node ready in {time.monotonic() - t0:.1f} s (run {info.run_id}, {info.recovery})")

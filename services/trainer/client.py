@@ -4,6 +4,7 @@ it) and its status. Importing this module does not load torch; the GRPO math its
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
@@ -18,6 +19,7 @@ __all__ = [
     "GrpoConfig",
     "LossType",
     "TrainerConfig",
+    "checkpoint_version",
     "drop_unreplayable_plans",
     "roll_back_to",
     "trainer_status",
@@ -43,6 +45,18 @@ def roll_back_to(checkpoint_dir: Path, step: int) -> list[int]:
     that step), when one at or before ``step`` remains. Returns the steps removed. No torch,
     no bus."""
     return journal.remove_checkpoints_after(checkpoint_dir, step)
+
+
+def checkpoint_version(checkpoint_dir: Path) -> int:
+    """The weight version the trainer's latest checkpoint holds (0: none, or unreadable).
+    No torch, no bus."""
+    found = journal.latest_checkpoint(checkpoint_dir)
+    if found is None:
+        return 0
+    try:
+        return int(json.loads((found[1] / "meta.json").read_text()).get("version", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 async def trainer_status(nc: NATS, timeout: float = 2.0) -> TrainerStatus:

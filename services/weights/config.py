@@ -15,7 +15,12 @@ class WeightStoreConfig(ServiceConfig):
     run_id: str = "dev"
     """Names this node's shm files (``/dev/shm/belayer-<run_id>-weights-v<N>``)."""
     model_dir: Path = Path("model")
-    """Hugging Face style directory (``config.json`` + safetensors) loaded as version 1."""
+    """Hugging Face style directory (``config.json`` + safetensors) loaded as version
+    ``first_version``."""
+    first_version: int = 1
+    """The version number the model directory is loaded as on a fresh bus. A resumed
+    ``belayer run`` starts its new node one below its trainer checkpoint's version, so the
+    trainer pushes the checkpoint as that version and the run's numbering goes on."""
     keep_versions: int = 2
     """Newest versions kept in memory; older ones are unlinked after each push (readers
     that already mapped them keep their memory; new readers get ``NotFound``)."""
@@ -27,5 +32,8 @@ class WeightStoreConfig(ServiceConfig):
     ``belayer.host.<host>.weights.get``; ``model_dir`` is where it writes ``config.json``."""
 
     def __post_init__(self) -> None:
-        if self.keep_versions < 1:
-            raise ValueError(f"keep_versions must be >= 1, got {self.keep_versions}")
+        if self.keep_versions < 1 or self.first_version < 1:
+            raise ValueError(
+                f"keep_versions and first_version must be >= 1, got {self.keep_versions}, "
+                f"{self.first_version}"
+            )

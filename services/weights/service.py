@@ -38,7 +38,9 @@ class WeightsService(Service[WeightStoreConfig]):
     def __init__(self, config: WeightStoreConfig) -> None:
         super().__init__(config)
         self.log = self.log.bind(run_id=config.run_id)
-        self.store = WeightStore(config.run_id, config.model_dir, config.keep_versions)
+        self.store = WeightStore(
+            config.run_id, config.model_dir, config.keep_versions, config.first_version
+        )
 
     async def setup(self) -> None:
         kv = await self.js.key_value(subjects.BUCKET_WEIGHT_VERSION)

@@ -38,10 +38,13 @@ class Version:
 class WeightStore:
     """Versions of one model in shared memory; the newest ``keep_versions`` are kept."""
 
-    def __init__(self, run_id: str, model_dir: Path, keep_versions: int = 2) -> None:
+    def __init__(
+        self, run_id: str, model_dir: Path, keep_versions: int = 2, first_version: int = 1
+    ) -> None:
         self.run_id = run_id
         self.model_dir = Path(model_dir).resolve()
         self.keep_versions = keep_versions
+        self.first_version = first_version
         # Bound here, not at import: structlog is configured in __main__ after imports.
         self.log = get_logger(component="weight_store", run_id=run_id)
         self.versions: dict[int, Version] = {}
@@ -55,13 +58,14 @@ class WeightStore:
         ``prior`` is the manifest the ``weight_version`` bucket points at. If it belongs to
         this run and its memory is intact (the store was killed and restarted), it is
         adopted: a trainer's pushed weights survive a store crash. Otherwise the model
-        directory is loaded as version 1 (or ``prior.version + 1`` within the same run, so
-        version numbers never repeat). Stale files of this run are removed either way.
+        directory is loaded as version ``first_version`` (or ``prior.version + 1`` within the
+        same run, so version numbers never repeat). Stale files of this run are removed either
+        way.
         """
         adopted = self._adopt(prior) if prior is not None else None
         if adopted is None:
             same_run = prior is not None and self._owns(prior.handle.path)
-            number = prior.version + 1 if prior is not None and same_run else 1
+            number = prior.version + 1 if prior is not None and same_run else self.first_version
             adopted = self._load(number)
         self.versions[adopted.manifest.version] = adopted
         self.current = adopted.manifest.version

@@ -22,7 +22,15 @@ from services.trainer.update import weights_equal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-SAME = ("reward_mean", "tokens", "heldout_reward", "heldout_rewards", "logprob_diff_max")
+SAME = (
+    "reward_mean",
+    "tokens",
+    "heldout_reward",
+    "heldout_rewards",
+    "logprob_diff_max",
+    "weight_version",
+    "weights_sha256",
+)
 """Fields of a step's record that a deterministic redo reproduces exactly."""
 
 

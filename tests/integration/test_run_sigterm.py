@@ -124,6 +124,9 @@ def check_resume(out: Path, env: dict[str, str], model: Path, recorded: int) -> 
     assert report["steps"] == steps
     assert [r["step"] for r in report["per_step"]] == list(range(steps + 1))
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(steps + 1))
+    # the new node's weight versions go on where the stopped run's left off: one per step
+    versions = [r["weight_version"] for r in report["per_step"] if r["step"] >= 1]
+    assert versions == list(range(versions[0], versions[0] + steps)), versions
     return proc.stderr
 
 

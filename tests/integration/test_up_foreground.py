@@ -1,6 +1,7 @@
-"""``belayer up`` in the foreground: Ctrl-C drains the node and returns; a SIGKILL of the
-command (which it cannot handle) stops the node too — its supervisor watches the command's
-process — so in both cases no service, nats-server or shared-memory file of the node is left."""
+"""``belayer up`` in the foreground: Ctrl-C or SIGTERM drains the node and returns; a SIGKILL
+of the command (which it cannot handle) stops the node too — its supervisor watches the
+command's process — so in every case no service, nats-server or shared-memory file of the
+node is left."""
 
 from __future__ import annotations
 
@@ -23,12 +24,18 @@ from tests.integration.node_helpers import run_id_processes
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
+def with_sigint() -> None:
+    """A terminal's foreground job: SIGINT at its default (a test runner started in a shell's
+    background would pass it on ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def up_in_foreground(run_dir: Path, model: Path) -> tuple[subprocess.Popen[str], NodeInfo]:
     """``belayer up`` (foreground, one engine, no sandboxes) and its node once ready."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli.main", "up", "--run-dir", str(run_dir),
          "--engines", "1", "--no-environment", "--model", str(model)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=with_sigint,
     )  # fmt: skip
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline and proc.poll() is None:
@@ -55,7 +62,7 @@ def gone(node: NodeInfo, within: float) -> bool:
     return not running() and not shm
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigkill"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill"])
 def test_a_foreground_node_stops_with_its_command(
     warm_model: Callable[[str], Path], tmp_path: Path, how: str
 ) -> None:
@@ -63,8 +70,8 @@ def test_a_foreground_node_stops_with_its_command(
     proc, node = up_in_foreground(run_dir, warm_model("math"))
     try:
         assert run_id_processes(node.run_id)  # what `gone` checks sees the node's processes
-        if how == "ctrl-c":
-            proc.send_signal(signal.SIGINT)
+        if how in ("ctrl-c", "sigterm"):
+            proc.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGTERM)
             out, _ = proc.communicate(timeout=90)
             assert proc.returncode == 0, out[-3000:]
             assert "stopping the node" in out

@@ -232,10 +232,12 @@ def test_restarted_store_adopts_intact_version(model_dir, run_id) -> None:
     v2 = third.start(v1)
     assert v2.version == 2 and v2.checksum == v1.checksum
     assert [p.name for p in shm.list_files(run_id)] == [f"belayer-{run_id}-weights-v2"]
-    # another run's pointer is ignored: a fresh run starts at version 1
+    # another run's pointer is ignored: a fresh run starts at version 1, or at the
+    # first_version it is given (a resumed run's node goes on with the run's numbering)
     other = f"o{uuid.uuid4().hex[:8]}"
     try:
         assert WeightStore(other, model_dir).start(v2).version == 1
+        assert WeightStore(other, model_dir, first_version=14).start(v2).version == 14
     finally:
         for path in shm.list_files(other):
             shm.unlink(path)
