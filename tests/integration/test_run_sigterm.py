@@ -97,13 +97,20 @@ def test_sigterm_stops_the_node_the_run_started(
         check_resume(out, env, warm_model("math"), report["steps"])
 
 
+def run_math(
+    env: dict[str, str], model: Path, out: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``belayer run math`` on ``model`` into ``out`` (2 held-out tasks) to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "run", "math", "--model", str(model),
+         "--out", str(out), "--held-out", "2", *args],
+        capture_output=True, text=True, timeout=240, env=env, check=False,
+    )  # fmt: skip
+
+
 def check_refused_while_running(out: Path, env: dict[str, str], model: Path, pid: int) -> None:
     """``--resume`` of a run another invocation is training: one line, nothing touched."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "run", "math", "--resume", "--steps", "60",
-         "--model", str(model), "--out", str(out), "--held-out", "2"],
-        capture_output=True, text=True, timeout=120, env=env, check=False,
-    )  # fmt: skip
+    proc = run_math(env, model, out, "--resume", "--steps", "60")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"is being trained by another `belayer run` (pid {pid})" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -114,11 +121,7 @@ def check_resume(out: Path, env: dict[str, str], model: Path, recorded: int) -> 
     update, its push or evaluation after the trainer's checkpoint), the metrics hold every step
     once, in order."""
     steps = recorded + 1
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "run", "math", "--resume", "--steps",
-         str(steps), "--model", str(model), "--out", str(out), "--held-out", "2", "--json"],
-        capture_output=True, text=True, timeout=240, env=env, check=False,
-    )  # fmt: skip
+    proc = run_math(env, model, out, "--resume", "--steps", str(steps), "--json")
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     assert report["steps"] == steps
@@ -171,11 +174,7 @@ def test_a_node_left_running_in_the_run_directory_is_stopped_before_a_resume(
     out = tmp_path / "run"
     env = {**os.environ, "BELAYER_HOME": str(tmp_path / "home")}
     model = warm_model("math")
-    first = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "run", "math", "--steps", "1", "--keep-node",
-         "--model", str(model), "--out", str(out), "--held-out", "2"],
-        capture_output=True, text=True, timeout=240, env=env, check=False,
-    )  # fmt: skip
+    first = run_math(env, model, out, "--steps", "1", "--keep-node")
     assert first.returncode == 0, first.stderr[-4000:]
     kept = read_node(RunPaths(out / "node"))
     assert kept is not None and process_alive(kept.supervisor_pid)
