@@ -167,8 +167,13 @@ def prepare_for_inference(model: Qwen3ForCausalLM) -> bool:
             layer = cast("Qwen3DecoderLayer", module)
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv = projection([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            if attn.q_norm is not None and attn.k_norm is not None:
+                heads = (attn.num_heads, attn.num_kv_heads)
+                norms = (attn.q_norm.weight, attn.k_norm.weight)
+                stacked = [w.expand(n, attn.head_dim) for w, n in zip(norms, heads, strict=True)]
+                attn.qk_norm_weight = torch.cat(stacked)
             attn.o = projection([attn.o_proj.weight])
             mlp.gate_up = projection([mlp.gate_proj.weight, mlp.up_proj.weight])
             mlp.down = projection([mlp.down_proj.weight])
-        model.head = projection([model.lm_head.weight])
+        model.head = projection([model.output_weight()])
     return True

@@ -126,6 +126,10 @@ class Qwen3Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qkv: Projection | None = None
         """The engine's q, k and v as one product (:func:`model.fused.prepare_for_inference`)."""
+        self.qk_norm_weight: Tensor | None = None
+        """With ``qkv``, where the family norms q and k: their norms' weights stacked per head,
+        ``[heads + kv_heads, head_dim]``, so that one norm serves the q and k heads of the
+        fused product."""
         self.o: Projection | None = None
         """The engine's output projection (likewise)."""
 
@@ -146,7 +150,7 @@ class Qwen3Attention(nn.Module):
             qkv = self.qkv(x).view(*lead, h + 2 * kvh, hd)
             qk, v = qkv[..., : h + kvh, :], qkv[..., h + kvh :, :]
             if self.q_norm is not None and self.k_norm is not None:
-                qk = torch.cat((self.q_norm(qk[..., :h, :]), self.k_norm(qk[..., h:, :])), -2)
+                qk = self._norm_qk(qk, h)
             qk = _apply_rope(qk, cos, sin_rot)
             return qk[..., :h, :], qk[..., h:, :], v
         lin = bi.linear if det else _linear
@@ -158,6 +162,15 @@ class Qwen3Attention(nn.Module):
         q = _apply_rope(q, cos, sin_rot)
         k = _apply_rope(k, cos, sin_rot)
         return q, k, v
+
+    def _norm_qk(self, qk: Tensor, h: int) -> Tensor:
+        """The q norm of the first ``h`` heads of ``qk`` and the k norm of the rest."""
+        assert self.q_norm is not None and self.k_norm is not None
+        if self.qk_norm_weight is None:
+            return torch.cat((self.q_norm(qk[..., :h, :]), self.k_norm(qk[..., h:, :])), -2)
+        # One norm of every head, then the stacked weights: F.rms_norm multiplies by its weight
+        # last, so these are the two norms' bits (tests/unit/test_fused.py) for one op, not 3.
+        return F.rms_norm(qk, self.q_norm.shape, None, self.q_norm.eps) * self.qk_norm_weight
 
     def forward_dense(self, x: Tensor, step: DenseStep) -> Tensor:
         """Causal attention over a padded batch ``x`` ``[B, T, hidden]``, no KV cache.
@@ -490,21 +503,36 @@ class Qwen3ForCausalLM(nn.Module):
                 x = cast(Qwen3DecoderLayer, layer).forward_dense(x, step)
             return self.model.norm(x)
 
+    def output_weight(self) -> Tensor:
+        """The output layer's rows :meth:`compute_logits` multiplies by: in deterministic mode
+        only the tokenizer's (``config.output_vocab_size``; the rest become −inf without a
+        product), else all of them. The engine and the trainer both multiply by this, so they
+        agree bit for bit whatever the kernels; on the CPUs measured the real columns also keep
+        the bits of the whole product from the row-invariant GEMM's rows up."""
+        weight = self.lm_head.weight
+        limit = self.config.output_vocab_size
+        if self.deterministic and 0 < limit < weight.shape[0]:
+            return weight[:limit]
+        return weight
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Output-layer logits ``[..., vocab]`` for hidden states ``[..., hidden]``; rows past
         the tokenizer (``config.output_vocab_size``) are −inf, so no sampler picks them and
-        their log-probability is −inf in the engine and the trainer alike."""
+        their log-probability is −inf in the engine and the trainer alike. Deterministic mode
+        computes only the tokenizer's columns (:meth:`output_weight`): on the tiny model (2,042
+        of 4,096) that halves the output layer, a quarter of a decode step's products."""
         if self.deterministic:
             with bi.one_thread():
-                logits = bi.linear(hidden, self.lm_head.weight, self.head)
+                logits = bi.linear(hidden, self.output_weight(), self.head)
         elif self.head is not None:
             logits = self.head(hidden)
         else:
             logits = F.linear(hidden, self.lm_head.weight)
         limit = self.config.output_vocab_size
-        if 0 < limit < logits.shape[-1]:
+        if 0 < limit < self.config.vocab_size:
             # A copy of the real columns, -inf after: a third of masked_fill's time.
-            logits = F.pad(logits[..., :limit], (0, logits.shape[-1] - limit), value=float("-inf"))
+            width = self.config.vocab_size - limit
+            logits = F.pad(logits[..., :limit], (0, width), value=float("-inf"))
         return logits
 
 

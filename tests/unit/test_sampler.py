@@ -29,6 +29,25 @@ def test_greedy_is_argmax_with_its_logprob() -> None:
     assert logprobs == pytest.approx(expected.tolist(), abs=1e-6)
 
 
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does() -> None:
+    # Rows of 2,042 real columns and -inf padding, as the tiny model's output layer gives;
+    # ties at several places (first, middle, last real column), a wide row, an all-equal row.
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 2048, generator=gen).round(decimals=1)
+    logits[:, 2042:] = float("-inf")
+    logits[0, [3, 900]] = 9.0
+    logits[1, [0, 2041]] = 9.0
+    logits[2, [1500, 1501, 1502]] = 9.0
+    logits[3, :2042] = 0.5
+    greedy = [GREEDY] * 6
+    tokens, _ = Sampler(vocab=2042)(logits, greedy, [0] * 6)
+    assert tokens == logits.argmax(-1).tolist()
+    assert tokens[:4] == [3, 0, 1500, 0]
+    mixed = [GREEDY, SamplingParams(temperature=1.0, seed=3)] * 3
+    tokens, _ = Sampler(vocab=2042)(logits, mixed, [0] * 6)
+    assert tokens[0::2] == logits[0::2].argmax(-1).tolist()
+
+
 def test_top_p_keeps_only_the_nucleus_and_follows_its_distribution() -> None:
     logits = logits_of([0.5, 0.3, 0.15, 0.05])
     counts: Counter[int] = Counter()
