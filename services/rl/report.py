@@ -152,6 +152,11 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def last_step(records: list[dict[str, Any]]) -> int:
+    """The highest step among metrics records (0 when there are none)."""
+    return max((int(r.get("step", 0)) for r in records), default=0)
+
+
 # --- the final report ------------------------------------------------------------------------
 def step_table(records: list[dict[str, Any]], title: str) -> Table:
     """The per-step table (step 0 is the evaluation before training)."""

@@ -47,7 +47,7 @@ from services.rl.options import (
     workload_spec,
 )
 from services.rl.records import totals
-from services.rl.report import read_metrics, rewrite_metrics, write_report
+from services.rl.report import last_step, read_metrics, rewrite_metrics, write_report
 from services.rl.run_workload import (
     RunWorkload,
     node_reward_functions,
@@ -256,7 +256,7 @@ def restart_point(out: Path, base_step: int, say: Callable[[str], object]) -> No
     the same weights, tasks and seeds). A fresh node's bus has none of the old trajectories, so
     a step planned after the checkpoint cannot be redone from its plan either: the plan goes
     and the step is run again with a new rollout."""
-    recorded = max((int(r.get("step", 0)) for r in read_metrics(out / "metrics.jsonl")), default=0)
+    recorded = last_step(read_metrics(out / "metrics.jsonl"))
     unrecorded = roll_back_to(out / "trainer", base_step + recorded)
     for step in unrecorded:
         say(f"step {step - base_step} was trained but not recorded: it is run again")
@@ -335,7 +335,7 @@ async def train(
     nc = await open_bus(node)
     wl = scored_by_rewards(load_workload(name, **options), opts, nc)
     records: list[dict[str, Any]] = []
-    earlier = [r for r in read_metrics(out / "metrics.jsonl")] if opts.resume else []
+    earlier = read_metrics(out / "metrics.jsonl") if opts.resume else []
     ctx: RunContext | None = None
     stopped = False
     try:
@@ -383,7 +383,7 @@ async def train(
             )  # fmt: skip
             write_report(out, report, all_records)
             if stopped:
-                last = max((int(r.get("step", 0)) for r in all_records), default=0)
+                last = last_step(all_records)
                 say(
                     f"stopped after step {last} of {opts.steps}: the report of the steps "
                     f"recorded is {out / 'report.md'}; the same command with --resume goes on"
