@@ -212,6 +212,7 @@ def totals(ctx: RunContext, records: list[dict[str, Any]], wall: float) -> dict[
     return {
         "steps": len(steps),
         "steps_planned": ctx.steps,
+        "invocations": ctx.state.incarnations,
         "trajectories_completed": sum(r["trajectories_completed"] for r in steps),
         "trajectories_lost": sum(r["trajectories_lost"] for r in steps),
         "failures_injected": sum(r["failures_injected"] for r in steps),

@@ -193,6 +193,17 @@ def of_planned(report: dict[str, Any]) -> str:
     return f"of {planned} " if planned and report["steps"] < planned else ""
 
 
+def resumed_note(report: dict[str, Any]) -> str:
+    """What a resumed run's totals cover (empty for a run started once)."""
+    n = report.get("invocations", 1)
+    if n <= 1:
+        return ""
+    return (
+        f" Resumed: this is the run's invocation {n}; `trainer_restarts`, `checkpoints` and "
+        "the time count this invocation, every other total and the table the whole run."
+    )
+
+
 def markdown(report: dict[str, Any], records: list[dict[str, Any]]) -> str:
     """``report.md``: totals, the per-step table, the plots."""
     lines = [
@@ -202,7 +213,7 @@ def markdown(report: dict[str, Any], records: list[dict[str, Any]]) -> str:
         "samples per step, "
         f"model `{report['model_dir']}`, node recovery {report['recovery']}, "
         f"{'deterministic' if report.get('deterministic') else 'fast'} inference; "
-        f"{report['wall_seconds']:.0f} s.",
+        f"{report['wall_seconds']:.0f} s.{resumed_note(report)}",
         "",
         "| total | value |",
         "| --- | --- |",

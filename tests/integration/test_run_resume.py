@@ -68,3 +68,5 @@ def test_a_step_trained_but_not_recorded_is_run_again_bit_for_bit(
     assert weights_equal(load_weights(journal.checkpoint_path(ckpt, 2)), trained)
     report = json.loads(again.stdout)
     assert report["steps"] == 2 and [r["step"] for r in report["per_step"]] == [0, 1, 2]
+    assert report["invocations"] == 2  # report.md says which totals are this invocation's
+    assert "Resumed: this is the run's invocation 2" in (out / "report.md").read_text()
