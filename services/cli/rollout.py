@@ -3,7 +3,6 @@ with optional failure injection; progress while it runs, a table (or a JSON summ
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,15 @@ from belayer.api import AsyncNode
 from common.errors import InvalidRequest
 from schemas.rollout import RolloutAccepted, RolloutRequest, RolloutResult
 from schemas.serving import SamplingParams
-from services.cli.shared import checked, fail, finite, print_json, run, with_bus
+from services.cli.shared import (
+    checked,
+    fail,
+    finite,
+    print_json,
+    progress_console,
+    run,
+    with_bus,
+)
 from services.controller.client import parse_inject, parse_policy
 from workloads.table import dataset_workload
 
@@ -199,7 +206,7 @@ def rollout(
             max_attempts=max_attempts, rewards=list(reward), reward_weights=list(reward_weights),
         )
     )  # fmt: skip
-    console = Console(file=sys.stderr)
+    console = progress_console()
     shown: list[tuple[int, ...]] = []
 
     def progress(result: RolloutResult) -> None:

@@ -7,7 +7,6 @@ starts."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from services.cli.shared import (
     finite,
     one_line,
     print_json,
+    progress_console,
     terminate_as_interrupt,
 )
 from services.rl.node import (
@@ -292,7 +292,7 @@ def run(
         rewards=tuple(reward), reward_weights=tuple(reward_weights),
         trainer_procs=trainer_procs, loss_type=loss_type, beta=beta, minibatches=minibatches,
     )  # fmt: skip
-    console = Console(file=sys.stderr)
+    console = progress_console()
     terminate_as_interrupt()
     try:
         report, records = train(opts, say=console.print, ui=Ui(console))

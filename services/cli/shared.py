@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import msgspec
 import typer
@@ -28,6 +28,9 @@ from common.codec import decode, encode
 from common.config import RunPaths
 from common.errors import BelayerError, InvalidRequest
 from common.node import resolve_bus
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 # asyncio warns on every TLS connection a command closes ("returning true from
 # eof_received() has no effect when using ssl"): noise on a command's stderr, which keeps
@@ -69,6 +72,15 @@ def exit_status() -> int:
     """The exit status of an interrupted command: ``TERMINATED_EXIT`` after SIGTERM, else 130
     (Ctrl-C)."""
     return TERMINATED_EXIT if _TERMINATED else 130
+
+
+def progress_console() -> Console:
+    """The console a command's progress lines go to: stderr, wrapped to the terminal's width
+    on a terminal, and one line per message on a pipe or a file (Rich would otherwise break
+    them at 80 columns, mid-phrase, and a ``grep`` of a log would find half a line)."""
+    from rich.console import Console
+
+    return Console(file=sys.stderr, soft_wrap=not sys.stderr.isatty())
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

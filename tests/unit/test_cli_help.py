@@ -70,3 +70,16 @@ def test_belayer_help_lists_each_command_on_whole_lines() -> None:
     assert not lines[rollout].endswith(" in its"), lines[rollout]
     assert lines[rollout + 1] != "in its"
     assert all(line not in ("together", "in its", "samples.jsonl,") for line in lines)
+
+
+def test_progress_lines_stay_whole_in_a_log_file(monkeypatch: Any, tmp_path: Any) -> None:
+    """`belayer run ... 2> run.log`: a progress line longer than 80 columns is one line of the
+    log (Rich broke it at 80 columns, mid-phrase, so a grep found half of it)."""
+    from services.cli.shared import progress_console
+
+    line = "step 3: " + ", ".join(f"counter {i} {i * 7}" for i in range(20))
+    assert len(line) > 200
+    with open(tmp_path / "run.log", "w") as log:
+        monkeypatch.setattr(sys, "stderr", log)
+        progress_console().print(f"[bold]{line}[/]")
+    assert (tmp_path / "run.log").read_text() == line + "\n"
