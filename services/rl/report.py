@@ -302,7 +302,9 @@ def make_plots(
     ax.set_xticks(xs)
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
-    ax.legend(loc="upper right", fontsize=8)
+    # Beside the bars, not over them, in the order of the stack (rollout at the bottom).
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_title("Time per step")
     paths.append(_save(fig, out / "time.png"))
 
@@ -319,6 +321,9 @@ def make_plots(
         ax.scatter([p["t"] for p in pts], [i] * len(pts), marker=marker, s=40)
     ax.set_yticks(range(len(kinds)))
     ax.set_yticklabels(kinds, fontsize=7)
+    if not kinds:  # an empty plot would leave a reader guessing
+        ax.text(0.5, 0.5, "no failure injected, no recovery", ha="center", va="center",
+                transform=ax.transAxes, fontsize=10, color="0.4")  # fmt: skip
     ax.set_xlabel("seconds into the run (shaded: steps)")
     ax.set_title("Injected failures (x) and recoveries (o)")
     ax.grid(axis="x", alpha=0.3)
