@@ -55,6 +55,8 @@ class Ui:
         self.tasks: dict[str, Any] = {}
         self.shown: dict[str, tuple[int, int]] = {}
         self.step = 0
+        self.steps = 0
+        self.step_seconds: list[float] = []
 
     def __enter__(self) -> Ui:
         self.progress.start()
@@ -64,7 +66,7 @@ class Ui:
         self.progress.stop()
 
     def begin_step(self, step: int, steps: int) -> None:
-        self.step = step
+        self.step, self.steps = step, steps
         for t in self.tasks.values():
             self.progress.remove_task(t)
         self.tasks = {p: self.progress.add_task(p, total=None) for p in PHASES}
@@ -90,8 +92,16 @@ class Ui:
             f"push {r['push_s']:.2f} s, eval {r['eval_s']:.1f} s, injected "
             f"{r['failures_injected']}, recovered {r['failures_recovered']}, logprob diff "
             f"{'none compared' if diff is None else format(diff, '.2g')}, "
-            f"weights v{r['weight_version']}"
+            f"weights v{r['weight_version']}{self._time_left(r)}"
         )
+
+    def _time_left(self, r: dict[str, Any]) -> str:
+        """``, about N s left``: the steps still to run at this invocation's mean step time."""
+        self.step_seconds.append(float(r.get("step_s", 0.0)))
+        left = self.steps - int(r["step"])
+        if left <= 0:
+            return ""
+        return f", about {left * sum(self.step_seconds) / len(self.step_seconds):.0f} s left"
 
 
 def per_workload(knob: str) -> str:
