@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -32,6 +33,15 @@ SAME = (
     "weights_sha256",
 )
 """Fields of a step's record that a deterministic redo reproduces exactly."""
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "training.md"
+
+
+def documented_metrics() -> set[str]:
+    """The names docs/training.md gives in its ``metrics.jsonl`` section."""
+    text = DOCS.read_text()
+    section = text[text.index("**`metrics.jsonl`**") : text.index("**What is scored**")]
+    return set(re.findall(r"`([a-z0-9_]+)`", section))
 
 
 def belayer_run(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -69,4 +79,6 @@ def test_a_step_trained_but_not_recorded_is_run_again_bit_for_bit(
     report = json.loads(again.stdout)
     assert report["steps"] == 2 and [r["step"] for r in report["per_step"]] == [0, 1, 2]
     assert report["invocations"] == 2  # report.md says which totals are this invocation's
+    # every field a step's record has is explained in the docs (users parse these lines)
+    assert set().union(*redone) - documented_metrics() == set()
     assert "Resumed: this is the run's invocation 2" in (out / "report.md").read_text()
