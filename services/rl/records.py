@@ -154,6 +154,7 @@ def step_record(
         "visible_checkpoint_s": s.visible_checkpoint_s,
         "handovers": handovers,
         "trainer_restarts": len(events.matching(TrainerResumed, after=t_start)),
+        "checkpoints": len(events.matching(TrainerCheckpointed, after=t_start)),
         "replay": trained.replay,
         "inject": [f.text for f in faults.rollout] + [k["injection"] for k in own],
         "t_start": round(t_start - ctx.t0, 3),
@@ -199,6 +200,7 @@ def totals(ctx: RunContext, records: list[dict[str, Any]], wall: float) -> dict[
     events = ctx.events
     assert events is not None
     steps = [r for r in records if r.get("step", 0) >= 1]
+    earlier = [r for r in steps if r["step"] < ctx.start_step]  # earlier invocations' steps
     held = [r for r in records if "heldout_reward" in r]
     rollout_ids = {r["rollout_id"] for r in steps}
     for e in events.matching(LogprobMismatch):
@@ -219,8 +221,11 @@ def totals(ctx: RunContext, records: list[dict[str, Any]], wall: float) -> dict[
         "failures_recovered": sum(r["failures_recovered"] for r in steps),
         "env_restores": sum(r["env_restores"] for r in steps),
         "handovers": sum(r["handovers"] for r in steps),
-        "trainer_restarts": len(events.matching(TrainerResumed)),
-        "checkpoints": len(events.matching(TrainerCheckpointed)),
+        # This invocation's from its node's events, earlier invocations' from their steps.
+        "trainer_restarts": len(events.matching(TrainerResumed))
+        + sum(r.get("trainer_restarts", 0) for r in earlier),
+        "checkpoints": len(events.matching(TrainerCheckpointed))
+        + sum(r.get("checkpoints", 0) for r in earlier),
         "weight_version": steps[-1]["weight_version"] if steps else None,
         "reward_first_step": steps[0]["reward_mean"] if steps else None,
         "reward_last_step": steps[-1]["reward_mean"] if steps else None,

@@ -199,8 +199,8 @@ def resumed_note(report: dict[str, Any]) -> str:
     if n <= 1:
         return ""
     return (
-        f" Resumed: this is the run's invocation {n}; `trainer_restarts`, `checkpoints` and "
-        "the time count this invocation, every other total and the table the whole run."
+        f" Resumed: this is the run's invocation {n}; the time counts this invocation, the "
+        "totals and the table the whole run."
     )
 
 

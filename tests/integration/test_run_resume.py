@@ -78,7 +78,11 @@ def test_a_step_trained_but_not_recorded_is_run_again_bit_for_bit(
     assert weights_equal(load_weights(journal.checkpoint_path(ckpt, 2)), trained)
     report = json.loads(again.stdout)
     assert report["steps"] == 2 and [r["step"] for r in report["per_step"]] == [0, 1, 2]
-    assert report["invocations"] == 2  # report.md says which totals are this invocation's
+    assert report["invocations"] == 2  # report.md says the time is this invocation's
+    # the totals are the whole run's: step 1's checkpoint (the first invocation) and the redone
+    # step 2's (this one; the first invocation's step 2 was dropped with its record)
+    assert report["checkpoints"] == 2 and report["trainer_restarts"] == 0
+    assert [r.get("checkpoints") for r in report["per_step"]] == [None, 1, 1]
     # every field a step's record has is explained in the docs (users parse these lines)
     assert set().union(*redone) - documented_metrics() == set()
     assert "Resumed: this is the run's invocation 2" in (out / "report.md").read_text()

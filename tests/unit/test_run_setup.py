@@ -173,11 +173,14 @@ def test_the_report_of_a_stopped_run_says_how_many_steps_were_asked_for() -> Non
     assert "Resumed" not in done
 
 
-def test_the_report_of_a_resumed_run_says_which_totals_are_this_invocations() -> None:
+def test_the_report_of_a_resumed_run_says_that_only_its_time_is_this_invocations() -> None:
     from services.rl.report import markdown
 
     report = {"workload": "math", "run_id": "math1", "tasks": 8, "n": 8, "model_dir": "m",
               "recovery": "belayer", "deterministic": True, "wall_seconds": 57.0, "steps": 20,
               "steps_planned": 20, "invocations": 3}  # fmt: skip
     text = markdown(report, [])
-    assert "inference; 57 s. Resumed: this is the run's invocation 3; `trainer_restarts`" in text
+    assert (
+        "inference; 57 s. Resumed: this is the run's invocation 3; the time counts this "
+        "invocation, the totals and the table the whole run." in text
+    )
