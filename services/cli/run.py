@@ -329,6 +329,11 @@ def one_workload(positional: str | None, spec: str | None) -> str:
     return positional
 
 
+def _3(value: float | None) -> str:
+    """A reward as the per-step table shows it (three decimals; ``-`` for none)."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def print_summary(report: dict[str, Any], records: list[dict[str, Any]], workload: str) -> None:
     """The per-step table, the run's totals in one line, its errors, where the report is."""
     out_console = Console()
@@ -340,9 +345,9 @@ def print_summary(report: dict[str, Any], records: list[dict[str, Any]], workloa
         f"(lost {report['trajectories_lost']}), injected {report['failures_injected']}, "
         f"recovered {report['failures_recovered']}, env restores {report['env_restores']}, "
         f"handovers {report['handovers']}, trainer restarts {report['trainer_restarts']}, "
-        f"weights v{report['weight_version']}, reward {report['reward_first_step']} → "
-        f"{report['reward_last_step']}, held-out {report['heldout_reward_start']} → "
-        f"{report['heldout_reward_last']}, logprob diff max {report['logprob_diff_max']}, "
+        f"weights v{report['weight_version']}, reward {_3(report['reward_first_step'])} → "
+        f"{_3(report['reward_last_step'])}, held-out {_3(report['heldout_reward_start'])} → "
+        f"{_3(report['heldout_reward_last'])}, logprob diff max {report['logprob_diff_max']}, "
         f"{report['wall_seconds']:.0f} s"
     )
     for e in report["errors"]:

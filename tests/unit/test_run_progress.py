@@ -29,3 +29,18 @@ def test_each_step_line_says_how_long_the_rest_will_take() -> None:
     assert lines[0].endswith("weights v4, about 8 s left")  # 2 steps × 4 s
     assert lines[1].endswith("weights v5, about 3 s left")  # 1 step × mean(4, 2)
     assert lines[2].endswith("weights v6")  # the last step: nothing left
+
+
+def test_the_summary_line_shows_rewards_as_the_table_does(capsys: Any) -> None:
+    from services.cli.run import print_summary
+
+    report = {"run_id": "math1", "steps": 2, "trajectories_completed": 128,
+              "trajectories_lost": 0, "failures_injected": 0, "failures_recovered": 0,
+              "env_restores": 0, "handovers": 0, "trainer_restarts": 0, "weight_version": 3,
+              "reward_first_step": 0.25, "reward_last_step": 0.4922,
+              "heldout_reward_start": 0.25, "heldout_reward_last": None,
+              "logprob_diff_max": 0.0, "wall_seconds": 17.2, "errors": [], "run_dir": "r",
+              "plots": []}  # fmt: skip
+    print_summary(report, [_record(1, 3.0), _record(2, 3.0)], "math")
+    out = capsys.readouterr().out
+    assert "reward 0.250 → 0.492, held-out 0.250 → -, logprob diff max 0.0, 17 s" in out
