@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import MISS, PASS, Row, machine_at_start, progress, publish, timestamp
-from bench.stats import bootstrap, interval_verdict
+from bench.stats import interval_verdict
 from bench.transparency import belayer_run, warm_model
+from common.stats import paired_gain
 from workloads.swe_gen import parse_instance_id
 
 NAME = "learn"
@@ -92,20 +93,22 @@ def gain(metrics: list[dict[str, Any]], keep: Callable[[str], bool] = counted) -
     first, last = (right(evaluated[0], keep), right(evaluated[-1], keep)) if evaluated else ({}, {})
     if len(evaluated) < 2 or evaluated[0].get("step") != 0 or not first:
         return {"start": None, "last": None, "gain": None, "interval": None, "last_step": None}
-    pairs = [(first[t], last[t]) for t in sorted(first) if t in last]
-
-    def diff(ps: Sequence[tuple[bool, bool]]) -> float:
-        return sum(b for _, b in ps) / len(ps) - sum(a for a, _ in ps) / len(ps)
-
-    interval = bootstrap(pairs, diff)
+    before = {t: float(ok) for t, ok in first.items()}
+    after = {t: float(last[t]) for t in first if t in last}
+    interval = paired_gain(before, after)
     return {
         "start": sum(first.values()) / len(first),
         "last": sum(last.values()) / len(last),
-        "gain": diff(pairs) if pairs else None,
+        "gain": interval.value if interval else _gain_of_one(before, after),
         "interval": interval,
-        "problems": len(pairs),
+        "problems": len(after),
         "last_step": evaluated[-1]["step"],
     }
+
+
+def _gain_of_one(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The gain of a single problem (no interval from one pair), None of none."""
+    return next((after[t] - before[t] for t in after), None)
 
 
 def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

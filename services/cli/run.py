@@ -334,6 +334,15 @@ def _3(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _gain(gain: dict[str, Any] | None) -> str:
+    """`` (+0.484, 95 % CI +0.359 … +0.609 over 64 tasks)``: the held-out change with its
+    interval; empty without one."""
+    if not gain:
+        return ""
+    low, high = gain["ci95"]
+    return f" ({gain['value']:+.3f}, 95 % CI {low:+.3f} … {high:+.3f} over {gain['n']} tasks)"
+
+
 def print_summary(report: dict[str, Any], records: list[dict[str, Any]], workload: str) -> None:
     """The per-step table, the run's totals in one line, its errors, where the report is."""
     out_console = Console()
@@ -347,7 +356,8 @@ def print_summary(report: dict[str, Any], records: list[dict[str, Any]], workloa
         f"handovers {report['handovers']}, trainer restarts {report['trainer_restarts']}, "
         f"weights v{report['weight_version']}, reward {_3(report['reward_first_step'])} → "
         f"{_3(report['reward_last_step'])}, held-out {_3(report['heldout_reward_start'])} → "
-        f"{_3(report['heldout_reward_last'])}, logprob diff max {report['logprob_diff_max']}, "
+        f"{_3(report['heldout_reward_last'])}{_gain(report.get('heldout_gain'))}, "
+        f"logprob diff max {report['logprob_diff_max']}, "
         f"{report['wall_seconds']:.0f} s"
     )
     for e in report["errors"]:

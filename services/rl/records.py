@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from common.events import EventTail
+from common.stats import paired_gain
 from schemas.events import (
     FailureInjected,
     FailureRecovered,
@@ -240,6 +241,7 @@ def totals(ctx: RunContext, records: list[dict[str, Any]], wall: float) -> dict[
         "heldout_reward_last": held[-1]["heldout_reward"] if held else None,
         "heldout_exact_start": held[0].get("heldout_exact") if held else None,
         "heldout_exact_last": held[-1].get("heldout_exact") if held else None,
+        "heldout_gain": heldout_gain(held),
         "weight_version_start": (steps[0]["weight_version"] - 1) if steps else None,
         "restarts_from_scratch": sum(r["restarts_from_scratch"] for r in steps),
         "env_checkpoints": sum(r["env_checkpoints"] for r in steps),
@@ -250,3 +252,13 @@ def totals(ctx: RunContext, records: list[dict[str, Any]], wall: float) -> dict[
         "kills": ctx.kills,
         "errors": ctx.errors,
     }
+
+
+def heldout_gain(held: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The held-out reward's change from before training (step 0) to the last evaluation,
+    with its 95 % paired-bootstrap interval over the held-out tasks (``{"value", "ci95",
+    "n"}``); None without both evaluations or with fewer than 2 tasks in both."""
+    if len(held) < 2 or held[0].get("step") != 0:
+        return None
+    gain = paired_gain(held[0].get("heldout_rewards") or {}, held[-1].get("heldout_rewards") or {})
+    return gain.as_json() if gain is not None else None

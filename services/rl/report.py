@@ -204,6 +204,20 @@ def resumed_note(report: dict[str, Any]) -> str:
     )
 
 
+def heldout_gain_text(report: dict[str, Any]) -> str:
+    """``Held-out reward 0.250 → 0.734: +0.484 (95 % CI +0.359 … +0.609, paired over 64
+    tasks).`` and a blank line; empty without ``heldout_gain``."""
+    gain = report.get("heldout_gain")
+    if not gain:
+        return ""
+    low, high = gain["ci95"]
+    return (
+        f"Held-out reward {_f(report.get('heldout_reward_start'))} → "
+        f"{_f(report.get('heldout_reward_last'))}: {gain['value']:+.3f} (95 % CI {low:+.3f} … "
+        f"{high:+.3f}, paired over {gain['n']} tasks).\n"
+    )
+
+
 def markdown(report: dict[str, Any], records: list[dict[str, Any]]) -> str:
     """``report.md``: totals, the per-step table, the plots."""
     lines = [
@@ -215,6 +229,7 @@ def markdown(report: dict[str, Any], records: list[dict[str, Any]]) -> str:
         f"{'deterministic' if report.get('deterministic') else 'fast'} inference; "
         f"{report['wall_seconds']:.0f} s.{resumed_note(report)}",
         "",
+        *([gain] if (gain := heldout_gain_text(report)) else []),
         "| total | value |",
         "| --- | --- |",
     ]

@@ -83,6 +83,12 @@ def test_a_step_trained_but_not_recorded_is_run_again_bit_for_bit(
     # step 2's (this one; the first invocation's step 2 was dropped with its record)
     assert report["checkpoints"] == 2 and report["trainer_restarts"] == 0
     assert [r.get("checkpoints") for r in report["per_step"]] == [None, 1, 1]
+    gain = report["heldout_gain"]  # step 0 against step 2, over the 8 held-out tasks
+    assert gain["n"] == 8 and gain["ci95"][0] <= gain["value"] <= gain["ci95"][1]
+    start, last = redone[0]["heldout_rewards"], redone[2]["heldout_rewards"]
+    assert gain["value"] == pytest.approx(
+        sum(last.values()) / 8 - sum(start.values()) / 8, abs=1e-4
+    )
     # every field a step's record has is explained in the docs (users parse these lines)
     assert set().union(*redone) - documented_metrics() == set()
     assert "Resumed: this is the run's invocation 2" in (out / "report.md").read_text()

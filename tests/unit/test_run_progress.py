@@ -44,3 +44,8 @@ def test_the_summary_line_shows_rewards_as_the_table_does(capsys: Any) -> None:
     print_summary(report, [_record(1, 3.0), _record(2, 3.0)], "math")
     out = capsys.readouterr().out
     assert "reward 0.250 → 0.492, held-out 0.250 → -, logprob diff max 0.0, 17 s" in out
+    gain = {"value": 0.4844, "ci95": [0.3594, 0.6094], "n": 64}
+    report |= {"heldout_reward_last": 0.7344, "heldout_gain": gain}
+    print_summary(report, [_record(1, 3.0), _record(2, 3.0)], "math")
+    out = capsys.readouterr().out
+    assert "held-out 0.250 → 0.734 (+0.484, 95 % CI +0.359 … +0.609 over 64 tasks), " in out

@@ -184,3 +184,27 @@ def test_the_report_of_a_resumed_run_says_that_only_its_time_is_this_invocations
         "inference; 57 s. Resumed: this is the run's invocation 3; the time counts this "
         "invocation, the totals and the table the whole run." in text
     )
+
+
+def test_the_held_out_change_comes_with_its_paired_interval() -> None:
+    from services.rl.records import heldout_gain
+    from services.rl.report import markdown
+
+    tasks = [f"t{i}" for i in range(10)]
+    before = {"step": 0, "heldout_rewards": {t: float(i < 2) for i, t in enumerate(tasks)}}
+    after = {"step": 5, "heldout_rewards": {t: float(i < 7) for i, t in enumerate(tasks)}}
+    gain = heldout_gain([before, {"step": 2, "heldout_rewards": {}}, after])
+    assert gain is not None and gain["value"] == 0.5 and gain["n"] == 10
+    low, high = gain["ci95"]
+    assert 0.1 < low < 0.5 < high <= 0.8  # five of ten tasks changed, all the same way
+    assert heldout_gain([after]) is None  # nothing to compare with
+    assert heldout_gain([{**before, "step": 1}, after]) is None  # no evaluation before training
+    one = {"step": 0, "heldout_rewards": {"t0": 0.0}}
+    assert heldout_gain([one, {"step": 1, "heldout_rewards": {"t0": 1.0}}]) is None  # n < 2
+    report = {"workload": "math", "run_id": "math1", "tasks": 8, "n": 8, "model_dir": "m",
+              "recovery": "belayer", "deterministic": True, "wall_seconds": 57.0, "steps": 5,
+              "heldout_reward_start": 0.2, "heldout_reward_last": 0.7, "heldout_gain": gain}  # fmt: skip
+    text = markdown(report, [])
+    assert (
+        f"Held-out reward 0.200 → 0.700: +0.500 (95 % CI {low:+.3f} … {high:+.3f}, paired " in text
+    )
