@@ -23,6 +23,7 @@ from services.cli import soak as soak_cmd
 from services.cli import top as top_cmd
 from services.cli import workloads as workloads_cmds
 from services.cli.shared import (
+    HELP_MARKUP,
     OneLineErrors,
     check_model,
     exit_status,
@@ -39,6 +40,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=HELP_MARKUP,
 )
 app.command()(node_cmds.up)
 app.command()(node_cmds.down)

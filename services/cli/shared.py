@@ -41,6 +41,13 @@ T = TypeVar("T")
 M = TypeVar("M")
 
 
+HELP_MARKUP = None
+"""``--help`` as click lays it out (``typer.Typer(rich_markup_mode=...)``): options and their
+text wrapped to the terminal (at most 80 columns), nothing cut. Typer's Rich panels cut every
+word longer than their narrow columns with an ellipsis — at 80 columns `belayer up --help` lost
+14 (``--creds-dir,--cr…``, ``--heartbeat-inte…``, URLs and examples)."""
+
+
 def one_line(message: str) -> str:
     """``message`` on one line (newlines and runs of spaces folded)."""
     return " ".join(message.split())
@@ -189,9 +196,13 @@ def reflow(text: str) -> str:
 def reflow_help(command: Any) -> None:
     """:func:`reflow` the help of ``command`` (a click command of typer's) and of every command
     under it (typer's command list would otherwise break a description where its docstring's
-    source line ends)."""
+    source line ends). A command without a short help gets its help's first paragraph as one:
+    a group's command list shows it whole, wrapped (click would cut it to one line)."""
     if command.help:
         command.help = reflow(command.help)
+        first = command.help.split("\f")[0].split("\n\n")[0].strip()
+        if not command.short_help and first and not first.startswith("\b"):
+            command.short_help = first
     for sub in getattr(command, "commands", {}).values():
         reflow_help(sub)
 

@@ -83,3 +83,26 @@ def test_progress_lines_stay_whole_in_a_log_file(monkeypatch: Any, tmp_path: Any
         monkeypatch.setattr(sys, "stderr", log)
         progress_console().print(f"[bold]{line}[/]")
     assert (tmp_path / "run.log").read_text() == line + "\n"
+
+
+def test_every_command_s_help_fits_80_columns_and_names_every_option_whole() -> None:
+    """At 80 columns typer's Rich panels cut words longer than their narrow columns:
+    `belayer up --help` showed `--creds-dir,--cr…` and `--heartbeat-inte…`."""
+    from typer.testing import CliRunner
+
+    root = typer.main.get_command(app)
+    runner = CliRunner()
+    commands = _commands(root)
+    for path, command in commands:
+        args = [*path.split()[1:], "--help"]
+        result = runner.invoke(app, args, terminal_width=80, env={"COLUMNS": "80"})
+        assert result.exit_code == 0, (path, result.output)
+        lines = result.output.splitlines()
+        assert lines and lines[0].startswith(f"Usage: {path}"), (path, lines[:1])
+        assert max(len(line) for line in lines) <= 80, path
+        for param in command.params:
+            for opt in (*param.opts, *param.secondary_opts):
+                if opt.startswith("-"):
+                    assert opt in result.output, (path, opt)
+        for name in getattr(command, "commands", {}):  # a group lists every command
+            assert f"\n  {name} " in result.output, (path, name)
