@@ -506,22 +506,32 @@ class RouterCore:
         self, req: RequestState, toks: list[int], lps: list[float], version: int
     ) -> list[Action]:
         """Hold a worker's new tokens (those past the ones held; counted in ``tokens``): stream
-        them to the callers and log every full chunk."""
+        them to the callers and log every full chunk. The tokens are cut at chunk boundaries
+        and each piece goes out before the chunk it completes, all through the router's one
+        ordered writer: a caller always holds every logged token and at most k more, so a
+        restarted router (which streams on from the log) re-sends at most k and leaves no gap."""
         if not toks:
             return []
-        held = len(req.tokens)
         self.counters["tokens"] += len(toks)
         if req.versions and req.versions[-1] != version:
             req.version_changed = True
-        req.tokens += toks
-        req.logprobs += lps
-        req.versions += [version] * len(toks)
-        actions: list[Action] = [
-            SendToCaller(inbox, self._delta(req, held, len(req.tokens)))
-            for inbox, stream in req.subscribers.items()
-            if stream
-        ]
-        return actions + self._log_full_chunks(req)
+        k = self.config.token_log_chunk
+        actions: list[Action] = []
+        i = 0
+        while i < len(toks):
+            held = len(req.tokens)
+            n = min(max(1, req.logged + k - held), len(toks) - i)
+            req.tokens += toks[i : i + n]
+            req.logprobs += lps[i : i + n]
+            req.versions += [version] * n
+            i += n
+            actions += [
+                SendToCaller(inbox, self._delta(req, held, len(req.tokens)))
+                for inbox, stream in req.subscribers.items()
+                if stream
+            ]
+            actions += self._log_full_chunks(req)
+        return actions
 
     def _delta(self, req: RequestState, start: int, end: int) -> TokenDelta:
         return req.delta(start, end, self.router_id)

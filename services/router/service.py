@@ -16,8 +16,6 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import msgspec
-import nats.errors
-import nats.js.errors
 from nats.aio.msg import Msg
 
 from common import subjects
@@ -46,7 +44,6 @@ from schemas.serving import (
     EngineFailed,
     EngineSubmit,
     GenerateRequest,
-    GenerateResult,
     RegisterReply,
     RegisterWorker,
     RouterStatus,
@@ -133,15 +130,12 @@ class RouterService(Service[RouterConfig]):
     # --- action execution -------------------------------------------------------------------
     async def execute(self, actions: list[Action]) -> None:
         for a in actions:
-            if isinstance(a, SendToCaller) and isinstance(a.message, GenerateResult):
-                # A result goes out only after its final token-log chunk is durable (same FIFO
-                # queue), so a router restarted after replying never runs the request again.
+            if isinstance(a, SendToCaller):
+                # Tokens and results reach callers in the order of the token log's writes (the
+                # persist queue): a token goes out only after the chunks before its own are
+                # durable, and a result only after its final chunk, so a restarted router
+                # re-sends at most k tokens and never runs a request it has replied to again.
                 self.persist_q.put_nowait(a)
-            elif isinstance(a, SendToCaller):
-                try:
-                    await self.nc.publish(a.inbox, encode(a.message))
-                except nats.errors.Error as exc:
-                    self.log.warning("caller_publish_failed", error=repr(exc))
             elif isinstance(a, SubmitToEngine):
                 self._spawn(self._submit(a))
             elif isinstance(a, AbortOnEngine):

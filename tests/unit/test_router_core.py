@@ -228,6 +228,32 @@ def test_tokens_are_placed_by_index() -> None:
     assert c.active["r"].tokens == [4, 5]
 
 
+def test_a_caller_holds_every_logged_token_and_at_most_k_more() -> None:
+    """Whatever prefix of the ordered actions went out before a router dies, the caller holds
+    all the durable tokens and at most k (4) more: a restarted router, streaming on from the
+    log, leaves no gap and re-sends at most k. Steps of every size, a long one included."""
+    c = core()
+    c.register("e0", 1, 100)
+    c.submit("r", [1], SamplingParams(max_tokens=40), inbox="in")
+    sizes = [1, 3, 2, 10, 1, 5, 4, 9, 5]
+    acts: list = []
+    start = 0
+    for i, n in enumerate(sizes):
+        toks = list(range(start, start + n))
+        acts += c.on_step(batch("e0", 1, "r", toks, finished=i == len(sizes) - 1))
+        start += n
+    held = logged = 0
+    for a in acts:
+        if isinstance(a, SendToCaller) and isinstance(a.message, TokenDelta):
+            assert a.message.start == held
+            held += len(a.message.token_ids)
+        elif isinstance(a, PersistChunk):
+            assert a.chunk.start == logged and a.chunk.token_ids == list(range(logged, held))
+            logged += len(a.chunk.token_ids)
+        assert logged <= held <= logged + 4, (held, logged)
+    assert held == logged == sum(sizes)
+
+
 def test_restarted_router_adopts_what_workers_hold() -> None:
     from schemas.serving import HeldRequest, TokenLogChunk
 
