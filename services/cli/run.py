@@ -35,7 +35,7 @@ from services.rl.options import (
     TEMPERATURE_DEFAULTS,
     RunOptions,
 )
-from services.rl.report import step_table
+from services.rl.report import step_table, summary_line
 from services.rl.run_workload import PLUGIN_DEFAULTS, PLUGIN_LR, PLUGIN_TEMPERATURE
 
 PHASES = ("rollout", "reward", "train", "push", "eval")
@@ -329,37 +329,13 @@ def one_workload(positional: str | None, spec: str | None) -> str:
     return positional
 
 
-def _3(value: float | None) -> str:
-    """A reward as the per-step table shows it (three decimals; ``-`` for none)."""
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _gain(gain: dict[str, Any] | None) -> str:
-    """`` (+0.484, 95 % CI +0.359 … +0.609 over 64 tasks)``: the held-out change with its
-    interval; empty without one."""
-    if not gain:
-        return ""
-    low, high = gain["ci95"]
-    return f" ({gain['value']:+.3f}, 95 % CI {low:+.3f} … {high:+.3f} over {gain['n']} tasks)"
-
-
 def print_summary(report: dict[str, Any], records: list[dict[str, Any]], workload: str) -> None:
     """The per-step table, the run's totals in one line, its errors, where the report is."""
     out_console = Console()
     if not out_console.is_terminal:
         out_console = Console(width=120)  # a pipe or a file: the table at full width
     out_console.print(step_table(records, f"belayer run {workload} ({report['run_id']})"))
-    typer.echo(
-        f"steps {report['steps']}, trajectories {report['trajectories_completed']} "
-        f"(lost {report['trajectories_lost']}), injected {report['failures_injected']}, "
-        f"recovered {report['failures_recovered']}, env restores {report['env_restores']}, "
-        f"handovers {report['handovers']}, trainer restarts {report['trainer_restarts']}, "
-        f"weights v{report['weight_version']}, reward {_3(report['reward_first_step'])} → "
-        f"{_3(report['reward_last_step'])}, held-out {_3(report['heldout_reward_start'])} → "
-        f"{_3(report['heldout_reward_last'])}{_gain(report.get('heldout_gain'))}, "
-        f"logprob diff max {report['logprob_diff_max']}, "
-        f"{report['wall_seconds']:.0f} s"
-    )
+    typer.echo(summary_line(report))
     for e in report["errors"]:
         typer.echo(f"error: {e}", err=True)
     typer.echo(f"report: {report['run_dir']}/report.md; plots: {', '.join(report['plots'])}")

@@ -204,17 +204,50 @@ def resumed_note(report: dict[str, Any]) -> str:
     )
 
 
+def _ci(gain: dict[str, Any]) -> str:
+    """``95 % CI +0.359 … +0.609``: a gain's interval."""
+    low, high = gain["ci95"]
+    return f"95 % CI {low:+.3f} … {high:+.3f}"
+
+
 def heldout_gain_text(report: dict[str, Any]) -> str:
     """``Held-out reward 0.250 → 0.734: +0.484 (95 % CI +0.359 … +0.609, paired over 64
     tasks).`` and a blank line; empty without ``heldout_gain``."""
     gain = report.get("heldout_gain")
     if not gain:
         return ""
-    low, high = gain["ci95"]
     return (
         f"Held-out reward {_f(report.get('heldout_reward_start'))} → "
-        f"{_f(report.get('heldout_reward_last'))}: {gain['value']:+.3f} (95 % CI {low:+.3f} … "
-        f"{high:+.3f}, paired over {gain['n']} tasks).\n"
+        f"{_f(report.get('heldout_reward_last'))}: {gain['value']:+.3f} ({_ci(gain)}, "
+        f"paired over {gain['n']} tasks).\n"
+    )
+
+
+REWARD_KEYS = (
+    "reward_first_step",
+    "reward_last_step",
+    "heldout_reward_start",
+    "heldout_reward_last",
+)
+"""The rewards the summary line shows."""
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """The run's totals in one line, as ``belayer run`` ends: rewards with three decimals
+    (``-`` for none), the held-out change with its interval."""
+    r = {k: _f(report.get(k)) or "-" for k in REWARD_KEYS}
+    gain = report.get("heldout_gain")
+    interval = f" ({gain['value']:+.3f}, {_ci(gain)} over {gain['n']} tasks)" if gain else ""
+    return (
+        f"steps {report['steps']}, trajectories {report['trajectories_completed']} "
+        f"(lost {report['trajectories_lost']}), injected {report['failures_injected']}, "
+        f"recovered {report['failures_recovered']}, env restores {report['env_restores']}, "
+        f"handovers {report['handovers']}, trainer restarts {report['trainer_restarts']}, "
+        f"weights v{report['weight_version']}, reward {r['reward_first_step']} → "
+        f"{r['reward_last_step']}, held-out {r['heldout_reward_start']} → "
+        f"{r['heldout_reward_last']}{interval}, "
+        f"logprob diff max {report['logprob_diff_max']}, "
+        f"{report['wall_seconds']:.0f} s"
     )
 
 
