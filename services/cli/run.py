@@ -159,7 +159,7 @@ RUN_INJECT = typer.Option(
     help="Failures, comma-separated KIND@WHEN: the rollout's kinds and triggers (every "
     "step's rollout) and WHEN step=S (once, during step S) with KIND worker-kill, "
     "sandbox-kill, sandbox-pause, controller-kill, shadow-kill, trainer-kill. E.g. "
-    "worker-kill@step=1,sandbox-kill@turn=2,trainer-kill@step=2.",
+    "worker-kill@step=1,trainer-kill@step=2 or sandbox-kill@turn=2.",
 )
 RUN_RESUME = typer.Option(
     RunOptions.resume,

@@ -48,6 +48,29 @@ word longer than their narrow columns with an ellipsis — at 80 columns `belaye
 14 (``--creds-dir,--cr…``, ``--heartbeat-inte…``, URLs and examples)."""
 
 
+def _whole_hyphenated_words() -> None:
+    """Help text is wrapped by ``textwrap`` (in the copy of click that typer ships), which
+    breaks a line after any hyphen: examples and flags came out cut (``worker-`` /
+    ``kill@step=1``, ``--no-`` / ``shadows``) and could not be copied. The wrapper it looks up
+    for each help text breaks at spaces only from here on (left as it is if typer's layout
+    changes: the help test then sees the cut words)."""
+    import typer._click._textwrap as wrapping
+
+    base = getattr(wrapping, "TextWrapper", None)
+    if not isinstance(base, type):
+        return
+
+    class WholeWords(base):  # type: ignore[misc, valid-type]  # checked to be a class above
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("break_on_hyphens", False)
+            super().__init__(*args, **kwargs)
+
+    setattr(wrapping, "TextWrapper", WholeWords)  # noqa: B010  # a module attribute
+
+
+_whole_hyphenated_words()
+
+
 def one_line(message: str) -> str:
     """``message`` on one line (newlines and runs of spaces folded)."""
     return " ".join(message.split())

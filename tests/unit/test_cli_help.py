@@ -5,6 +5,7 @@ breaks, so a description came out as ragged fragments: "... actions in its" / "s
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -87,7 +88,8 @@ def test_progress_lines_stay_whole_in_a_log_file(monkeypatch: Any, tmp_path: Any
 
 def test_every_command_s_help_fits_80_columns_and_names_every_option_whole() -> None:
     """At 80 columns typer's Rich panels cut words longer than their narrow columns:
-    `belayer up --help` showed `--creds-dir,--cr…` and `--heartbeat-inte…`."""
+    `belayer up --help` showed `--creds-dir,--cr…` and `--heartbeat-inte…`; click's layout
+    then broke lines after hyphens (`risk-` / `aware`)."""
     from typer.testing import CliRunner
 
     root = typer.main.get_command(app)
@@ -100,6 +102,10 @@ def test_every_command_s_help_fits_80_columns_and_names_every_option_whole() -> 
         lines = result.output.splitlines()
         assert lines and lines[0].startswith(f"Usage: {path}"), (path, lines[:1])
         assert max(len(line) for line in lines) <= 80, path
+        # A line never ends inside a hyphenated word (``worker-`` / ``kill@step=1`` could not
+        # be copied): textwrap breaks after hyphens unless told not to.
+        cut = [line for line in lines if re.search(r"\w-$", line)]
+        assert not cut, (path, cut)
         for param in command.params:
             for opt in (*param.opts, *param.secondary_opts):
                 if opt.startswith("-"):
