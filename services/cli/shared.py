@@ -54,13 +54,23 @@ def _whole_hyphenated_words() -> None:
     ``kill@step=1``, ``--no-`` / ``shadows``) and could not be copied. The wrapper it looks up
     for each help text breaks at spaces only from here on (left as it is if typer's layout
     changes: the help test then sees the cut words)."""
-    import typer._click._textwrap as wrapping
+    import importlib
 
-    base = getattr(wrapping, "TextWrapper", None)
-    if not isinstance(base, type):
-        return
+    for name in ("typer._click._textwrap", "click._textwrap"):  # typer's copy, else click
+        try:
+            wrapping = importlib.import_module(name)
+        except ImportError:
+            continue
+        base = getattr(wrapping, "TextWrapper", None)
+        if isinstance(base, type):
+            _break_at_spaces(wrapping, base)
+            return
 
-    class WholeWords(base):  # type: ignore[misc, valid-type]  # checked to be a class above
+
+def _break_at_spaces(wrapping: Any, base: type) -> None:
+    """Replace ``wrapping.TextWrapper`` by a ``base`` that keeps hyphenated words whole."""
+
+    class WholeWords(base):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.setdefault("break_on_hyphens", False)
             super().__init__(*args, **kwargs)
