@@ -9,8 +9,9 @@ cd "$ROOT"
 # (default ~/.cache/belayer) by a key of their inputs, so only a machine's first run trains. The
 # math one (~13 minutes on one thread, no sandbox) starts as soon as the .venv exists and trains
 # beside the Docker/CRIU install, the lint, the swe warm start (~17 minutes on a quiet machine:
-# 6 recording its 352 sandbox episodes, 11 training) and the chaos and unit tests (none of which
-# uses it); the integration tests wait for it.
+# 6 recording its 352 sandbox episodes, 11 training; it starts once Docker is up, beside the
+# lint, and the tests wait for it) and the chaos and unit tests (none of which uses the math
+# one); the integration tests wait for it.
 BELAYER_SKIP_ENV=1 bash deploy/setup.sh
 WARM=$(mktemp -d /tmp/belayer-warm.XXXXXX)
 warm() {  # warm KIND [NICE]: the warm start in the background (its pid in WARM_PID)
@@ -27,13 +28,16 @@ echo "test: warm-started models (math in the background)"
 warm math 19; MATH_PID=$WARM_PID  # the CPU the tests leave: they are timed (chaos), it is not
 trap 'kill $MATH_PID 2>/dev/null || true; rm -rf "$WARM"' EXIT
 bash deploy/install_env.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+echo "test: the swe warm start (in the background while ruff and mypy run; it needs docker)"
+warm swe; SWE_PID=$WARM_PID
+trap 'kill $MATH_PID $SWE_PID 2>/dev/null || true; rm -rf "$WARM"' EXIT
 echo "test: ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check . >/dev/null || { echo "test: ruff format --check failed (run .venv/bin/ruff format .)"; exit 1; }
 echo "test: mypy"
 .venv/bin/mypy common schemas model workloads services belayer bench tests
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-warm swe; warm_done swe $WARM_PID
+warm_done swe $SWE_PID
 before=$(ls /dev/shm 2>/dev/null | grep '^belayer-' | sort || true)
 containers() { /usr/bin/docker ps -aq --filter label=belayer.sandbox 2>/dev/null | sort || true; }
 cbefore=$(containers)
