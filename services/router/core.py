@@ -510,38 +510,24 @@ class RouterCore:
         and each piece goes out before the chunk it completes, all through the router's one
         ordered writer: a caller always holds every logged token and at most k more, so a
         restarted router (which streams on from the log) re-sends at most k and leaves no gap."""
-        if not toks:
-            return []
         self.counters["tokens"] += len(toks)
-        if req.versions and req.versions[-1] != version:
-            req.version_changed = True
         k = self.config.token_log_chunk
         actions: list[Action] = []
-        i = 0
-        while i < len(toks):
-            held = len(req.tokens)
-            n = min(max(1, req.logged + k - held), len(toks) - i)
-            req.tokens += toks[i : i + n]
-            req.logprobs += lps[i : i + n]
-            req.versions += [version] * n
-            i += n
+        while toks:
+            n, held = req.room(k), len(req.tokens)
+            req.hold(toks[:n], lps[:n], version)
+            toks, lps = toks[n:], lps[n:]
             actions += [
                 SendToCaller(inbox, self._delta(req, held, len(req.tokens)))
                 for inbox, stream in req.subscribers.items()
                 if stream
             ]
-            actions += self._log_full_chunks(req)
+            if len(req.tokens) - req.logged >= k:
+                actions.append(PersistChunk(req.chunk(len(req.tokens), final=False, reason=None)))
         return actions
 
     def _delta(self, req: RequestState, start: int, end: int) -> TokenDelta:
         return req.delta(start, end, self.router_id)
-
-    def _log_full_chunks(self, req: RequestState) -> list[Action]:
-        k = self.config.token_log_chunk
-        out: list[Action] = []
-        while len(req.tokens) - req.logged >= k:
-            out.append(PersistChunk(req.chunk(req.logged + k, final=False, reason=None)))
-        return out
 
     def _finish(self, req: RequestState, reason: str, *, error: str | None = None) -> list[Action]:
         self.active.pop(req.request_id, None)

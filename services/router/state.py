@@ -170,6 +170,18 @@ class RequestState:
                 return c.finish_reason or "stop"
         return None
 
+    def hold(self, toks: list[int], lps: list[float], version: int) -> None:
+        """Append new tokens, their log-probabilities and the weight version they came from."""
+        if self.versions and self.versions[-1] != version:
+            self.version_changed = True
+        self.tokens += toks
+        self.logprobs += lps
+        self.versions += [version] * len(toks)
+
+    def room(self, k: int) -> int:
+        """Tokens until the next k-token log chunk is full (at least 1)."""
+        return max(1, self.logged + k - len(self.tokens))
+
     def engine_request(self, *, baseline: bool) -> EngineRequest:
         """The request as a worker gets it: prompt + every token held (token-level resume),
         or — ``baseline`` — the prompt alone: the caller already has the held tokens, so the
