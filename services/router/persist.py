@@ -1,7 +1,7 @@
 """The router's ordered writer: accepted requests and token-log chunks to JetStream (with
-deterministic message ids, so a retried write is stored once), events, and the results that
-must not overtake their last chunk. One FIFO queue, one writer: a result goes out only after
-every chunk queued before it is durable."""
+deterministic message ids, so a retried write is stored once), events, and what callers get —
+token deltas and results, which must not overtake the chunks before them. One FIFO queue, one
+writer: a delta or a result goes out only after every chunk queued before it is durable."""
 
 from __future__ import annotations
 

@@ -190,7 +190,7 @@ class RouterService(Service[RouterConfig]):
                 )
 
     async def persist_loop(self) -> None:
-        """Accepted requests, token-log chunks, events and results, in order (``persist``)."""
+        """Accepted requests, token-log chunks, events, deltas and results, in order (``persist``)."""
         while True:
             item = await self.persist_q.get()
             try:
