@@ -142,7 +142,8 @@ def det_step_rows(floor: int) -> dict[str, int]:
     """Rows a deterministic decode step's products run with at each batch size (no drafts):
     the batch padded to the bucket this machine's GEMM needs to be row-invariant
     (``floor``: ``Qwen3ForCausalLM.det_min_rows``; 4 on the AMD EPYC these docs were first
-    measured on, 16 on an AVX-512 Xeon, where a batch-8 step pays for 16 rows)."""
+    measured on, 16 on an AVX-512 Xeon for ``F.linear``, 1 there for the packed products a
+    model up to ``model.fused.PREPARE_MAX_BYTES`` runs)."""
     return {str(b): bucket(b, floor) for b in BATCHES}
 
 

@@ -18,7 +18,10 @@ row-invariant with this repository's torch/MKL on CPU with one intra-op thread
   Padding to fewer rows therefore changes no bit, only the cost: where the floor is 4 (the
   AMD EPYC the engine was first measured on) a decode step of batch 1 pads to 4 rows and one
   of batch 8 not at all; where it is 16 (an AVX-512 Intel Xeon) every step below 16 rows runs
-  16 (``belayer bench engine --vs-hf`` records which, ``det_step_rows``). With two or more
+  16 (``belayer bench engine --vs-hf`` records which, ``det_step_rows``). The engine's
+  prepared products (MKL-packed, :mod:`model.fused`) give those bits from fewer rows on the
+  machines measured (1 on that Xeon: :func:`model.fused.exact_floor`), so there a deterministic
+  engine's step pads its rows to their floor instead. With two or more
   threads the rows are split and a thread's share can fall below the minimum, so the
   deterministic forward runs on one thread (:func:`one_thread`).
 - :func:`silu`: ``F.silu`` finishes a tensor whose size is not a multiple of the vector width
@@ -154,11 +157,17 @@ def pad_rows(x: Tensor, dim: int, rows: int = MIN_GEMM_ROWS) -> tuple[Tensor, in
     return torch.cat([x, x.new_zeros(shape)], dim=dim), n
 
 
-def linear(x: Tensor, weight: Tensor, product: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    product: Callable[[Tensor], Tensor] | None = None,
+    floor: int | None = None,
+) -> Tensor:
     """``F.linear(x, weight)`` (no bias) whose rows do not depend on the other rows of ``x``.
 
-    ``product``: computes ``F.linear(rows, weight)`` with its bits from ``min_rows`` rows up
-    (the engine's prepared :class:`model.fused.Projection`); ``F.linear`` itself by default.
+    ``product``: computes ``F.linear(rows, weight)`` with its bits from ``floor`` rows up
+    (default :func:`min_rows`; the engine's prepared :class:`model.fused.Projection` and its
+    ``exact_rows``); ``F.linear`` itself by default.
     """
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
@@ -167,7 +176,9 @@ def linear(x: Tensor, weight: Tensor, product: Callable[[Tensor], Tensor] | None
     if flat.shape[0] >= MIN_GEMM_ROWS:
         return run(flat).reshape(*lead, n_out)
     m = flat.shape[0]
-    rows, n = pad_rows(flat.contiguous(), 0, padded_rows("linear", k, n_out, m, weight.dtype))
+    if floor is None:
+        floor = min_rows("linear", k, n_out, weight.dtype)
+    rows, n = pad_rows(flat.contiguous(), 0, bucket(m, floor))
     out = run(rows)
     return (out if rows.shape[0] == n else out[:n]).reshape(*lead, n_out)
 

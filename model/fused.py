@@ -17,9 +17,12 @@ runs the one GEMM kernel whose rows do not depend on the other rows), the column
 product are those of the separate products and a packed product gives ``F.linear``'s bits;
 below it ``F.linear`` picks other kernels (a matrix-vector product for one row) whose results
 depend on the matrix's shape, so there a :class:`Projection` runs the separate matrices
-unpacked, as before. Both claims are measured on this repository's torch/MKL, and
-:func:`is_exact` checks them on this machine once per shape and process before a product is
-fused or packed. So greedy output, the fast mode's agreement with transformers and the
+unpacked, as before. A deterministic model's packed products are the exception: MKL's packed
+GEMM gives every row the row-invariant bits from fewer rows than ``F.linear`` needs (from 1
+row where ``F.linear`` needs 16, on an AVX-512 Xeon), probed by :func:`exact_floor`, so its
+steps are padded to that floor, not to 16 rows. These claims are measured on this
+repository's torch/MKL, and :func:`is_exact` checks them on this machine once per shape and
+process before a product is fused or packed. So greedy output, the fast mode's agreement with transformers and the
 deterministic mode's bitwise agreement with the trainer (whose dense forward keeps the separate
 parameters and plain ``F.linear``) all stay as they were.
 
@@ -50,7 +53,7 @@ PREPARE_MAX_BYTES = 64 * 2**20
 """Largest model (bytes of its parameters, tied ones once) :func:`prepare_for_inference`
 prepares: about what a shared L3 cache keeps between decode steps (see the module doc)."""
 
-_EXACT: dict[tuple[tuple[tuple[int, int], ...], bool], bool] = {}
+_EXACT: dict[tuple[tuple[tuple[int, int], ...], bool, int], bool] = {}
 
 
 @dataclass(frozen=True)
@@ -59,13 +62,16 @@ class Projection:
 
     ``weight`` stacks the ``parts`` (the same tensor when there is one); ``packed`` is its
     MKL-packed form or None. From ``min_rows`` rows up the product runs on ``packed`` (else
-    ``weight``) in one call; below, on each part with ``F.linear``.
+    ``weight``) in one call; below, on each part with ``F.linear``. ``exact_rows``: from this
+    many rows up every row of the result has the bits the row-invariant GEMM gives it (what a
+    deterministic caller pads its rows to; :func:`model.batch_invariant.bucket`).
     """
 
     parts: tuple[Tensor, ...]
     weight: Tensor
     packed: Tensor | None = None
     min_rows: int = bi.MIN_GEMM_ROWS
+    exact_rows: int = bi.MIN_GEMM_ROWS
 
     def __call__(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
@@ -101,55 +107,70 @@ def floor_rows(shapes: tuple[tuple[int, int], ...]) -> int:
     return max(bi.min_rows("linear", k, n) for n in (stacked, *(n for n, _ in shapes)))
 
 
-def is_exact(shapes: tuple[tuple[int, int], ...], packed: bool) -> bool:
+def is_exact(shapes: tuple[tuple[int, int], ...], packed: bool, floor: int | None = None) -> bool:
     """Whether a :class:`Projection` of fp32 parts of these ``[n, k]`` shapes, stacked and
-    ``packed`` or not, gives the separate ``F.linear`` bits for every bucket of rows from
-    :func:`floor_rows` up and a few larger counts, on this machine (probed once per shapes and
-    process: the kernels depend on the shapes, not the values)."""
-    key = (shapes, packed)
+    ``packed`` or not, in one call from ``floor`` rows (default :func:`floor_rows`), gives every
+    row the bits the separate ``F.linear`` products give it among many rows (the row-invariant
+    GEMM), for every bucket of rows from ``floor`` up and a few larger counts, rows taken from
+    the start and from the end of a batch, on this machine (probed once per shapes and process:
+    the kernels depend on the shapes, not the values)."""
+    floor = floor_rows(shapes) if floor is None else floor
+    key = (shapes, packed, floor)
     found = _EXACT.get(key)
     if found is None:
-        found = _EXACT[key] = _probe(shapes, packed)
+        found = _EXACT[key] = _probe(shapes, packed, floor)
     return found
 
 
-def _probe(shapes: tuple[tuple[int, int], ...], packed: bool) -> bool:
-    k = shapes[0][1]
-    gen = torch.Generator().manual_seed(7_000_003 * k + sum(n for n, _ in shapes))
+def exact_floor(shapes: tuple[tuple[int, int], ...]) -> int:
+    """The fewest rows (a bucket) from which a packed :class:`Projection` of these shapes gives
+    every row the row-invariant GEMM's bits (:func:`is_exact`): MKL's packed GEMM runs one
+    kernel whatever the rows where plain ``F.linear`` switches kernels below
+    :func:`floor_rows` (16 rows on an AVX-512 Xeon, 1 or 2 packed, measured 2026-12-06), so a
+    deterministic step of 8 rows need not pay for 16. At most :func:`floor_rows`."""
     floor = floor_rows(shapes)
+    return next(b for b in bi.ROW_BUCKETS if b >= floor or is_exact(shapes, True, b))
+
+
+def _probe(shapes: tuple[tuple[int, int], ...], packed: bool, floor: int) -> bool:
+    k, most = shapes[0][1], 64
+    gen = torch.Generator().manual_seed(7_000_003 * k + sum(n for n, _ in shapes))
     counts = [b for b in bi.ROW_BUCKETS if b >= floor] + [bi.MIN_GEMM_ROWS + 1, 37]
     with torch.inference_mode(), bi.one_thread():
         parts = tuple(torch.randn(n, k, generator=gen) for n, _ in shapes)
         product = _projection(parts, packed, floor)
-        x = torch.randn(max(counts), k, generator=gen)
+        x = torch.randn(most, k, generator=gen)
+        ref = torch.cat([F.linear(x, w) for w in parts], dim=-1)  # the row-invariant GEMM's rows
         for m in counts:
-            rows = x[:m].clone()
-            separate = torch.cat([F.linear(rows, w) for w in parts], dim=-1)
-            if not torch.equal(product(rows), separate):
+            head, tail = x[:m].clone(), x[most - m :].clone()
+            if not torch.equal(product(head), ref[:m]):
+                return False
+            if not torch.equal(product(tail), ref[most - m :]):
                 return False
     return True
 
 
 def _projection(parts: tuple[Tensor, ...], packed: bool, floor: int) -> Projection:
     weight = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return Projection(parts, weight, pack(weight) if packed else None, floor)
+    return Projection(parts, weight, pack(weight) if packed else None, floor, floor)
 
 
-def projection(weights: list[Tensor]) -> Projection:
+def projection(weights: list[Tensor], deterministic: bool = False) -> Projection:
     """One product for ``weights`` (``[n, k]`` each, the same ``k``): stacked and packed where
-    :func:`is_exact` says so on this machine, stacked only, or as they are."""
+    :func:`is_exact` says so on this machine, stacked only, or as they are. ``deterministic``
+    (a deterministic model's product, always called with rows padded to its ``exact_rows``):
+    a packed product runs in one call from :func:`exact_floor` rows, not from
+    :func:`floor_rows` (below which a fast model's parts run alone, as ``F.linear`` would)."""
     parts, shapes = tuple(weights), tuple((w.shape[0], w.shape[1]) for w in weights)
     floor = floor_rows(shapes)
     if can_pack(weights[0]) and is_exact(shapes, True):
-        return _projection(parts, True, floor)
+        return _projection(parts, True, exact_floor(shapes) if deterministic else floor)
     if len(parts) > 1 and is_exact(shapes, False):
         return _projection(parts, False, floor)
-    return Projection(parts[:1], parts[0], None, floor) if len(parts) == 1 else _separate(parts)
-
-
-def _separate(parts: tuple[Tensor, ...]) -> Projection:
+    if len(parts) == 1:
+        return Projection(parts, parts[0], None, floor, floor)
     # Never one call: min_rows above every row count keeps the parts apart.
-    return Projection(parts, parts[0], None, min_rows=2**62)
+    return Projection(parts, parts[0], None, min_rows=2**62, exact_rows=floor)
 
 
 def prepare_for_inference(model: Qwen3ForCausalLM) -> bool:
@@ -162,18 +183,20 @@ def prepare_for_inference(model: Qwen3ForCausalLM) -> bool:
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     if size > PREPARE_MAX_BYTES or model.lm_head.weight.device.type != "cpu":
         return False
+    det = model.deterministic
     with torch.no_grad():
         for module in model.model.layers:
             layer = cast("Qwen3DecoderLayer", module)
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv = projection([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+            attn.qkv = projection(qkv, det)
             if attn.q_norm is not None and attn.k_norm is not None:
                 heads = (attn.num_heads, attn.num_kv_heads)
                 norms = (attn.q_norm.weight, attn.k_norm.weight)
                 stacked = [w.expand(n, attn.head_dim) for w, n in zip(norms, heads, strict=True)]
                 attn.qk_norm_weight = torch.cat(stacked)
-            attn.o = projection([attn.o_proj.weight])
-            mlp.gate_up = projection([mlp.gate_proj.weight, mlp.up_proj.weight])
-            mlp.down = projection([mlp.down_proj.weight])
-        model.head = projection([model.output_weight()])
+            attn.o = projection([attn.o_proj.weight], det)
+            mlp.gate_up = projection([mlp.gate_proj.weight, mlp.up_proj.weight], det)
+            mlp.down = projection([mlp.down_proj.weight], det)
+        model.head = projection([model.output_weight()], det)
     return True

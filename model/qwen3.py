@@ -463,7 +463,13 @@ class Qwen3ForCausalLM(nn.Module):
 
     def det_min_rows(self) -> int:
         """The most rows any of the decoder's matmuls needs to be row-invariant on this
-        machine (:func:`model.batch_invariant.min_rows` over their shapes; probed once)."""
+        machine: the prepared products' ``exact_rows`` (:mod:`model.fused`), else
+        :func:`model.batch_invariant.min_rows` over their shapes (probed once)."""
+        layers = [cast(Qwen3DecoderLayer, layer) for layer in self.model.layers]
+        products = [(x.self_attn.qkv, x.self_attn.o, x.mlp.gate_up, x.mlp.down) for x in layers]
+        prepared = [p.exact_rows for four in products for p in four if p is not None]
+        if prepared:
+            return max(prepared)
         if self._det_min_rows is None:
             cfg = self.config
             hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -522,8 +528,9 @@ class Qwen3ForCausalLM(nn.Module):
         computes only the tokenizer's columns (:meth:`output_weight`): on the tiny model (2,042
         of 4,096) that halves the output layer, a quarter of a decode step's products."""
         if self.deterministic:
+            floor = None if self.head is None else self.head.exact_rows
             with bi.one_thread():
-                logits = bi.linear(hidden, self.output_weight(), self.head)
+                logits = bi.linear(hidden, self.output_weight(), self.head, floor)
         elif self.head is not None:
             logits = self.head(hidden)
         else:

@@ -11,9 +11,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model import batch_invariant as bi
 from model import fused
 from model.config import load_model_config
-from model.fused import Projection, can_pack, floor_rows, is_exact, pack, prepare_for_inference
+from model.fused import (
+    Projection,
+    can_pack,
+    floor_rows,
+    is_exact,
+    pack,
+    prepare_for_inference,
+    projection,
+)
 from model.loader import load_safetensors
 from model.qwen3 import AttentionMetadata, Qwen3ForCausalLM, build_model, kv_cache_shape
 from model.tiny import init_tiny_model
@@ -117,3 +126,28 @@ def test_a_projection_is_the_separate_products_for_any_rows(
     for m in (*range(1, 20), 33, 70):
         rows = x[:m].clone()
         assert torch.equal(product(rows), torch.cat([F.linear(rows, w) for w in parts], -1)), m
+
+
+@pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="torch built without MKL")
+@pytest.mark.parametrize(
+    "shapes",
+    [((768, 256),), ((256, 768),), ((2042, 256),), ((128, 128), (64, 128), (64, 128))],
+    ids=["up", "down", "head", "qkv-128"],
+)
+def test_a_deterministic_projection_has_the_row_invariant_bits_from_its_floor(
+    shapes: tuple[tuple[int, int], ...],
+) -> None:
+    """A deterministic model's product runs in one call from ``exact_rows`` rows, which may be
+    fewer than plain ``F.linear`` needs (MKL's packed GEMM: 1 on an AVX-512 Xeon, where
+    ``F.linear`` needs 16); from there every row has the bits it gets among 70 rows, on data
+    other than the probe's, taken from the start and from the end of the batch."""
+    gen = torch.Generator().manual_seed(11 + len(shapes))
+    parts = [torch.randn(n, k, generator=gen) for n, k in shapes]
+    product = projection(parts, deterministic=True)
+    assert product.exact_rows <= floor_rows(shapes)
+    x = torch.randn(70, shapes[0][1], generator=gen)
+    ref = torch.cat([F.linear(x, w) for w in parts], -1)
+    counts = [b for b in bi.ROW_BUCKETS if b >= product.exact_rows] + [17, 33, 70]
+    for m in counts:
+        assert torch.equal(product(x[:m].clone()), ref[:m]), m
+        assert torch.equal(product(x[70 - m :].clone()), ref[70 - m :]), m

@@ -35,8 +35,9 @@ class EngineConfig:
     mode, whose rows are not batch-invariant."""
     speculative_rows: int = 8
     """Draft rows one decode step feeds in all, handed out one per sequence per round: a
-    batch-1 step gets ``speculative_tokens`` drafts almost free (its matmuls are padded to
-    several rows anyway), a batch-8 step about one per sequence (each row costs there)."""
+    batch-1 step gets ``speculative_tokens`` drafts for little (a step's cost is mostly per
+    operation, not per row, on a small model), a batch-8 step about one per sequence (each
+    row costs there)."""
 
     def __post_init__(self) -> None:
         for name in (
