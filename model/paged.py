@@ -4,6 +4,7 @@ bookkeeping over index tensors, shared by the engine's model runner and :mod:`mo
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,42 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[
     sequence's last block are read and masked out, and a NaN there would survive the mask.
     """
     return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+
+
+class StepKeys:
+    """Deterministic decode: each layer's keys and values of the last decode step's sequences
+    in the deterministic attention's chunk layout (:mod:`model.det_attention`), kept for the
+    next step while it runs the same sequences in the same order, so that a step writes its new
+    keys into them instead of reading the whole context from the cache again in every layer.
+
+    The owner (the engine's model runner) calls :meth:`begin` before each decode step with the
+    batch's identity, and :meth:`clear` when anything else writes the cache (a prefill, another
+    cache); a layer's copy is told apart by its cache's address and kept only while its shape
+    (chunk count, sequences) stays the same."""
+
+    def __init__(self) -> None:
+        self._batch: Hashable | None = None
+        self._layers: dict[int, Tensor] = {}
+
+    def begin(self, batch: Hashable) -> None:
+        """A decode step of ``batch`` (the sequences, in row order) is about to run."""
+        if batch != self._batch:
+            self.clear()
+            self._batch = batch
+
+    def clear(self) -> None:
+        """Forget every copy (the cache may have changed under them)."""
+        self._batch = None
+        self._layers.clear()
+
+    def get(self, layer_cache: Tensor, shape: tuple[int, ...]) -> Tensor | None:
+        """The kept copy of ``layer_cache``'s keys, if it has ``shape``."""
+        kept = self._layers.get(layer_cache.data_ptr())
+        return kept if kept is not None and tuple(kept.shape) == shape else None
+
+    def put(self, layer_cache: Tensor, kv: Tensor) -> None:
+        """Keep ``kv`` (read from ``layer_cache`` this step) for the next step."""
+        self._layers[layer_cache.data_ptr()] = kv
 
 
 @dataclass
@@ -53,6 +90,9 @@ class AttentionMetadata:
     """Decode only: consecutive rows of one sequence (its last token, then draft tokens at the
     next positions: speculative decoding), per sequence; None: one row each. Deterministic
     mode attends with each group's rows together, over its sequence's keys read once."""
+    step_keys: StepKeys | None = None
+    """Deterministic decode: where the keys read for this step are kept for the next one
+    (:class:`StepKeys`); None: read from the cache every step."""
 
     @classmethod
     def prefill(cls, slot_mapping: Tensor, seq_lens: list[int]) -> AttentionMetadata:

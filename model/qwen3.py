@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from model import batch_invariant as bi
 from model.config import ModelConfig
+from model.det_attention import attend_sequence, paged_attention
 from model.fused import Projection
 from model.paged import AttentionMetadata
 from model.paged import kv_cache_shape as kv_cache_shape  # re-exported: callers import it here
@@ -193,7 +194,7 @@ class Qwen3Attention(nn.Module):
                 kv = torch.stack([k[i, start:end], v[i, start:end]])
                 pad = bi.chunks_for(n) * bi.ATTENTION_CHUNK - n
                 kv = F.pad(kv, (0, 0, 0, 0, 0, pad))
-                o = self._attend_sequence(q[i, start:end], kv)
+                o = attend_sequence(q[i, start:end], kv, self.num_kv_heads)
                 rows.append(F.pad(o, (0, 0, 0, 0, start, t - end)))
             return bi.linear(torch.stack(rows).reshape(b, t, -1), self.o_proj.weight)
         q, k, v = (y.transpose(1, 2) for y in self.project_qkv(x, cos, sin_rot))
@@ -221,7 +222,7 @@ class Qwen3Attention(nn.Module):
             n = attn.slot_mapping.shape[0]
             flat_cache[0].index_copy_(0, attn.slot_mapping, k[:n])
             flat_cache[1].index_copy_(0, attn.slot_mapping, v[:n])
-            out = self._deterministic_attention(q[:n], attn, flat_cache, kv_slots)
+            out = paged_attention(q[:n], (k[:n], v[:n]), attn, flat_cache, kv_slots)
             return self._project_out(F.pad(out.reshape(n, -1), (0, 0, 0, t - n)))
         flat_cache[0].index_copy_(0, attn.slot_mapping, k)
         flat_cache[1].index_copy_(0, attn.slot_mapping, v)
@@ -251,86 +252,6 @@ class Qwen3Attention(nn.Module):
             out[start:end] = o.transpose(0, 1)
             start = end
         return out
-
-    def _attend_sequence(self, q: Tensor, kv: Tensor) -> Tensor:
-        """One sequence's queries ``[n, heads, hd]`` at positions ``0..n-1`` over its keys and
-        values ``kv`` ``[2, L, kv_heads, hd]`` (``L`` a whole number of attention chunks)."""
-        n, g = q.shape[0], self.num_heads // self.num_kv_heads
-        # Rows of KV head h: query heads h*g .. h*g+g-1 of every token, token-major.
-        rows = q.view(n, self.num_kv_heads, g, self.head_dim).permute(1, 0, 2, 3)
-        rows = rows.reshape(1, self.num_kv_heads, n * g, self.head_dim)
-        pos = torch.arange(n, device=q.device).repeat_interleave(g)[None]
-        out = bi.attend(rows, pos, bi.chunk_kv(kv, 1))
-        out = out.view(self.num_kv_heads, n, g, self.head_dim).permute(1, 0, 2, 3)
-        return out.reshape(n, self.num_heads, self.head_dim)
-
-    def _deterministic_attention(
-        self, q: Tensor, attn: AttentionMetadata, flat_cache: Tensor, kv_slots: list[Tensor]
-    ) -> Tensor:
-        if attn.is_prefill:
-            outs, start = [], 0
-            for n, slots in zip(attn.seq_lens, kv_slots, strict=True):
-                outs.append(self._attend_sequence(q[start : start + n], flat_cache[:, slots]))
-                start += n
-            return torch.cat(outs)
-        assert attn.context_lens is not None
-        if attn.row_groups is not None:
-            return self._grouped_attention(q, attn, flat_cache, kv_slots[0], attn.row_groups)
-        b, g = q.shape[0], self.num_heads // self.num_kv_heads
-        slots, kvh, hd = kv_slots[0], self.num_kv_heads, self.head_dim
-        cache = attn.det_cache
-        index = cache.get("gather")
-        if index is None:  # once per step: every layer reads the same slots
-            index = cache["gather"] = bi.gather_index(slots, kvh, flat_cache.shape[1])
-        chunks = slots.shape[1] // bi.ATTENTION_CHUNK
-        kv = flat_cache.view(-1, hd).index_select(0, index)
-        kv = kv.view(2, chunks, b, kvh, bi.ATTENTION_CHUNK, hd)
-        rows = q.view(b, kvh, g, hd)
-        pos = cache.get("pos")
-        if pos is None:
-            pos = cache["pos"] = (attn.context_lens - 1)[:, None].expand(b, g)
-        return bi.attend(rows, pos, kv, cache).reshape(b, self.num_heads, hd)
-
-    def _grouped_attention(
-        self,
-        q: Tensor,
-        attn: AttentionMetadata,
-        flat_cache: Tensor,
-        slots: Tensor,
-        groups: list[int],
-    ) -> Tensor:
-        """Deterministic decode where a sequence has several rows at consecutive positions:
-        each sequence's rows attend together, as a prefill's tokens do
-        (:meth:`_attend_sequence`), over its keys gathered once; every query row gets the bits
-        it gets alone (``model.batch_invariant.attend``: a row sees keys up to its position)."""
-        assert attn.context_lens is not None
-        s, width = len(groups), max(groups)
-        g, kvh, hd = self.num_heads // self.num_kv_heads, self.num_kv_heads, self.head_dim
-        cache = attn.det_cache
-        if "group-take" not in cache:  # once per step, shared by the layers
-            starts = [sum(groups[:i]) for i in range(s)]
-            # Row j of group i is step row starts[i] + j; a group's padding rows repeat its
-            # last row (same position, output dropped).
-            take = [
-                st + min(j, n - 1)
-                for st, n in zip(starts, groups, strict=True)
-                for j in range(width)
-            ]
-            keep = [i * width + j for i, n in enumerate(groups) for j in range(n)]
-            cache["group-take"] = torch.tensor(take, device=q.device)
-            cache["group-keep"] = torch.tensor(keep, device=q.device)
-            first = torch.tensor(starts, device=q.device)
-            cache["group-gather"] = bi.gather_index(slots[first], kvh, flat_cache.shape[1])
-            rows_pos = (attn.context_lens - 1)[cache["group-take"]]
-            cache["group-pos"] = rows_pos.view(s, width).repeat_interleave(g, dim=1)
-        chunks = slots.shape[1] // bi.ATTENTION_CHUNK
-        kv = flat_cache.view(-1, hd).index_select(0, cache["group-gather"])
-        kv = kv.view(2, chunks, s, kvh, bi.ATTENTION_CHUNK, hd)
-        rows = q.index_select(0, cache["group-take"]).view(s, width, kvh, g, hd)
-        rows = rows.permute(0, 2, 1, 3, 4).reshape(s, kvh, width * g, hd)
-        out = bi.attend(rows, cache["group-pos"], kv, cache)
-        out = out.view(s, kvh, width, g, hd).permute(0, 2, 1, 3, 4).reshape(s * width, -1, hd)
-        return out.index_select(0, cache["group-keep"])
 
     def _decode_attention(self, q: Tensor, attn: AttentionMetadata, block_cache: Tensor) -> Tensor:
         assert attn.block_tables is not None and attn.attn_mask is not None

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from model.paged import StepKeys
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.draft import PromptLookup
 from services.worker.engine.llm_engine import LLMEngine
@@ -285,3 +286,47 @@ def test_default_mode_still_matches_to_rounding(small_model_dir: Path) -> None:
     )
     for j in range(N):
         assert torch.allclose(det[j][1], fast[j][1], atol=1e-4)
+
+
+def test_keys_kept_from_step_to_step_change_no_bit(small_model_dir: Path) -> None:
+    """A decode step keeps the keys it read for the next step of the same sequences and writes
+    only its new rows into them (``model.paged.StepKeys``): a busy batch — a late join, requests
+    finishing at different steps, draft rows, contexts crossing an attention chunk — gets the
+    tokens and logits of reading every key from the cache in every step, and the kept keys
+    were really used."""
+    reqs = [("g", PROMPT, SAMPLINGS["greedy"], 0), *with_neighbours(list(range(7)))]
+    reqs.append(("s", PROMPT, SAMPLINGS["seeded"], 0))
+    fresh = make_engine(small_model_dir, DET, sampler_seed=1)
+    fresh.runner.step_keys.put = lambda layer_cache, kv: None  # type: ignore[method-assign]  # nothing kept: every step reads the cache
+    kept = make_engine(small_model_dir, DET, sampler_seed=1)
+    hits = []
+    get = kept.runner.step_keys.get
+
+    def counted(layer_cache: Tensor, shape: tuple[int, ...]) -> Tensor | None:
+        found = get(layer_cache, shape)
+        hits.append(found is not None)
+        return found
+
+    kept.runner.step_keys.get = counted  # type: ignore[method-assign]  # counts the reuses
+    a, b = drive(fresh, reqs, join_after=5), drive(kept, reqs, join_after=5)
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert sorted(a[rid]) == sorted(b[rid]), rid
+        same(a[rid], b[rid])
+    assert sum(hits) > len(hits) // 2 and not all(hits)  # kept mostly, read again at changes
+
+
+def test_step_keys_are_kept_only_for_the_same_batch_and_shape() -> None:
+    keys, cache, other, kv = StepKeys(), torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2, 3)
+    keys.begin(("a", "b"))
+    keys.put(cache, kv)
+    keys.begin(("a", "b"))
+    assert keys.get(cache, (2, 3)) is kv
+    assert keys.get(cache, (2, 4)) is None  # another chunk count or batch size
+    assert keys.get(other, (2, 3)) is None  # another layer
+    keys.begin(("b", "a"))
+    assert keys.get(cache, (2, 3)) is None
+    keys.put(cache, kv)
+    keys.clear()
+    keys.begin(("b", "a"))
+    assert keys.get(cache, (2, 3)) is None

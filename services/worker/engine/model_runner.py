@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from model.paged import StepKeys
 from model.qwen3 import AttentionMetadata, Qwen3ForCausalLM
 from services.worker.engine.sequence import Sequence
 
@@ -20,6 +21,9 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.step_keys = StepKeys()
+        """Deterministic decode: the keys one step read, kept for the next step of the same
+        sequences (``model.det_attention``); cleared whenever anything else writes the cache."""
 
     @torch.inference_mode()
     def run(
@@ -41,10 +45,16 @@ class ModelRunner:
         """Like :meth:`run` but on another cache of the same geometry (warm-up scratch)."""
         dev = kv_cache.device
         if is_prefill:
+            self.step_keys.clear()
             input_ids, positions, attn, last = self._prepare_prefill(seqs, dev)
             hidden = self.model(input_ids, positions, attn, kv_cache)[last]
         else:
             input_ids, positions, attn = self._prepare_decode(seqs, dev, drafts)
+            if kv_cache is self.kv_cache and self.model.deterministic:
+                self.step_keys.begin(tuple(seq.request_id for seq in seqs))
+                attn.step_keys = self.step_keys
+            else:
+                self.step_keys.clear()
             hidden = self.model(input_ids, positions, attn, kv_cache)
         logits = self.model.compute_logits(hidden)
         return logits if dev.type == "cpu" else logits.cpu()
