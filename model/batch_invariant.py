@@ -247,7 +247,9 @@ def attend(q: Tensor, q_pos: Tensor, kv: Tensor, cache: dict[str, Tensor] | None
         k = kv[0, i].view(s * kvh, c, hd)
         v = kv[1, i].view(s * kvh, c, hd)
         raw = (torch.matmul(qf, k.transpose(1, 2)) * scale).view(s, kvh, rows, c)
-        top = raw.masked_fill(hidden[i], float("-inf")).amax(dim=-1).view(s * kvh, rows)
+        # + -inf, not masked_fill: the same maximum, and masked_fill with a broadcast mask
+        # takes 15x as long (38 against 2.4 us for a decode step's [8, 2, 8, 128] scores).
+        top = (raw + hidden[i]).amax(dim=-1).view(s * kvh, rows)
         if i == 0:  # chunk 0 always holds position 0, so every row has a finite maximum
             mx = top
             p = _exp_visible(raw, mx, keep[i])
@@ -279,10 +281,11 @@ def _exp_visible(scores: Tensor, top: Tensor, keep: Tensor) -> Tensor:
 def _masks(
     q_pos: Tensor, need: int, chunks: int, c: int, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """:func:`attend`'s key masks, ``[chunks, S, 1, rows, C]``: true where a key is past the
-    row's position (padded rows see key 0 only; their output is dropped), and its complement
-    as 0/1 in ``dtype``."""
+    """:func:`attend`'s key masks, ``[chunks, S, 1, rows, C]`` in ``dtype``: ``-inf`` where a
+    key is past the row's position and 0 elsewhere (padded rows see key 0 only; their output is
+    dropped), and 0/1 for hidden/visible."""
     pos, _ = pad_rows(q_pos, 1, need)
     key_pos = torch.arange(chunks * c, device=q_pos.device).view(chunks, 1, 1, 1, c)
     hidden = key_pos > pos[None, :, None, :, None]
-    return hidden, (~hidden).to(dtype)
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=q_pos.device)
+    return bias.masked_fill_(hidden, float("-inf")), (~hidden).to(dtype)
