@@ -37,29 +37,24 @@ def attend_sequence(q: Tensor, kv: Tensor, kv_heads: int) -> Tensor:
 
 
 def paged_attention(
-    q: Tensor,
-    kv_new: tuple[Tensor, Tensor],
-    attn: AttentionMetadata,
-    flat_cache: Tensor,
-    kv_slots: list[Tensor],
+    q: Tensor, kv_new: tuple[Tensor, Tensor], attn: AttentionMetadata, flat_cache: Tensor
 ) -> Tensor:
     """The step's real rows' attention, ``[n, heads, hd]``, for their queries ``q`` and their
     keys and values ``kv_new`` (``[n, kv_heads, hd]`` each), already written to this layer's
-    cache ``flat_cache`` ``[2, slots, kv_heads, hd]``; ``kv_slots`` is
-    :meth:`AttentionMetadata.deterministic_kv_slots`."""
+    cache ``flat_cache`` ``[2, slots, kv_heads, hd]``."""
     kv_heads = flat_cache.shape[2]
     if attn.is_prefill:
         outs, start = [], 0
-        for n, slots in zip(attn.seq_lens, kv_slots, strict=True):
+        for n, slots in zip(attn.seq_lens, attn.deterministic_kv_slots(), strict=True):
             outs.append(attend_sequence(q[start : start + n], flat_cache[:, slots], kv_heads))
             start += n
         return torch.cat(outs)
     if attn.row_groups is not None:
-        return _grouped_attention(q, kv_new, attn, flat_cache, kv_slots[0], attn.row_groups)
+        return _grouped_attention(q, kv_new, attn, flat_cache, attn.row_groups)
     assert attn.context_lens is not None
     b, heads, hd = q.shape
     g = heads // kv_heads
-    kv = _context_kv(kv_new, attn, flat_cache, kv_slots[0], list(range(b)))
+    kv = _context_kv(kv_new, attn, flat_cache, list(range(b)), None)
     cache = attn.det_cache
     pos = cache.get("pos")
     if pos is None:
@@ -72,7 +67,6 @@ def _grouped_attention(
     kv_new: tuple[Tensor, Tensor],
     attn: AttentionMetadata,
     flat_cache: Tensor,
-    slots: Tensor,
     groups: list[int],
 ) -> Tensor:
     """Deterministic decode where a sequence has several rows at consecutive positions:
@@ -94,11 +88,11 @@ def _grouped_attention(
         keep = [i * width + j for i, n in enumerate(groups) for j in range(n)]
         cache["group-take"] = torch.tensor(take, device=q.device)
         cache["group-keep"] = torch.tensor(keep, device=q.device)
-        cache["group-slots"] = slots[torch.tensor(starts, device=q.device)]
+        cache["group-first"] = torch.tensor(starts, device=q.device)
         rows_pos = (attn.context_lens - 1)[cache["group-take"]]
         cache["group-pos"] = rows_pos.view(s, width).repeat_interleave(g, dim=1)
     owners = [i for i, n in enumerate(groups) for _ in range(n)]
-    kv = _context_kv(kv_new, attn, flat_cache, cache["group-slots"], owners)
+    kv = _context_kv(kv_new, attn, flat_cache, owners, cache["group-first"])
     rows = q.index_select(0, cache["group-take"]).view(s, width, kv_heads, g, hd)
     rows = rows.permute(0, 2, 1, 3, 4).reshape(s, kv_heads, width * g, hd)
     out = bi.attend(rows, cache["group-pos"], kv, cache)
@@ -110,17 +104,17 @@ def _context_kv(
     kv_new: tuple[Tensor, Tensor],
     attn: AttentionMetadata,
     flat_cache: Tensor,
-    slots: Tensor,
     owners: list[int],
+    firsts: Tensor | None,
 ) -> Tensor:
-    """Keys and values of the step's ``S`` sequences (``slots`` ``[S, L]``: each one's cache
-    slot per position, :meth:`AttentionMetadata.deterministic_kv_slots`) in the chunk layout
-    ``[2, chunks, S, kv_heads, C, hd]``; ``owners``: each real row's sequence. Read from the
-    cache, or the last step's copy with this step's rows ``kv_new`` written into it."""
+    """Keys and values of the step's sequences in the chunk layout ``[2, chunks, S, kv_heads,
+    C, hd]``; ``owners``: each real row's sequence (``0..S-1``), ``firsts``: the step row of
+    each sequence's first row (None: one row each). Read from the cache, or the last step's
+    copy with this step's rows ``kv_new`` written into it."""
     assert attn.context_lens is not None
-    s, length = slots.shape
-    kv_heads, hd, c = flat_cache.shape[2], flat_cache.shape[3], bi.ATTENTION_CHUNK
-    shape = (2, length // c, s, kv_heads, c, hd)
+    s, c = owners[-1] + 1, bi.ATTENTION_CHUNK
+    kv_heads, hd = flat_cache.shape[2], flat_cache.shape[3]
+    shape = (2, attn.det_chunks(), s, kv_heads, c, hd)
     cache, kept = attn.det_cache, attn.step_keys
     kv = None if kept is None else kept.get(flat_cache, shape)
     if kv is not None:
@@ -131,6 +125,8 @@ def _context_kv(
         return kv
     index = cache.get("gather")
     if index is None:  # once per step: every layer reads the same slots
+        slots = attn.deterministic_kv_slots()[0]
+        slots = slots if firsts is None else slots[firsts]
         index = cache["gather"] = bi.gather_index(slots, kv_heads, flat_cache.shape[1])
     kv = flat_cache.view(-1, hd).index_select(0, index).view(shape)
     if kept is not None:

@@ -93,6 +93,9 @@ class AttentionMetadata:
     step_keys: StepKeys | None = None
     """Deterministic decode: where the keys read for this step are kept for the next one
     (:class:`StepKeys`); None: read from the cache every step."""
+    longest: int = 0
+    """Decode only: the longest context of the step (``context_lens``' maximum)."""
+    _det_slots: list[Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def prefill(cls, slot_mapping: Tensor, seq_lens: list[int]) -> AttentionMetadata:
@@ -107,26 +110,44 @@ class AttentionMetadata:
         context_lens: Tensor,
         block_size: int,
         row_groups: list[int] | None = None,
+        *,
+        longest: int | None = None,
+        mask: bool = True,
     ) -> AttentionMetadata:
         """Metadata for one token per row; ``context_lens`` counts that token too. A sequence
-        may have several consecutive rows at consecutive positions (``row_groups``)."""
-        span = block_tables.shape[1] * block_size
-        # Built once per step, shared by every layer.
-        mask = torch.arange(span, device=context_lens.device) < context_lens[:, None]
+        may have several consecutive rows at consecutive positions (``row_groups``).
+        ``longest``: ``context_lens``' maximum where the caller knows it; ``mask``: build the
+        fast attention's mask (the deterministic attention does not read it)."""
+        attn_mask = None
+        if mask:  # built once per step, shared by every layer
+            span = block_tables.shape[1] * block_size
+            keys = torch.arange(span, device=context_lens.device) < context_lens[:, None]
+            attn_mask = keys[:, None, None, :]
         return cls(
             is_prefill=False,
             slot_mapping=slot_mapping,
             seq_lens=[],
             block_tables=block_tables,
-            attn_mask=mask[:, None, None, :],
+            attn_mask=attn_mask,
             context_lens=context_lens,
             block_size=block_size,
             row_groups=row_groups,
+            longest=int(context_lens.max()) if longest is None else longest,
         )
+
+    def det_chunks(self) -> int:
+        """Deterministic decode: attention chunks that cover the longest context."""
+        return bi.chunks_for(self.longest)
 
     def deterministic_kv_slots(self) -> list[Tensor]:
         """Per sequence, the flat cache slot of each key position, padded with slot 0 (read,
-        then masked) to a whole number of attention chunks (the deterministic forward)."""
+        then masked) to a whole number of attention chunks (the deterministic forward; built
+        once per step, on first use)."""
+        if self._det_slots is None:
+            self._det_slots = self._kv_slots()
+        return self._det_slots
+
+    def _kv_slots(self) -> list[Tensor]:
         if self.is_prefill:
             out, start = [], 0
             for n in self.seq_lens:
@@ -135,9 +156,9 @@ class AttentionMetadata:
                 out.append(torch.cat([seg, seg.new_zeros(pad)]))
                 start += n
             return out
-        assert self.block_tables is not None and self.context_lens is not None
+        assert self.block_tables is not None
         bs, width = self.block_size, self.block_tables.shape[1]
-        length = bi.chunks_for(int(self.context_lens.max())) * bi.ATTENTION_CHUNK
+        length = self.det_chunks() * bi.ATTENTION_CHUNK
         pos = torch.arange(length, device=self.block_tables.device)
         # Positions past a table's end point at its last block: read, then masked out.
         slots = self.block_tables[:, (pos // bs).clamp(max=width - 1)] * bs + pos % bs

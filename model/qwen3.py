@@ -53,8 +53,9 @@ class PagedStep:
     sin_rot: Tensor
     """RoPE sines (rotate-half signs folded in) at the step's positions, ``[T, 1, head_dim]``."""
     attn: AttentionMetadata
-    kv_slots: list[Tensor] | None = None
-    """Deterministic mode: :meth:`AttentionMetadata.deterministic_kv_slots`; None otherwise."""
+    deterministic: bool = False
+    """The batch-invariant attention (:mod:`model.det_attention`), which reads every key
+    back from the cache in its chunk layout."""
 
 
 @dataclass(frozen=True)
@@ -208,21 +209,21 @@ class Qwen3Attention(nn.Module):
     ) -> Tensor:
         """``x`` is ``[T, hidden]``; ``flat_cache`` is this layer's ``[2, slots, kv_heads, hd]``
         view and ``block_cache`` the same memory as ``[2, blocks, block_size, kv_heads, hd]``.
-        ``step.kv_slots`` (deterministic mode) selects the batch-invariant attention, which
+        ``step.deterministic`` selects the batch-invariant attention, which
         reads every key back from the cache; ``x`` then holds the step's tokens followed by zero
         or more padding rows (already enough rows for every matmul to be row-invariant:
         :func:`model.batch_invariant.bucket`).
         """
         t = x.shape[0]
-        attn, kv_slots = step.attn, step.kv_slots
+        attn = step.attn
         q, k, v = self.project_qkv(x, step.cos, step.sin_rot)
-        if kv_slots is not None:
+        if step.deterministic:
             # Rows past the step's tokens are padding (see Qwen3ForCausalLM.forward): the
             # matmuls run on all of them, the cache and the attention on the real ones only.
             n = attn.slot_mapping.shape[0]
             flat_cache[0].index_copy_(0, attn.slot_mapping, k[:n])
             flat_cache[1].index_copy_(0, attn.slot_mapping, v[:n])
-            out = paged_attention(q[:n], (k[:n], v[:n]), attn, flat_cache, kv_slots)
+            out = paged_attention(q[:n], (k[:n], v[:n]), attn, flat_cache)
             return self._project_out(F.pad(out.reshape(n, -1), (0, 0, 0, t - n)))
         flat_cache[0].index_copy_(0, attn.slot_mapping, k)
         flat_cache[1].index_copy_(0, attn.slot_mapping, v)
@@ -314,9 +315,11 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, step: PagedStep, flat_cache: Tensor, block_cache: Tensor
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step, flat_cache, block_cache)
-        det = step.kv_slots is not None
-        return x + self.mlp(self.post_attention_layernorm(x), det, det)
+        # .forward, not the modules' __call__: no hooks here, and a decode step makes 21 calls.
+        normed = self.input_layernorm.forward(x)
+        x = x + self.self_attn.forward(normed, step, flat_cache, block_cache)
+        det = step.deterministic
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x), det, det)
 
     def forward_dense(self, x: Tensor, step: DenseStep) -> Tensor:
         """The same block over a padded batch ``[B, T, hidden]`` (see ``forward_dense`` of
@@ -375,11 +378,11 @@ class Qwen3ForCausalLM(nn.Module):
                 cos=self.rope_cos[positions].unsqueeze(1),
                 sin_rot=self.rope_sin[positions].unsqueeze(1),
                 attn=attn,
-                kv_slots=attn.deterministic_kv_slots() if self.deterministic else None,
+                deterministic=self.deterministic,
             )
             flat = kv_cache.flatten(2, 3)
             for i, layer in enumerate(self.model.layers):
-                x = layer(x, step, flat[i], kv_cache[i])
+                x = cast(Qwen3DecoderLayer, layer).forward(x, step, flat[i], kv_cache[i])
             return self.model.norm(x[:t])
 
     def det_min_rows(self) -> int:

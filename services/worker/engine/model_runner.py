@@ -117,5 +117,7 @@ class ModelRunner:
             context_lens,
             self.block_size,
             groups,
+            longest=max(positions) + 1,
+            mask=not self.model.deterministic,
         )
         return torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), attn
