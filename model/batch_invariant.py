@@ -247,7 +247,7 @@ def attend(q: Tensor, q_pos: Tensor, kv: Tensor, cache: dict[str, Tensor] | None
         if cache is not None:
             cache[f"hidden-{key}"], cache[f"keep-{key}"] = hidden, keep
     widths = [c] * chunks
-    if rows <= TRIM_MAX_ROWS and trims_exactly(s * kvh, rows, hd, c, q.dtype):
+    if rows <= TRIM_MAX_ROWS and q.is_cpu and trims_exactly(s * kvh, rows, hd, c, q.dtype):
         last = int(q_pos.max())
         widths = [min(c, -(-(last + 1 - i * c) // TRIM_STEP) * TRIM_STEP) for i in range(chunks)]
     scale = hd**-0.5
