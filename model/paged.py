@@ -23,6 +23,12 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[
     return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
 
 
+STEP_KEYS_MAX_BYTES = 256 * 2**20
+"""Most bytes :class:`StepKeys` keeps (all layers): a copy of the running batch's keys and values,
+chunk-padded. Past it the layers that do not fit read the cache every step, as without it
+(the tiny model's batch of 8: 8 MiB; 64 math prompts: 32 MiB)."""
+
+
 class StepKeys:
     """Deterministic decode: each layer's keys and values of the last decode step's sequences
     in the deterministic attention's chunk layout (:mod:`model.det_attention`), kept for the
@@ -32,9 +38,10 @@ class StepKeys:
     The owner (the engine's model runner) calls :meth:`begin` before each decode step with the
     batch's identity, and :meth:`clear` when anything else writes the cache (a prefill, another
     cache); a layer's copy is told apart by its cache's address and kept only while its shape
-    (chunk count, sequences) stays the same."""
+    (chunk count, sequences) stays the same, and only within ``max_bytes`` in all."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = STEP_KEYS_MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
         self._batch: Hashable | None = None
         self._layers: dict[int, Tensor] = {}
 
@@ -55,8 +62,12 @@ class StepKeys:
         return kept if kept is not None and tuple(kept.shape) == shape else None
 
     def put(self, layer_cache: Tensor, kv: Tensor) -> None:
-        """Keep ``kv`` (read from ``layer_cache`` this step) for the next step."""
-        self._layers[layer_cache.data_ptr()] = kv
+        """Keep ``kv`` (read from ``layer_cache`` this step) for the next step, if it fits."""
+        key = layer_cache.data_ptr()
+        self._layers.pop(key, None)
+        held = sum(t.nbytes for t in self._layers.values())
+        if held + kv.nbytes <= self.max_bytes:
+            self._layers[key] = kv
 
 
 @dataclass

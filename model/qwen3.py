@@ -16,9 +16,10 @@ KV cache, for training; it reuses the same parameters and projection code, so on
 serves both (the public training helpers are in :mod:`model.train_forward`).
 
 Deterministic mode (``build_model(..., deterministic=True)``) swaps the matmuls, the SiLU and
-the attention for the batch-invariant versions of :mod:`model.batch_invariant`, in both the
-paged and the dense forward: a position's logits are then bitwise the same whatever the batch,
-whether its past K/V was built by prefill or by decode, and in the trainer's dense forward.
+the attention for the batch-invariant versions of :mod:`model.batch_invariant` (the paged
+attention: :mod:`model.det_attention`), in both the paged and the dense forward: a
+position's logits are then bitwise the same whatever the batch, whether its past K/V was built
+by prefill or by decode, and in the trainer's dense forward.
 The default (fast) mode matches them to within float rounding only.
 
 The module never owns its weights: :func:`build_model` creates it on the ``meta`` device and
@@ -54,8 +55,8 @@ class PagedStep:
     """RoPE sines (rotate-half signs folded in) at the step's positions, ``[T, 1, head_dim]``."""
     attn: AttentionMetadata
     deterministic: bool = False
-    """The batch-invariant attention (:mod:`model.det_attention`), which reads every key
-    back from the cache in its chunk layout."""
+    """The batch-invariant attention (:mod:`model.det_attention`): each row over its own
+    sequence's keys, in fixed chunks."""
 
 
 @dataclass(frozen=True)

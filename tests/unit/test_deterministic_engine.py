@@ -330,3 +330,10 @@ def test_step_keys_are_kept_only_for_the_same_batch_and_shape() -> None:
     keys.clear()
     keys.begin(("b", "a"))
     assert keys.get(cache, (2, 3)) is None
+    small = StepKeys(max_bytes=kv.nbytes)  # room for one layer's copy
+    small.begin(("a",))
+    small.put(cache, kv)
+    small.put(other, kv.clone())
+    assert small.get(cache, (2, 3)) is kv and small.get(other, (2, 3)) is None
+    small.put(cache, kv.clone())  # a layer's new copy replaces its old one
+    assert small.get(cache, (2, 3)) is not kv and small.get(cache, (2, 3)) is not None
