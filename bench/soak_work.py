@@ -166,7 +166,11 @@ class SandboxLane:
 
     async def _step(self) -> None:
         k = self.prefix + 1
-        await self._call(self.env.exec(self.sandbox_id, f"echo {k} > {SANDBOX_FILE}", timeout_s=20))
+        out = await self._call(
+            self.env.exec(self.sandbox_id, f"echo {k} > {SANDBOX_FILE}", timeout_s=20)
+        )
+        if out.exit_code != 0 or out.timed_out:  # the write did not happen: not a step
+            raise SandboxError("the lane's write failed", exit_code=out.exit_code, prefix=k)
         info = await self._call(
             self.env.checkpoint(self.sandbox_id, k, trajectory_id="soak-sandbox-lane")
         )

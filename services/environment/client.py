@@ -128,6 +128,11 @@ class EnvClient:
         return await self.call("", "gc", EnvGc(trajectory_id=trajectory_id), Ok, self.timeout)
 
 
+REGISTRY_READ_S = 5.0
+"""Longest a read of the host registrations (KV ``env_hosts``) may take before the client
+keeps its last view."""
+
+
 class PlacedEnvClient(EnvClient):
     """Places each new sandbox on the registered environment host with the most free
     capacity (KV ``env_hosts``, ``placement.choose_host``) and sends that sandbox's operations
@@ -157,7 +162,10 @@ class PlacedEnvClient(EnvClient):
         async with self._reading:  # concurrent callers share one read
             if (now and self._read_at < asked) or asked - self._read_at >= self.refresh_s:
                 self._read_at = time.monotonic()
-                self._hosts = await self._registry()
+                try:  # a watch that never ends must not hold every caller behind this lock
+                    self._hosts = await asyncio.wait_for(self._registry(), REGISTRY_READ_S)
+                except TimeoutError:
+                    pass  # the last view, as through any bus hiccup
                 for name, h in self._hosts.items():  # what a registration lists, it counts
                     self._pending.get(name, set()).difference_update(h.sandbox_ids)
         return placement.fresh(self._hosts.values(), time.time())
