@@ -48,6 +48,8 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -152,9 +154,9 @@ def pad_rows(x: Tensor, dim: int, rows: int = MIN_GEMM_ROWS) -> tuple[Tensor, in
     n = x.shape[dim]
     if n >= rows:
         return x, n
-    shape = list(x.shape)
-    shape[dim] = rows - n
-    return torch.cat([x, x.new_zeros(shape)], dim=dim), n
+    pad = [0, 0] * (x.dim() - dim % x.dim())  # F.pad counts from the last dim
+    pad[-1] = rows - n
+    return F.pad(x, pad), n
 
 
 def linear(
@@ -218,7 +220,7 @@ def gather_index(slots: Tensor, kv_heads: int, num_slots: int) -> Tensor:
     return torch.cat([rows, rows + num_slots * kv_heads])
 
 
-def attend(q: Tensor, q_pos: Tensor, kv: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
+def attend(q: Tensor, q_pos: Tensor, kv: Tensor, cache: dict[str, Any] | None = None) -> Tensor:
     """Causal attention of query rows over their own sequence's chunked keys.
 
     ``q`` is ``[S, kvh, M, hd]``: for each of ``S`` sequences and each KV head, ``M`` query
@@ -230,51 +232,77 @@ def attend(q: Tensor, q_pos: Tensor, kv: Tensor, cache: dict[str, Tensor] | None
 
     A chunk past every row's last visible key is read only up to the next multiple of
     ``TRIM_STEP`` positions where :func:`trims_exactly` says that gives the whole chunk's bits
-    on this machine (a decode step's last chunk is mostly empty: on the tiny benchmark half
-    the bytes a step's attention reads).
+    on this machine (a decode step's last chunk is mostly empty).
     """
     s, kvh, m, hd = q.shape
-    c, chunks = kv.shape[4], kv.shape[1]
-    need = max(padded_rows("qk", hd, c, m, q.dtype), padded_rows("pv", c, hd, m, q.dtype))
-    qp, _ = pad_rows(q, 2, need)
+    chunks = kv.shape[1]
+    key = f"attend-{m}-{chunks}"
+    plan = None if cache is None else cache.get(key)
+    if plan is None:
+        plan = _AttendPlan.build(q_pos, s * kvh, (m, hd, kv.shape[4], chunks), q.dtype, q.is_cpu)
+        if cache is not None:
+            cache[key] = plan
+    qp, _ = pad_rows(q, 2, plan.need)
     rows = qp.shape[2]
     qf = qp.reshape(s * kvh, rows, hd)
-    key = f"{rows}-{chunks}"
-    if cache is not None and f"hidden-{key}" in cache:
-        hidden, keep = cache[f"hidden-{key}"], cache[f"keep-{key}"]
-    else:
-        hidden, keep = _masks(q_pos, need, chunks, c, q.dtype)
-        if cache is not None:
-            cache[f"hidden-{key}"], cache[f"keep-{key}"] = hidden, keep
-    widths = [c] * chunks
-    if rows <= TRIM_MAX_ROWS and q.is_cpu and trims_exactly(s * kvh, rows, hd, c, q.dtype):
-        last = int(q_pos.max())
-        widths = [min(c, -(-(last + 1 - i * c) // TRIM_STEP) * TRIM_STEP) for i in range(chunks)]
     scale = hd**-0.5
     mx = denom = acc = qf  # bound in the first iteration
-    for i, w in enumerate(widths):
+    for i, (w, bias, keep) in enumerate(zip(plan.widths, plan.bias, plan.keep, strict=True)):
         if w <= 0:  # past every row: it would leave the state as it is, bit for bit
             continue
-        k = kv[0, i].view(s * kvh, c, hd)[:, :w]
-        v = kv[1, i].view(s * kvh, c, hd)[:, :w]
+        k = kv[0, i].view(s * kvh, -1, hd)[:, :w]
+        v = kv[1, i].view(s * kvh, -1, hd)[:, :w]
         raw = (torch.matmul(qf, k.transpose(1, 2)) * scale).view(s, kvh, rows, w)
         # + -inf, not masked_fill: the same maximum, and masked_fill with a broadcast mask
         # takes 15x as long (38 against 2.4 us for a decode step's [8, 2, 8, 128] scores).
-        top = (raw + hidden[i, ..., :w]).amax(dim=-1).view(s * kvh, rows)
+        top = (raw + bias).amax(dim=-1).view(s * kvh, rows)
         if i == 0:  # chunk 0 always holds position 0, so every row has a finite maximum
             mx = top
-            p = _exp_visible(raw, mx, keep[i, ..., :w])
+            p = _exp_visible(raw, mx, keep)
             denom = p.sum(dim=-1)
             acc = torch.matmul(p, v)
         else:
             new = torch.maximum(mx, top)
             alpha = torch.exp(mx - new)
-            p = _exp_visible(raw, new, keep[i, ..., :w])
+            p = _exp_visible(raw, new, keep)
             denom = denom * alpha + p.sum(dim=-1)
             acc = acc * alpha[..., None] + torch.matmul(p, v)
             mx = new
     out = acc / denom[..., None]
     return out.view(s, kvh, rows, hd)[:, :, :m]
+
+
+@dataclass(frozen=True)
+class _AttendPlan:
+    """What the :func:`attend` calls of one step share: the rows the products are padded to,
+    each chunk's width read and its key masks, ``[S, 1, rows, width]`` (:func:`_masks`)."""
+
+    need: int
+    widths: tuple[int, ...]
+    bias: tuple[Tensor, ...]
+    keep: tuple[Tensor, ...]
+
+    @classmethod
+    def build(
+        cls, q_pos: Tensor, b: int, dims: tuple[int, int, int, int], dtype: torch.dtype, cpu: bool
+    ) -> _AttendPlan:
+        m, hd, c, chunks = dims
+        need = max(padded_rows("qk", hd, c, m, dtype), padded_rows("pv", c, hd, m, dtype))
+        rows = max(m, need)
+        bias, keep = _masks(q_pos, need, chunks, c, dtype)
+        widths = [c] * chunks
+        if rows <= TRIM_MAX_ROWS and cpu and trims_exactly(b, rows, hd, c, dtype):
+            last = int(q_pos.max())
+            widths = [
+                min(c, -(-(last + 1 - i * c) // TRIM_STEP) * TRIM_STEP) for i in range(chunks)
+            ]
+        cut = [max(w, 0) for w in widths]
+        return cls(
+            need,
+            tuple(widths),
+            tuple(bias[i, ..., :w].contiguous() for i, w in enumerate(cut)),
+            tuple(keep[i, ..., :w].contiguous() for i, w in enumerate(cut)),
+        )
 
 
 TRIM_STEP = 32

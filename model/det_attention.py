@@ -17,6 +17,8 @@ a row can see (positions past a row are hidden from it, whatever they hold).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -54,7 +56,7 @@ def paged_attention(
     assert attn.context_lens is not None
     b, heads, hd = q.shape
     g = heads // kv_heads
-    kv = _context_kv(kv_new, attn, flat_cache, list(range(b)), None)
+    kv = _context_kv(kv_new, attn, flat_cache, range(b), None)
     cache = attn.det_cache
     pos = cache.get("pos")
     if pos is None:
@@ -91,8 +93,8 @@ def _grouped_attention(
         cache["group-first"] = torch.tensor(starts, device=q.device)
         rows_pos = (attn.context_lens - 1)[cache["group-take"]]
         cache["group-pos"] = rows_pos.view(s, width).repeat_interleave(g, dim=1)
-    owners = [i for i, n in enumerate(groups) for _ in range(n)]
-    kv = _context_kv(kv_new, attn, flat_cache, owners, cache["group-first"])
+        cache["group-owners"] = [i for i, n in enumerate(groups) for _ in range(n)]
+    kv = _context_kv(kv_new, attn, flat_cache, cache["group-owners"], cache["group-first"])
     rows = q.index_select(0, cache["group-take"]).view(s, width, kv_heads, g, hd)
     rows = rows.permute(0, 2, 1, 3, 4).reshape(s, kv_heads, width * g, hd)
     out = bi.attend(rows, cache["group-pos"], kv, cache)
@@ -104,7 +106,7 @@ def _context_kv(
     kv_new: tuple[Tensor, Tensor],
     attn: AttentionMetadata,
     flat_cache: Tensor,
-    owners: list[int],
+    owners: Sequence[int],
     firsts: Tensor | None,
 ) -> Tensor:
     """Keys and values of the step's sequences in the chunk layout ``[2, chunks, S, kv_heads,
@@ -134,7 +136,7 @@ def _context_kv(
     return kv
 
 
-def _append_index(positions: Tensor, owners: list[int], shape: tuple[int, ...]) -> Tensor:
+def _append_index(positions: Tensor, owners: Sequence[int], shape: tuple[int, ...]) -> Tensor:
     """Rows of the chunk layout ``shape`` viewed as ``[-1, hd]`` where the keys (then the
     values) of rows at ``positions`` of sequences ``owners`` go, in ``[2, rows, kv_heads]``
     order."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -94,7 +95,7 @@ class AttentionMetadata:
     """Decode only: ``[B]`` tokens in each sequence's context, the new one included."""
     block_size: int = 0
     """Decode only: token slots per KV block (to address a position through a block table)."""
-    det_cache: dict[str, Tensor] = field(default_factory=dict)
+    det_cache: dict[str, Any] = field(default_factory=dict)
     """Deterministic decode: tensors derived from this metadata once per step and shared by
     the layers (the cache gather index, the attention masks)."""
     row_groups: list[int] | None = None

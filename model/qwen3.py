@@ -150,12 +150,13 @@ class Qwen3Attention(nn.Module):
         if self.qkv is not None and not det:
             # Views of one product, q and k rotated together: every op below is row-wise and
             # elementwise-exact or a copy, so the bits are those of the separate products.
+            # (narrow, not [..., a:b, :]: the same views, a third of the indexing's time)
             qkv = self.qkv(x).view(*lead, h + 2 * kvh, hd)
-            qk, v = qkv[..., : h + kvh, :], qkv[..., h + kvh :, :]
+            qk, v = qkv.narrow(-2, 0, h + kvh), qkv.narrow(-2, h + kvh, kvh)
             if self.q_norm is not None and self.k_norm is not None:
                 qk = self._norm_qk(qk, h)
             qk = _apply_rope(qk, cos, sin_rot)
-            return qk[..., :h, :], qk[..., h:, :], v
+            return qk.narrow(-2, 0, h), qk.narrow(-2, h, kvh), v
         lin = bi.linear if det else _linear
         q = lin(x, self.q_proj.weight).view(*lead, h, hd)
         k = lin(x, self.k_proj.weight).view(*lead, kvh, hd)
@@ -225,7 +226,8 @@ class Qwen3Attention(nn.Module):
             flat_cache[0].index_copy_(0, attn.slot_mapping, k[:n])
             flat_cache[1].index_copy_(0, attn.slot_mapping, v[:n])
             out = paged_attention(q[:n], (k[:n], v[:n]), attn, flat_cache)
-            return self._project_out(F.pad(out.reshape(n, -1), (0, 0, 0, t - n)))
+            out = out.reshape(n, -1)
+            return self._project_out(out if t == n else F.pad(out, (0, 0, 0, t - n)))
         flat_cache[0].index_copy_(0, attn.slot_mapping, k)
         flat_cache[1].index_copy_(0, attn.slot_mapping, v)
         if attn.is_prefill:
@@ -290,7 +292,8 @@ class Qwen3MLP(nn.Module):
         """``det``: the batch-invariant SiLU and matmuls; ``padded``: ``x``'s rows are already
         enough for the plain matmul to be row-invariant (the paged deterministic forward)."""
         if self.gate_up is not None and self.down is not None and (padded or not det):
-            gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+            gate_up, inter = self.gate_up(x), self.intermediate_size
+            gate, up = gate_up.narrow(-1, 0, inter), gate_up.narrow(-1, inter, inter)
             # bi.silu's first op (clamp) is exact on the strided view; F.silu's scalar tail
             # would fall per row on it, so it gets the contiguous copy the separate product gave.
             act = bi.silu(gate) if det else F.silu(gate.contiguous())
@@ -370,14 +373,14 @@ class Qwen3ForCausalLM(nn.Module):
         """
         with bi.one_thread() if self.deterministic else contextlib.nullcontext():
             t = input_ids.shape[0]
-            if self.deterministic:
-                rows = bi.bucket(t, self.det_min_rows())
+            rows = bi.bucket(t, self.det_min_rows()) if self.deterministic else t
+            if rows > t:
                 input_ids = F.pad(input_ids, (0, rows - t))
                 positions = F.pad(positions, (0, rows - t))
             x = F.embedding(input_ids, self.model.embed_tokens.weight)
             step = PagedStep(
-                cos=self.rope_cos[positions].unsqueeze(1),
-                sin_rot=self.rope_sin[positions].unsqueeze(1),
+                cos=self.rope_cos.index_select(0, positions).unsqueeze(1),
+                sin_rot=self.rope_sin.index_select(0, positions).unsqueeze(1),
                 attn=attn,
                 deterministic=self.deterministic,
             )
@@ -468,11 +471,14 @@ class Qwen3ForCausalLM(nn.Module):
         return logits
 
 
-def logprobs_at_temperature(logits: Tensor, temperatures: Tensor) -> Tensor:
+def logprobs_at_temperature(logits: Tensor, temperatures: Tensor | None) -> Tensor:
     """fp32 ``log_softmax(logits / temperature)`` over the last dim; ``temperatures`` has
-    ``logits``' leading shape (1.0 for greedy rows). The one definition of a reported
-    log-probability: the engine's sampler and the trainer's :func:`~model.train_forward.token_logprobs`
-    both call it, so equal logits give bitwise-equal log-probabilities."""
+    ``logits``' leading shape (1.0 for greedy rows), None: 1.0 everywhere (no division:
+    ``x / 1`` is ``x`` bit for bit). The one definition of a reported log-probability: the
+    engine's sampler and the trainer's :func:`~model.train_forward.token_logprobs` both call
+    it, so equal logits give bitwise-equal log-probabilities."""
+    if temperatures is None:
+        return torch.log_softmax(logits.float(), dim=-1)
     return torch.log_softmax(logits.float() / temperatures.float()[..., None], dim=-1)
 
 

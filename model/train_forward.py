@@ -144,9 +144,10 @@ def token_logprobs(
         raise ValueError(f"temperature must be > 0, got {temperature} (greedy: use 1.0)")
     hidden = dense_hidden(model, input_ids, attention_mask)[:, :-1]
     logits = model.compute_logits(hidden)
-    logprobs = logprobs_at_temperature(
-        logits, torch.full(logits.shape[:-1], temperature, device=logits.device)
-    )
+    temps = None  # 1.0: no division (the same bits)
+    if temperature != 1.0:
+        temps = torch.full(logits.shape[:-1], temperature, device=logits.device)
+    logprobs = logprobs_at_temperature(logits, temps)
     chosen = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     if attention_mask is None:
         return chosen

@@ -61,8 +61,10 @@ class Sampler:
         Returns the token ids and their logprobs.
         """
         logits = logits.float()
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        # The trainer's token_logprobs computes the same function (bitwise, same logits).
+        scales = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        # None: all 1.0, no division (the same bits). The trainer's token_logprobs computes the
+        # same function (bitwise, same logits).
+        temps = None if all(t == 1.0 for t in scales) else torch.tensor(scales)
         logprobs = logprobs_at_temperature(logits, temps)
         if all(p.greedy for p in params):
             # The common RL-eval and test path: no sort, no random numbers.
