@@ -297,7 +297,9 @@ class Qwen3MLP(nn.Module):
             # bi.silu's first op (clamp) is exact on the strided view; F.silu's scalar tail
             # would fall per row on it, so it gets the contiguous copy the separate product gave.
             act = bi.silu(gate) if det else F.silu(gate.contiguous())
-            return self.down(act * up)
+            return self.down(
+                act.mul_(up)
+            )  # act is this call's own (a prepared model is not trained)
         if det:
             lin = _linear if padded else bi.linear
             gate = bi.silu(lin(x, self.gate_proj.weight))
