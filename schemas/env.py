@@ -255,6 +255,10 @@ class EnvHostInfo(Message, tag="EnvHostInfo.v1"):
     """Their ids (how a restarted controller finds the host of a sandbox)."""
     ts: float = 0.0
     """When it wrote this (seconds since the epoch)."""
+    boot: str = ""
+    """A random id of the service process that answers (new at each start): a ping that
+    answers with another one means the host restarted, and what its previous process had in
+    flight will never be answered."""
 
 
 EnvRequest = EnvCreate | EnvExec | EnvCheckpoint | EnvRestore | EnvDestroy | EnvList | EnvGc

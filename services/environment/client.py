@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import nats.errors
@@ -133,6 +133,12 @@ REGISTRY_READ_S = 5.0
 keeps its last view."""
 
 
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """A left-behind task's outcome, read so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 class PlacedEnvClient(EnvClient):
     """Places each new sandbox on the registered environment host with the most free
     capacity (KV ``env_hosts``, ``placement.choose_host``) and sends that sandbox's operations
@@ -162,10 +168,16 @@ class PlacedEnvClient(EnvClient):
         async with self._reading:  # concurrent callers share one read
             if (now and self._read_at < asked) or asked - self._read_at >= self.refresh_s:
                 self._read_at = time.monotonic()
-                try:  # a watch that never ends must not hold every caller behind this lock
-                    self._hosts = await asyncio.wait_for(self._registry(), REGISTRY_READ_S)
-                except TimeoutError:
-                    pass  # the last view, as through any bus hiccup
+                # A watch that never ends must not hold every caller behind this lock, nor
+                # its clean-up (``wait_for`` would wait for the cancelled read to finish): a
+                # read past its bound is cancelled and left behind; the last view stays.
+                read = asyncio.ensure_future(self._registry())
+                done, _ = await asyncio.wait({read}, timeout=REGISTRY_READ_S)
+                if done:
+                    self._hosts = read.result()
+                else:
+                    read.cancel()
+                    read.add_done_callback(_retrieve)
                 for name, h in self._hosts.items():  # what a registration lists, it counts
                     self._pending.get(name, set()).difference_update(h.sandbox_ids)
         return placement.fresh(self._hosts.values(), time.time())
@@ -262,14 +274,18 @@ class PlacedEnvClient(EnvClient):
 
     async def alive(self, host: str) -> bool:
         """Whether ``host`` answers a ping (no responder: gone; silence raises ``Timeout``)."""
+        return await self.ping(host) is not None
+
+    async def ping(self, host: str) -> EnvHostInfo | None:
+        """``host``'s answer to a ping; ``None`` when it has no responder (silence raises
+        ``Timeout``)."""
         try:
-            await request(
+            return await request(
                 self.nc, subjects.env_host(host, "ping"), EnvPing(), EnvHostInfo,
                 timeout=max(self.probe_every_s * 3, 1.0),
             )  # fmt: skip
         except BusUnavailable:
-            return False
-        return True
+            return None
 
     async def on_host(
         self, host: str, op: str, msg: Message, reply_type: type[R], timeout: float
@@ -290,13 +306,18 @@ class PlacedEnvClient(EnvClient):
 
     async def _gone(self, host: str) -> None:
         """Returns once ``host`` has no responder (its service died: its subscriptions went
-        with its connection). A slow answer is not a death: the operation's own deadline
-        covers a host that hangs."""
+        with its connection) or answers from another process than at the operation's start
+        (``EnvHostInfo.boot``: it died and was restarted between two probes, and the dead
+        process will never answer). A slow answer is not a death: the operation's own
+        deadline covers a host that hangs."""
+        boot = ""
         while True:
-            await asyncio.sleep(self.probe_every_s)  # the probe's period
             with contextlib.suppress(Timeout):
-                if not await self.alive(host):
+                info = await self.ping(host)
+                if info is None or (boot and info.boot != boot):
                     return
+                boot = boot or info.boot
+            await asyncio.sleep(self.probe_every_s)  # the probe's period
 
     async def list(self) -> EnvListing:
         hosts = await self.hosts()

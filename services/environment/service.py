@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from typing import Any
 
@@ -111,6 +112,8 @@ class EnvHandlers:
         self.js = js
         self.changed = asyncio.Event()
         """Set when the number of sandboxes changed (the registration is refreshed)."""
+        self.boot = secrets.token_hex(8)
+        """This process's start (``EnvHostInfo.boot``)."""
 
     def info(self) -> wire.EnvHostInfo:
         live = sum(
@@ -118,7 +121,7 @@ class EnvHandlers:
         )
         return wire.EnvHostInfo(
             host=self.config.node, capacity=self.config.max_sandboxes, sandboxes=live,
-            ts=time.time(),
+            ts=time.time(), boot=self.boot,
         )  # fmt: skip
 
     async def on_ping(self, _req: wire.EnvPing, _msg: Msg) -> wire.EnvHostInfo:

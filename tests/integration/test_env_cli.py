@@ -6,6 +6,8 @@ the node died (supervisor SIGKILLed, its environment service with it)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from services.environment.client import node_label
+from common.errors import BelayerError, BusUnavailable
+from schemas.env import SandboxLimits
+from services.environment.client import PlacedEnvClient, node_label
 from tests.integration.env_helpers import (
     BUMP,
     COUNTER,
@@ -23,7 +27,14 @@ from tests.integration.env_helpers import (
     leftover_containers,
     require_docker,
 )
-from tests.integration.node_helpers import Node, cli, pid_gone, start_node, stop_node
+from tests.integration.node_helpers import (
+    Node,
+    cli,
+    pid_gone,
+    start_node,
+    stop_node,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(300)]
 NODE_ARGS = ("--environment",)
@@ -56,6 +67,54 @@ def test_sandbox_lifecycle_through_the_cli(node: Node) -> None:
     finally:
         env(node, "destroy", sid)
     assert all(s["id"] != sid for s in json.loads(env(node, "ls", "--json").stdout))
+
+
+RESTART_PROBE_S = 10.0
+"""The client's probe period in the test below: longer than the supervisor takes to restart
+the environment service, so that no probe falls into the gap (no responder) between the two
+processes and only the new process's ``boot`` can tell the client."""
+
+
+async def test_an_operation_the_killed_environment_service_had_fails_at_the_next_probe(
+    node: Node,
+) -> None:
+    """An operation in flight when the environment service is SIGKILLed and restarted by its
+    supervisor is never answered: the request went to the dead process, and the new one
+    answers pings. The client sees another process answer (``EnvHostInfo.boot``) and fails
+    the operation with ``BusUnavailable`` at its next probe, not at its deadline (here 150 s;
+    it stalled a swe rollout's recovery ~146 s in the sandbox soak)."""
+    nc = await node.connect("test-env-restart", identity="operator")
+    client = PlacedEnvClient(nc, timeout=30.0, probe_every_s=RESTART_PROBE_S)
+    host = node_label(node.run_id)
+    try:
+        sid = (await client.create(limits=SandboxLimits(memory_mb=256))).sandbox_id
+        first = await client.ping(host)
+        assert first is not None and first.boot
+        t0 = time.monotonic()
+        op = asyncio.ensure_future(client.exec(sid, "sleep 120", timeout_s=120.0))
+
+        async def sleeping() -> bool:  # the dead process must have had the operation
+            out = await client.exec(sid, "pgrep -x sleep || true", timeout_s=5.0)
+            return bool(out.stdout.strip())
+
+        await wait_until(sleeping, timeout=10.0, what="the exec runs in the sandbox")
+        os.kill(node.pids()["environment"], signal.SIGKILL)
+
+        async def restarted() -> bool:  # pinged often, each ping bounded by 1 s
+            with contextlib.suppress(BelayerError):
+                info = await PlacedEnvClient(nc, probe_every_s=0.1).ping(host)
+                return info is not None and info.boot != first.boot
+            return False
+
+        await wait_until(restarted, timeout=60.0, what="the restarted service answers")
+        restart_s = time.monotonic() - t0
+        with pytest.raises(BusUnavailable):
+            await asyncio.wait_for(op, timeout=RESTART_PROBE_S + 10.0)
+        failed_s = time.monotonic() - t0
+        assert failed_s < 2 * RESTART_PROBE_S + 10.0, (restart_s, failed_s)
+        await client.destroy(sid)
+    finally:
+        await nc.drain()
 
 
 def test_cli_errors_are_clear(node: Node) -> None:

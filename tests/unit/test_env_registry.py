@@ -12,12 +12,14 @@ from services.environment import client as env_client
 from services.environment.client import PlacedEnvClient
 
 
+@pytest.mark.parametrize("cleanup_hangs", [False, True])
 async def test_a_registry_read_that_never_ends_keeps_the_last_view(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, cleanup_hangs: bool
 ) -> None:
-    """A read of the registrations that hangs (seen after an environment service was killed
-    and restarted: every trajectory's sandbox call waited ~150 s behind it) is cut at
-    ``REGISTRY_READ_S``: the callers get the last view, and the next read is tried again."""
+    """A read of the registrations that hangs is cut at ``REGISTRY_READ_S``, even when its
+    clean-up hangs too (the watch's ``stop``): the callers get the last view, and the next
+    read is tried again. One shared lock orders every sandbox call's read, so one hung read
+    would otherwise hold them all."""
     client = PlacedEnvClient(None)  # type: ignore[arg-type]  # hosts() reaches the bus only through _registry
     client._hosts = {"h": EnvHostInfo(host="h", capacity=4, sandboxes=1, ts=time.time())}
     reads = 0
@@ -25,7 +27,11 @@ async def test_a_registry_read_that_never_ends_keeps_the_last_view(
     async def never() -> dict[str, EnvHostInfo]:
         nonlocal reads
         reads += 1
-        await asyncio.Event().wait()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            if cleanup_hangs:  # the cancelled read's clean-up never ends either
+                await asyncio.shield(asyncio.Event().wait())
         raise AssertionError("unreachable")
 
     monkeypatch.setattr(client, "_registry", never)
