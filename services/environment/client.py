@@ -159,6 +159,8 @@ class PlacedEnvClient(EnvClient):
         self._hosts: dict[str, EnvHostInfo] = {}
         self._pending: dict[str, set[str]] = {}
         """Host → sandboxes placed on it that its registration does not list yet."""
+        self.boots: dict[str, str] = {}
+        """Host → the ``boot`` of its last answer to a ping from this client."""
         self._read_at = -math.inf
         self._reading = asyncio.Lock()
 
@@ -280,12 +282,14 @@ class PlacedEnvClient(EnvClient):
         """``host``'s answer to a ping; ``None`` when it has no responder (silence raises
         ``Timeout``)."""
         try:
-            return await request(
+            info = await request(
                 self.nc, subjects.env_host(host, "ping"), EnvPing(), EnvHostInfo,
                 timeout=max(self.probe_every_s * 3, 1.0),
             )  # fmt: skip
         except BusUnavailable:
             return None
+        self.boots[host] = info.boot
+        return info
 
     async def on_host(
         self, host: str, op: str, msg: Message, reply_type: type[R], timeout: float
@@ -310,10 +314,15 @@ class PlacedEnvClient(EnvClient):
         (``EnvHostInfo.boot``: it died and was restarted between two probes, and the dead
         process will never answer). A slow answer is not a death: the operation's own
         deadline covers a host that hangs."""
-        boot = ""
+        known, boot = self.boots.get(host, ""), ""
         while True:
-            with contextlib.suppress(Timeout):
+            try:
                 info = await self.ping(host)
+            except Timeout:
+                # Unanswered before any answer: the operation went where this ping went, to
+                # a process that did not answer; the one this client heard from before.
+                boot = boot or known
+            else:
                 if info is None or (boot and info.boot != boot):
                     return
                 boot = boot or info.boot
