@@ -26,6 +26,7 @@ from common import subjects
 from common.bus import request
 from common.codec import decode
 from common.errors import BusUnavailable, InvalidRequest, ResourceLimit, Timeout
+from common.tasks import keep
 from schemas.base import Message, Ok
 from schemas.env import (
     CheckpointInfo,
@@ -133,12 +134,6 @@ REGISTRY_READ_S = 5.0
 keeps its last view."""
 
 
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """A left-behind task's outcome, read so that asyncio does not log it as never retrieved."""
-    if not task.cancelled():
-        task.exception()
-
-
 class PlacedEnvClient(EnvClient):
     """Places each new sandbox on the registered environment host with the most free
     capacity (KV ``env_hosts``, ``placement.choose_host``) and sends that sandbox's operations
@@ -163,6 +158,8 @@ class PlacedEnvClient(EnvClient):
         """Host → the ``boot`` of its last answer to a ping from this client."""
         self._read_at = -math.inf
         self._reading = asyncio.Lock()
+        self._left: set[asyncio.Task[Any]] = set()
+        """Registry reads cut at ``REGISTRY_READ_S``, cancelled, until they end."""
 
     async def hosts(self, *, now: bool = False) -> list[EnvHostInfo]:
         """The fresh registrations (read again at most every ``refresh_s``, or ``now``)."""
@@ -178,8 +175,8 @@ class PlacedEnvClient(EnvClient):
                 if done:
                     self._hosts = read.result()
                 else:
-                    read.cancel()
-                    read.add_done_callback(_retrieve)
+                    read.cancel()  # held until it ends (asyncio keeps tasks weakly)
+                    keep(self._left, read)
                 for name, h in self._hosts.items():  # what a registration lists, it counts
                     self._pending.get(name, set()).difference_update(h.sandbox_ids)
         return placement.fresh(self._hosts.values(), time.time())
