@@ -16,16 +16,17 @@ says what it measured.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from common.machine import cpu_model as cpu_model
+from common.machine import loadavg
+from common.machine import machine_info as machine_info
 
 Target = tuple[str, float]
 """A target: (comparison, ``">="`` or ``"<="``; bound)."""
@@ -168,11 +169,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def loadavg() -> list[float] | None:
-    """The 1, 5 and 15 minute load averages (None where the platform has none)."""
-    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-
-
 def timestamp() -> str:
     """Local time, ISO 8601 with the UTC offset."""
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -189,47 +185,3 @@ def machine_after(machine: Mapping[str, Any]) -> dict[str, Any]:
     """The result's ``machine``: as it was at the start, with ``loadavg_after`` (the load as the
     benchmark ends: a busy spell during the run shows)."""
     return {**machine, "loadavg_after": loadavg()}
-
-
-CPU_FEATURES = ("avx2", "avx512f", "amx_tile")
-"""Instruction sets ``cpu_flags`` reports: the CPU kernels (MKL's GEMMs, ``exp``) and so the
-engine's numbers differ between them (docs/bench/README.md)."""
-
-
-def cpu_model(cpuinfo: str | None = None) -> tuple[str | None, list[str]]:
-    """The CPU's model name and which of :data:`CPU_FEATURES` it has, from ``/proc/cpuinfo``
-    (``cpuinfo``: its text; read when None); ``(None, [])`` where there is none."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None, []
-    name: str | None = None
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and name is None:
-            name = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    return name, [f for f in CPU_FEATURES if f in flags]
-
-
-def machine_info() -> dict[str, Any]:
-    """CPUs (model and instruction sets), load, torch and Python versions: what the numbers
-    depend on. Imports no torch."""
-    try:
-        torch_version: str | None = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch_version = None
-    model, flags = cpu_model()
-    return {
-        "cpu_model": model,
-        "cpu_flags": flags,
-        "cpu_count": os.cpu_count(),
-        "sched_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "loadavg": loadavg(),
-        "torch": torch_version,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from common.machine import machine_info
 from common.training_config import OptimConfig
 from model.chat import IM_END, IM_START, ChatFormat
 from model.config import load_model_config
@@ -489,6 +490,7 @@ def train_model_dir(
         "seconds": round(result.seconds, 2),
         "first_loss": round(result.losses[0], 4),
         "final_loss": round(result.final_loss, 4),
+        "machine": machine_info(),  # another CPU family trains another model from the same data
         **(info or {}),
     }
     (root / STAMP_FILE).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")

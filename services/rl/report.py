@@ -25,6 +25,7 @@ from typing import Any
 from rich.table import Table
 
 from common.logging import get_logger
+from common.machine import cpu_text
 
 log = get_logger(component="run")
 
@@ -251,6 +252,14 @@ def summary_line(report: dict[str, Any]) -> str:
     )
 
 
+def machine_line(machine: dict[str, Any] | None) -> list[str]:
+    """``report.md``'s line on the machine the run ran on (none for a report without one): on
+    another CPU family the same run gives other numbers (docs/training.md)."""
+    if not machine:
+        return []
+    return [f"Machine: {cpu_text(machine)}, torch {machine.get('torch')}.", ""]
+
+
 def markdown(report: dict[str, Any], records: list[dict[str, Any]]) -> str:
     """``report.md``: totals, the per-step table, the plots."""
     lines = [
@@ -262,6 +271,7 @@ def markdown(report: dict[str, Any], records: list[dict[str, Any]]) -> str:
         f"{'deterministic' if report.get('deterministic') else 'fast'} inference; "
         f"{report['wall_seconds']:.0f} s.{resumed_note(report)}",
         "",
+        *(machine_line(report.get("machine"))),
         *([gain] if (gain := heldout_gain_text(report)) else []),
         "| total | value |",
         "| --- | --- |",

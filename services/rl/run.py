@@ -16,6 +16,7 @@ from typing import Any
 from common.config import RunPaths, unmakeable_dir
 from common.errors import InvalidRequest
 from common.heartbeat import process_alive
+from common.machine import machine_info
 from common.node import read_node
 from model.chat import ChatFormat
 from model.tokenizer import load_tokenizer
@@ -379,7 +380,7 @@ async def train(
                 recovery=node.info.recovery, deterministic=ctx.deterministic,
                 inject=[s.text for s in specs], seed=state.seed, per_step=all_records,
                 metrics=str(out / "metrics.jsonl"), samples=str(out / "samples.jsonl"),
-                tensorboard=str(out / "tb"),
+                tensorboard=str(out / "tb"), machine=machine_info(),
             )  # fmt: skip
             write_report(out, report, all_records)
             if stopped:

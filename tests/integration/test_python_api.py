@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import belayer
+from common.machine import cpu_model, cpu_text
 from schemas.events import HandoverComplete
 
 pytestmark = pytest.mark.timeout(400)
@@ -102,3 +103,9 @@ def test_node_run_trains_one_step_and_returns_the_report(
     assert report["trajectories_completed"] == 4 and report["trajectories_lost"] == 0
     assert Path(report["run_dir"]) == (tmp_path / "run").resolve()
     assert (tmp_path / "run" / "report.json").exists()
+    # Which CPU it ran on: another CPU family gives other numbers.
+    assert (report["machine"]["cpu_model"], report["machine"]["cpu_flags"]) == cpu_model()
+    assert (
+        f"Machine: {cpu_text(report['machine'])}, torch "
+        in (tmp_path / "run" / "report.md").read_text()
+    )

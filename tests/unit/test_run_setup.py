@@ -173,6 +173,28 @@ def test_the_report_of_a_stopped_run_says_how_many_steps_were_asked_for() -> Non
     assert "Resumed" not in done
 
 
+def test_the_report_says_which_cpu_the_run_ran_on() -> None:
+    from common.machine import cpu_model, cpu_text, machine_info
+    from services.rl.report import markdown
+
+    report = {"workload": "math", "run_id": "math1", "tasks": 8, "n": 8, "model_dir": "m",
+              "recovery": "belayer", "deterministic": True, "wall_seconds": 57.0, "steps": 20,
+              "steps_planned": 20}  # fmt: skip
+    epyc = {"cpu_model": "AMD EPYC", "cpu_flags": ["avx2"], "torch": "2.13.0+cpu"}
+    assert "\nMachine: AMD EPYC (avx2), torch 2.13.0+cpu.\n" in markdown(
+        {**report, "machine": epyc}, []
+    )
+    none = {"cpu_model": "Old CPU", "cpu_flags": [], "torch": "2.13.0+cpu"}
+    assert "Machine: Old CPU (no avx2/avx512f/amx_tile)" in markdown(
+        {**report, "machine": none}, []
+    )
+    assert "Machine:" not in markdown(report, [])  # a report written before it said
+    name, flags = cpu_model()
+    here = machine_info()
+    assert (here["cpu_model"], here["cpu_flags"]) == (name, flags)
+    assert f"Machine: {cpu_text(here)}, torch " in markdown({**report, "machine": here}, [])
+
+
 def test_the_report_of_a_resumed_run_says_that_only_its_time_is_this_invocations() -> None:
     from services.rl.report import markdown
 

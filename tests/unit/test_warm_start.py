@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from model.warm_start import (
     render_text,
     split_transcript,
     train_chat_tokenizer,
+    train_model_dir,
     train_sft,
     write_demonstrations,
 )
@@ -267,6 +269,23 @@ def test_training_memorises_demonstrations(model_dir: Path, chat: ChatFormat) ->
     result = train_sft(model, examples, cfg)
     assert result.steps == 30 and len(result.losses) == 30
     assert result.losses[-1] < 0.2 * result.losses[0], result.losses
+
+
+def test_the_stamp_says_which_machine_trained_the_model(model_dir: Path, tmp_path: Path) -> None:
+    from common.machine import cpu_model
+
+    def init(out: Path) -> Path:
+        shutil.copytree(model_dir, out)
+        return out
+
+    demo = Demonstration(task_id="t0", messages=transcript())
+    cfg = SftConfig(steps=2, batch_size=1, lr=1e-3, warmup_steps=1, threads=1)
+    train_model_dir(tmp_path / "out", [demo], cfg, init, key="k")
+    stamp = read_stamp(tmp_path / "out")
+    assert stamp is not None and stamp["key"] == "k" and stamp["steps"] == 2
+    name, flags = cpu_model()
+    assert (stamp["machine"]["cpu_model"], stamp["machine"]["cpu_flags"]) == (name, flags)
+    assert stamp["machine"]["torch"] == torch.__version__
 
 
 def test_the_learning_rate_warms_up_then_decays_by_cosine() -> None:
