@@ -186,3 +186,12 @@ def _refuse_unsupported_features(raw: dict[str, Any]) -> None:
         raise ValueError(f"pretraining_tp={raw['pretraining_tp']} is not supported (only 1)")
     if raw.get("use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported")
+
+
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Shape of the paged KV cache: ``[layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]``.
+
+    The arena must start finite (zeros): padded block-table entries and the unused tail of a
+    sequence's last block are read and masked out, and a NaN there would survive the mask.
+    """
+    return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)

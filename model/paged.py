@@ -12,17 +12,7 @@ import torch
 from torch import Tensor
 
 from model import batch_invariant as bi
-from model.config import ModelConfig
-
-
-def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of the paged KV cache: ``[layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]``.
-
-    The arena must start finite (zeros): padded block-table entries and the unused tail of a
-    sequence's last block are read and masked out, and a NaN there would survive the mask.
-    """
-    return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-
+from model.config import kv_cache_shape as kv_cache_shape  # re-exported: callers import it here
 
 STEP_KEYS_MAX_BYTES = 256 * 2**20
 """Most bytes :class:`StepKeys` keeps (all layers): a copy of the running batch's keys and values,

@@ -7,18 +7,16 @@ that crashes leaves the arena intact, and the shadow that takes over maps the sa
 
 from __future__ import annotations
 
-import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from common import shm
 from common.config import shm_path
+from common.dtypes import nbytes
 from common.errors import Conflict, NotFound
 from common.logging import get_logger
-from common.tensors import dtype_name
 from schemas.weights import ArenaDesc
 
 FILE_PREFIX = "kv-"
@@ -31,10 +29,12 @@ class Arena:
 
     engine_id: str
     path: Path
-    buf: torch.Tensor
-    """This service's mapping (flat ``uint8``)."""
+    buf: mmap.mmap
+    """This service's mapping (bytes: the arena never imports torch; workers map the file as
+    a tensor)."""
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str
+    """Wire dtype name of the elements (``float32``…)."""
     block_size: int
     num_blocks: int
     generation: int = 0
@@ -47,9 +47,9 @@ class Arena:
         """The wire descriptor workers map."""
         return ArenaDesc(
             engine_id=self.engine_id,
-            handle=shm.shm_handle(self.path, self.buf.numel()),
+            handle=shm.shm_handle(self.path, len(self.buf)),
             shape=list(self.shape),
-            dtype=dtype_name(self.dtype),
+            dtype=self.dtype,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             generation=self.generation,
@@ -70,19 +70,19 @@ class ArenaPool:
         self,
         engine_id: str,
         shape: tuple[int, ...],
-        dtype: torch.dtype,
+        dtype: str,
         block_size: int,
     ) -> Arena:
         """Create the engine's zero-filled arena, or adopt an existing file of the same
         size: after a crash of this service, live workers still map that file, and a new
         file under the same name would split them from their shadows."""
         path = shm_path(self.run_id, f"{FILE_PREFIX}{engine_id}")
-        size = math.prod(shape) * dtype.itemsize
+        size = nbytes(dtype, shape)
         buf = self._adopt(path, size)
         adopted = buf is not None
         if buf is None:
             shm.unlink(path)
-            buf = shm.create(path, size)
+            buf = shm.create_map(path, size)
             self.log.info("arena_allocated", engine_id=engine_id, bytes=size, shape=list(shape))
         arena = Arena(
             engine_id=engine_id,
@@ -97,11 +97,11 @@ class ArenaPool:
         self.arenas[engine_id] = arena
         return arena
 
-    def _adopt(self, path: Path, size: int) -> torch.Tensor | None:
+    def _adopt(self, path: Path, size: int) -> mmap.mmap | None:
         try:
             if os.stat(path).st_size != size:
                 return None
-            buf = shm.attach(shm.shm_handle(path, size))
+            buf = shm.attach_map(shm.shm_handle(path, size))
         except (FileNotFoundError, NotFound):
             return None
         self.log.info("arena_adopted", path=str(path), bytes=size)
@@ -145,7 +145,7 @@ class ArenaPool:
                 epoch=epoch,
                 current_epoch=arena.epoch,
             )
-        arena.buf.zero_()
+        shm.zero(arena.buf)
         arena.generation += 1
         arena.epoch = epoch
         return arena

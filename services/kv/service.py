@@ -10,11 +10,10 @@ import time
 from typing import Any
 
 from common import events, subjects
+from common.dtypes import itemsize
 from common.epoch import current_epoch
 from common.service import Service, run_service
-from common.tensors import parse_dtype
-from model.config import load_model_config
-from model.qwen3 import kv_cache_shape
+from model.config import kv_cache_shape, load_model_config
 from schemas.events import KvFlushed
 from schemas.weights import ArenaDesc, KvFlush, KvGet
 from services.kv.arena import ArenaPool
@@ -37,7 +36,8 @@ class KvService(Service[KvArenaConfig]):
     async def open(self) -> None:
         config = self.config
         model = load_model_config(config.model_dir)
-        dtype = parse_dtype(config.dtype) if config.dtype else model.dtype
+        dtype = config.dtype or model.torch_dtype
+        itemsize(dtype)  # an unknown dtype is refused before anything is allocated
         shape = kv_cache_shape(model, config.num_blocks, config.block_size)
         for engine_id in config.engine_ids:
             self.pool.allocate(engine_id, shape, dtype, config.block_size)

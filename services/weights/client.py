@@ -113,9 +113,10 @@ async def push_weights(
     current version.
     """
     from common import shm
+    from common.tensors import dtype_name
     from services.weights import core
 
-    layout = core.plan_layout(state_dict)
+    layout = core.plan_layout({k: (dtype_name(t.dtype), t.shape) for k, t in state_dict.items()})
     path = shm_path(run_id, f"{PUSH_FILE_PREFIX}{uuid.uuid4().hex[:12]}")
     try:
         digest = await asyncio.to_thread(_write, path, layout, state_dict)
@@ -134,12 +135,15 @@ async def push_weights(
 
 
 def _write(path: Path, layout: core.Layout, state_dict: Mapping[str, torch.Tensor]) -> str:
+    """The tensors copied into a new shm file at their places in ``layout``; its checksum."""
     import torch
 
     from common import shm
+    from common.tensors import view_tensor
     from services.weights import core
 
     buf = shm.create(path, layout.size)
     with torch.no_grad():
-        core.pack(state_dict, layout, buf)
-    return core.checksum(buf)
+        for desc in layout.tensors:
+            view_tensor(buf, desc).copy_(state_dict[desc.name])
+    return core.checksum(buf.numpy().data)

@@ -3,7 +3,8 @@
 A state dict is packed into a single contiguous buffer, each tensor at a 64-byte aligned
 offset (so a ``uint8`` slice can be viewed as any dtype, and vectorised kernels see aligned
 rows). The buffer's layout is a list of :class:`~schemas.weights.TensorDesc`; its sha256 is
-the version's checksum. Nothing here touches NATS or the file system.
+the version's checksum. Nothing here touches NATS, the file system or torch: the store only
+lays out and copies bytes.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from common.dtypes import itemsize, nbytes
 from common.errors import InvalidRequest
-from common.tensors import dtype_name, parse_dtype, view_tensor
 from schemas.weights import TensorDesc
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # anything with the buffer protocol (PEP 688)
 
 ALIGN = 64
 """Byte alignment of every tensor's offset and of the buffer's total size."""
@@ -41,55 +44,49 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-def plan_layout(state_dict: Mapping[str, torch.Tensor]) -> Layout:
-    """Assign every tensor an aligned offset; names are sorted so that the same set of
-    tensors always gets the same layout, whatever order the caller's dict has."""
+def plan_layout(specs: Mapping[str, tuple[str, Sequence[int]]]) -> Layout:
+    """Assign every tensor (name → wire dtype and shape) an aligned offset; names are sorted
+    so that the same set of tensors always gets the same layout, whatever order the caller's
+    dict has."""
     descs: list[TensorDesc] = []
     offset = 0
-    for name in sorted(state_dict):
-        t = state_dict[name]
-        nbytes = t.numel() * t.element_size()
+    for name in sorted(specs):
+        dtype, shape = specs[name]
+        size = nbytes(dtype, shape)
         descs.append(
-            TensorDesc(
-                name=name,
-                dtype=dtype_name(t.dtype),
-                shape=list(t.shape),
-                offset=offset,
-                nbytes=nbytes,
-            )
+            TensorDesc(name=name, dtype=dtype, shape=list(shape), offset=offset, nbytes=size)
         )
-        offset = align_up(offset + nbytes)
+        offset = align_up(offset + size)
     return Layout(tensors=descs, size=max(offset, ALIGN))
 
 
-def pack(state_dict: Mapping[str, torch.Tensor], layout: Layout, buf: torch.Tensor) -> None:
-    """Copy every tensor of ``state_dict`` into ``buf`` at its place in ``layout``.
+def pack(data: Mapping[str, Buffer], layout: Layout, buf: Buffer) -> None:
+    """Copy every tensor's bytes (``data``, by name) into ``buf`` at its place in ``layout``.
 
     ``buf`` must be zero-filled beforehand (fresh shared memory is): padding bytes are part
     of the checksum, so they must be the same on every side.
     """
-    if buf.numel() < layout.size or buf.dtype != torch.uint8:
-        raise ValueError(f"buffer of {buf.numel()} {buf.dtype} cannot hold {layout.size} bytes")
+    out = memoryview(buf)
+    if len(out) < layout.size:
+        raise ValueError(f"a buffer of {len(out)} bytes cannot hold {layout.size}")
     for desc in layout.tensors:
-        view_tensor(buf, desc).copy_(state_dict[desc.name])
+        out[desc.offset : desc.offset + desc.nbytes] = data[desc.name]
 
 
 def repack(
-    src: torch.Tensor,
-    src_tensors: Sequence[TensorDesc],
-    dst: torch.Tensor,
-    dst_tensors: Sequence[TensorDesc],
+    src: Buffer, src_tensors: Sequence[TensorDesc], dst: Buffer, dst_tensors: Sequence[TensorDesc]
 ) -> None:
     """Copy tensors by name from one layout into another (same names, shapes and dtypes)."""
     by_name = {d.name: d for d in src_tensors}
+    a, b = memoryview(src), memoryview(dst)
     for desc in dst_tensors:
-        view_tensor(dst, desc).copy_(view_tensor(src, by_name[desc.name]))
+        s = by_name[desc.name]
+        b[desc.offset : desc.offset + desc.nbytes] = a[s.offset : s.offset + s.nbytes]
 
 
-def checksum(buf: torch.Tensor) -> str:
-    """sha256 (hex) of a flat ``uint8`` buffer; hashlib reads the memory in place."""
-    data = buf if buf.device.type == "cpu" else buf.cpu()
-    return hashlib.sha256(data.contiguous().numpy().data).hexdigest()
+def checksum(buf: Buffer) -> str:
+    """sha256 (hex) of a flat buffer; hashlib reads the memory in place."""
+    return hashlib.sha256(buf).hexdigest()
 
 
 def validate_layout(tensors: Sequence[TensorDesc], size: int) -> None:
@@ -102,10 +99,10 @@ def validate_layout(tensors: Sequence[TensorDesc], size: int) -> None:
         if d.name in seen:
             raise InvalidRequest("duplicate tensor name", tensor=d.name)
         seen.add(d.name)
-        dtype = parse_dtype(d.dtype)
+        width = itemsize(d.dtype)
         if any(n < 0 for n in d.shape):
             raise InvalidRequest("negative dimension", tensor=d.name, shape=str(d.shape))
-        expected = math.prod(d.shape) * dtype.itemsize
+        expected = math.prod(d.shape) * width
         if d.nbytes != expected:
             raise InvalidRequest(
                 "nbytes does not match shape and dtype",

@@ -124,7 +124,7 @@ class MirrorService(Service[WeightStoreConfig]):
     async def _fetch(self, obs: Any, remote: WeightManifest) -> Version:
         """The version's object in a new local shm file, checksum-verified."""
         path = self.store.path(remote.version)
-        buf = shm.create(path, remote.handle.size)
+        buf = shm.create_map(path, remote.handle.size)
         try:
             await read_into(obs, subjects.weight_object(remote.version), buf)
             digest = await asyncio.to_thread(core.checksum, buf)

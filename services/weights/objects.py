@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import io
+import mmap
 from pathlib import Path
 from typing import Any
 
 import nats.errors
 import nats.js.errors
-import torch
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.object_store import ObjectStore
@@ -50,16 +50,16 @@ async def open_bucket(
 
 
 class _Bytes(io.RawIOBase):
-    """A position in the bytes of a flat ``uint8`` tensor, in place (no copy of the whole
+    """A position in the bytes of a version's mapping, in place (no copy of the whole
     version)."""
 
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.view = buf.numpy().data.cast("B")
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.view = memoryview(buf)
         self.pos = 0
 
 
 class _Reader(_Bytes):
-    """Reads a flat ``uint8`` tensor in place."""
+    """Reads a version's mapping in place."""
 
     def readable(self) -> bool:
         return True
@@ -72,7 +72,7 @@ class _Reader(_Bytes):
 
 
 class _Writer(_Bytes):
-    """Writes object chunks into a flat ``uint8`` tensor, refusing more than it holds."""
+    """Writes object chunks into a version's mapping, refusing more than it holds."""
 
     def writable(self) -> bool:
         return True
@@ -86,7 +86,7 @@ class _Writer(_Bytes):
         return n
 
 
-async def read_into(obs: ObjectStore, name: str, buf: torch.Tensor) -> None:
+async def read_into(obs: ObjectStore, name: str, buf: mmap.mmap) -> None:
     """Object ``name`` written into ``buf`` (its exact size); the Object Store checks the
     chunks' sha256 against the object's digest. ``NotFound``/``InvalidRequest`` otherwise."""
     writer = _Writer(buf)
@@ -96,7 +96,7 @@ async def read_into(obs: ObjectStore, name: str, buf: torch.Tensor) -> None:
         raise NotFound("weight object not exported", object=name) from None
     except nats.js.errors.DigestMismatchError:
         raise InvalidRequest("weight object digest mismatch", object=name) from None
-    if writer.pos != buf.numel():
+    if writer.pos != len(buf):
         raise InvalidRequest("weight object size differs", object=name, got=writer.pos)
 
 

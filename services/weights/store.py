@@ -7,18 +7,17 @@ modified afterwards, so a reader that maps one manifest sees exactly one version
 
 from __future__ import annotations
 
+import mmap
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from common import shm
 from common.config import shm_path, shm_prefix
 from common.errors import Conflict, InvalidRequest, NotFound
 from common.logging import get_logger
 from model.config import load_model_config
-from model.loader import load_safetensors
+from model.loader import read_raw
 from schemas.weights import WeightManifest, WeightsPush
 from services.weights import core
 
@@ -31,8 +30,9 @@ class Version:
     """One published (or about to be published) weight version and the memory holding it."""
 
     manifest: WeightManifest
-    buf: torch.Tensor
-    """The store's own mapping of the version's memory (flat ``uint8``)."""
+    buf: mmap.mmap
+    """The store's own mapping of the version's memory (bytes; the store never imports
+    torch)."""
 
 
 class WeightStore:
@@ -86,7 +86,7 @@ class WeightStore:
         ):
             return None
         try:
-            buf = shm.attach(prior.handle)
+            buf = shm.attach_map(prior.handle)
         except (NotFound, InvalidRequest):
             return None
         if core.checksum(buf) != prior.checksum:
@@ -100,12 +100,15 @@ class WeightStore:
     def _load(self, number: int) -> Version:
         t0 = time.perf_counter()
         load_model_config(self.model_dir)  # refuse unsupported architectures before copying
-        state = load_safetensors(self.model_dir)
-        layout = core.plan_layout(state)
-        path = self.path(number)
-        buf = shm.create(path, layout.size)
         try:
-            core.pack(state, layout, buf)
+            raw = read_raw(self.model_dir)
+        except ValueError as exc:
+            raise InvalidRequest("the model's weights are unreadable", reason=str(exc)) from None
+        layout = core.plan_layout({name: (t.dtype, t.shape) for name, t in raw.items()})
+        path = self.path(number)
+        buf = shm.create_map(path, layout.size)
+        try:
+            core.pack({name: t.data for name, t in raw.items()}, layout, buf)
             digest = core.checksum(buf)
         except BaseException:
             shm.unlink(path)
@@ -150,10 +153,10 @@ class WeightStore:
         cur = self.versions[self.current].manifest
         core.validate_layout(push.tensors, push.handle.size)
         core.validate_push(cur.tensors, push.tensors)
-        src = shm.attach(push.handle)
+        src = shm.attach_map(push.handle)
         number = self.current + 1
         path = self.path(number)
-        dst = shm.create(path, cur.handle.size)
+        dst = shm.create_map(path, cur.handle.size)
         try:
             digest = self._copy(push, src, cur, dst)
         except BaseException:
@@ -163,11 +166,11 @@ class WeightStore:
         return Version(manifest=self._manifest(number, path, layout, digest), buf=dst)
 
     @staticmethod
-    def _copy(push: WeightsPush, src: torch.Tensor, cur: WeightManifest, dst: torch.Tensor) -> str:
+    def _copy(push: WeightsPush, src: mmap.mmap, cur: WeightManifest, dst: mmap.mmap) -> str:
         """Copy the pushed bytes into ``dst`` and return ``dst``'s checksum, after checking
         the pusher's checksum against the bytes it actually sent."""
         if push.handle.size == cur.handle.size and core.same_placement(cur.tensors, push.tensors):
-            dst.copy_(src)
+            memoryview(dst)[:] = memoryview(src)
             # Hash our private copy, not the pusher's memory: it cannot change under us.
             digest = core.checksum(dst)
             if digest != push.checksum:

@@ -55,7 +55,7 @@ async def test_manifest_maps_bit_exactly(nats_server, nc, js, model_dir, run_id)
         for name, t in expected.items():
             assert mapped[name].dtype == t.dtype and mapped[name].shape == t.shape
             assert torch.equal(mapped[name], t), name
-        assert core.checksum(shm.attach(manifest.handle)) == manifest.checksum
+        assert core.checksum(shm.attach_map(manifest.handle)) == manifest.checksum
         assert (await fetch_manifest(nc, version=1)) == manifest
         with pytest.raises(NotFound):
             await fetch_manifest(nc, version=7)
@@ -76,7 +76,7 @@ manifest = decode(bytes.fromhex(sys.stdin.readline()), WeightManifest)
 t0 = time.perf_counter()
 tensors = map_weights(manifest)
 map_s = time.perf_counter() - t0
-digest = core.checksum(shm.attach(manifest.handle))
+digest = core.checksum(shm.attach_map(manifest.handle))
 print(json.dumps({"map_s": map_s, "checksum": digest}), flush=True)
 sys.stdin.readline()  # the parent wrote a sentinel through its own mapping
 print(json.dumps({"first": tensors["model.norm.weight"][0].item()}), flush=True)

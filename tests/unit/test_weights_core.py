@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import tensors
+from common import dtypes, tensors
 from common.errors import InvalidRequest
 from schemas.weights import TensorDesc
 from services.weights import core
@@ -26,23 +26,32 @@ def _state() -> dict[str, torch.Tensor]:
     }
 
 
+def _specs(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int]]]:
+    return {k: (tensors.dtype_name(t.dtype), list(t.shape)) for k, t in state.items()}
+
+
+def _bytes(state: dict[str, torch.Tensor]) -> dict[str, memoryview]:
+    """Each tensor's bytes, as the store reads them from a safetensors file."""
+    return {k: t.contiguous().reshape(-1).view(torch.uint8).numpy().data for k, t in state.items()}
+
+
 def test_layout_is_aligned_sorted_and_deterministic() -> None:
     state = _state()
-    layout = core.plan_layout(state)
+    layout = core.plan_layout(_specs(state))
     names = [d.name for d in layout.tensors]
     assert names == sorted(state)
     assert all(d.offset % core.ALIGN == 0 for d in layout.tensors)
     assert layout.size % core.ALIGN == 0
     reordered = dict(reversed(list(state.items())))
-    assert core.plan_layout(reordered) == layout
+    assert core.plan_layout(_specs(reordered)) == layout
     core.validate_layout(layout.tensors, layout.size)
 
 
 def test_pack_then_view_round_trips_bit_exactly() -> None:
     state = _state()
-    layout = core.plan_layout(state)
+    layout = core.plan_layout(_specs(state))
     buf = torch.zeros(layout.size, dtype=torch.uint8)
-    core.pack(state, layout, buf)
+    core.pack(_bytes(state), layout, buf.numpy().data)
     views = tensors.view_tensors(buf, layout.tensors)
     for name, t in state.items():
         assert views[name].dtype == t.dtype and views[name].shape == t.shape
@@ -53,16 +62,17 @@ def test_pack_then_view_round_trips_bit_exactly() -> None:
 
 
 def test_checksum_covers_every_byte() -> None:
-    buf = torch.zeros(256, dtype=torch.uint8)
+    buf = bytearray(256)
     before = core.checksum(buf)
-    assert before == core.checksum(buf.clone())
+    assert before == core.checksum(bytes(buf))
+    assert before == core.checksum(torch.zeros(256, dtype=torch.uint8).numpy().data)
     buf[255] = 1
     assert core.checksum(buf) != before
 
 
 def test_repack_between_layouts() -> None:
     state = _state()
-    layout = core.plan_layout(state)
+    layout = core.plan_layout(_specs(state))
     src = torch.zeros(layout.size + 128, dtype=torch.uint8)
     shifted = [
         TensorDesc(
@@ -74,9 +84,9 @@ def test_repack_between_layouts() -> None:
         tensors.view_tensor(src, d).copy_(state[d.name])
     assert not core.same_placement(layout.tensors, shifted)
     dst = torch.zeros(layout.size, dtype=torch.uint8)
-    core.repack(src, shifted, dst, layout.tensors)
+    core.repack(src.numpy().data, shifted, dst.numpy().data, layout.tensors)
     ref = torch.zeros(layout.size, dtype=torch.uint8)
-    core.pack(state, layout, ref)
+    core.pack(_bytes(state), layout, ref.numpy().data)
     assert torch.equal(dst, ref)
     assert core.same_placement(layout.tensors, list(layout.tensors))
 
@@ -105,7 +115,7 @@ def test_validate_layout_refuses(tensors, size, reason) -> None:
 
 
 def test_validate_push_checks_names_dtypes_shapes() -> None:
-    layout = core.plan_layout(_state())
+    layout = core.plan_layout(_specs(_state()))
     core.validate_push(layout.tensors, layout.tensors)
     with pytest.raises(InvalidRequest, match="names differ") as ei:
         core.validate_push(layout.tensors, layout.tensors[1:])
@@ -113,13 +123,20 @@ def test_validate_push_checks_names_dtypes_shapes() -> None:
     other = dict(_state())
     other["b.weight"] = torch.zeros(5, 3)
     with pytest.raises(InvalidRequest, match="dtype or shape") as ei:
-        core.validate_push(layout.tensors, core.plan_layout(other).tensors)
+        core.validate_push(layout.tensors, core.plan_layout(_specs(other)).tensors)
     assert ei.value.data["tensor"] == "b.weight"
     other["b.weight"] = torch.zeros(3, 5, dtype=torch.float64)
     with pytest.raises(InvalidRequest, match="dtype or shape"):
-        core.validate_push(layout.tensors, core.plan_layout(other).tensors)
+        core.validate_push(layout.tensors, core.plan_layout(_specs(other)).tensors)
 
 
 def test_dtype_names_round_trip() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
         assert tensors.parse_dtype(tensors.dtype_name(dtype)) is dtype
+
+
+def test_the_byte_sizes_the_store_uses_are_torch_s() -> None:
+    for name, size in dtypes.ITEMSIZE.items():
+        assert tensors.parse_dtype(name).itemsize == size, name
+    with pytest.raises(InvalidRequest, match="unknown dtype"):
+        dtypes.itemsize("float99")
