@@ -139,6 +139,30 @@ def test_attend_has_the_bits_of_masking_to_minus_infinity_forward_and_backward(
         assert torch.equal(ours, direct)
 
 
+@pytest.mark.parametrize(
+    ("s", "m", "chunks", "lowest"),
+    [(8, 4, 2, 100), (8, 2, 2, 250), (2, 16, 3, 200), (8, 4, 8, 900), (1, 6, 4, 300)],
+)
+def test_the_engine_s_stacked_chunks_have_the_bits_of_the_trainer_s_loop(
+    s: int, m: int, chunks: int, lowest: int
+) -> None:
+    """Without gradients, a decode step over two or more chunks runs them stacked
+    (``_attend_stacked``: each product, maximum, ``exp`` and sum once for every chunk); with
+    gradients (the trainer) ``attend`` loops over the chunks. Their outputs are bitwise equal
+    for decode rows and draft groups of several lengths, with each row at its own position."""
+    q = randn(s, 2, m, 64)
+    kv = randn(2, chunks, s, 2, bi.ATTENTION_CHUNK, 64) * 3
+    top = min(chunks * bi.ATTENTION_CHUNK, lowest + 150)
+    q_pos = torch.randint(lowest, top, (s, m), generator=GEN)
+    loop = bi.attend(q.clone().requires_grad_(True), q_pos, kv).detach()
+    cache: dict[str, object] = {}
+    with torch.inference_mode():
+        stacked = bi.attend(q, q_pos, kv, cache)
+    plan = cache[f"attend-{m}-{chunks}"]
+    assert getattr(plan, "stacked", None) is not None  # the stacked path ran
+    assert torch.equal(stacked, loop)
+
+
 def test_one_thread_restores_the_thread_count() -> None:
     torch.set_num_threads(2)
     try:
