@@ -108,9 +108,11 @@ def padded_rows(kind: str, k: int, n: int, m: int, dtype: torch.dtype = torch.fl
     return bucket(m, min_rows(kind, k, n, dtype))
 
 
-def bucket(m: int, floor: int) -> int:
-    """``m`` rows padded for products whose :func:`min_rows` is at most ``floor``."""
-    if m >= MIN_GEMM_ROWS:
+def bucket(m: int, floor: int, any_count: bool = False) -> int:
+    """``m`` rows padded for products whose :func:`min_rows` is at most ``floor``;
+    ``any_count``: products exact for every count of rows from ``floor`` up, not only
+    ``ROW_BUCKETS``' (:attr:`model.fused.Projection.any_count`), so padded up to ``floor`` only."""
+    if m >= MIN_GEMM_ROWS or (any_count and m >= floor):
         return m
     return next(b for b in ROW_BUCKETS if b >= m and b >= floor)
 
@@ -164,12 +166,14 @@ def linear(
     weight: Tensor,
     product: Callable[[Tensor], Tensor] | None = None,
     floor: int | None = None,
+    any_count: bool = False,
 ) -> Tensor:
     """``F.linear(x, weight)`` (no bias) whose rows do not depend on the other rows of ``x``.
 
     ``product``: computes ``F.linear(rows, weight)`` with its bits from ``floor`` rows up
     (default :func:`min_rows`; the engine's prepared :class:`model.fused.Projection` and its
-    ``exact_rows``); ``F.linear`` itself by default.
+    ``exact_rows``), in every count of rows from there where ``any_count`` (:func:`bucket`);
+    ``F.linear`` itself by default.
     """
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
@@ -180,7 +184,7 @@ def linear(
     m = flat.shape[0]
     if floor is None:
         floor = min_rows("linear", k, n_out, weight.dtype)
-    rows, n = pad_rows(flat.contiguous(), 0, bucket(m, floor))
+    rows, n = pad_rows(flat.contiguous(), 0, bucket(m, floor, any_count))
     out = run(rows)
     return (out if rows.shape[0] == n else out[:n]).reshape(*lead, n_out)
 

@@ -72,6 +72,7 @@ class Projection:
     packed: Tensor | None = None
     min_rows: int = bi.MIN_GEMM_ROWS
     exact_rows: int = bi.MIN_GEMM_ROWS
+    any_count: bool = False
 
     def __call__(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
@@ -143,10 +144,27 @@ def exact_floor(shapes: tuple[tuple[int, int], ...]) -> int:
     return next(b for b in bi.ROW_BUCKETS if b >= floor or is_exact(shapes, True, b))
 
 
-def _probe(shapes: tuple[tuple[int, int], ...], packed: bool, floor: int) -> bool:
+def exact_any_count(shapes: tuple[tuple[int, int], ...], floor: int) -> bool:
+    """Whether a packed :class:`Projection` of these shapes gives every row the row-invariant
+    GEMM's bits for every count of rows from ``floor`` up, not only ``ROW_BUCKETS``' (probed
+    like :func:`is_exact`, every count from ``floor`` to ``MIN_GEMM_ROWS`` and a few larger).
+    Measured true from 4 rows on an AMD EPYC (AVX2, 2026-12-07): MKL's packed GEMM runs one
+    kernel for 4 or more rows, so a deterministic step of 13 rows need not pay for 16."""
+    key = (shapes, True, -floor)  # negative floors: this probe's entries
+    found = _EXACT.get(key)
+    if found is None:
+        counts = list(range(floor, bi.MIN_GEMM_ROWS + 1))
+        found = _EXACT[key] = _probe(shapes, True, floor, counts)
+    return found
+
+
+def _probe(
+    shapes: tuple[tuple[int, int], ...], packed: bool, floor: int, counts: list[int] | None = None
+) -> bool:
     k, most = shapes[0][1], 64
     gen = torch.Generator().manual_seed(7_000_003 * k + sum(n for n, _ in shapes))
-    counts = [b for b in bi.ROW_BUCKETS if b >= floor] + [bi.MIN_GEMM_ROWS + 1, 37]
+    counts = [b for b in bi.ROW_BUCKETS if b >= floor] if counts is None else counts
+    counts = [*counts, bi.MIN_GEMM_ROWS + 1, 37]
     with torch.inference_mode(), bi.one_thread():
         parts = tuple(torch.randn(n, k, generator=gen) for n, _ in shapes)
         product = _projection(parts, packed, floor)
@@ -161,9 +179,11 @@ def _probe(shapes: tuple[tuple[int, int], ...], packed: bool, floor: int) -> boo
     return True
 
 
-def _projection(parts: tuple[Tensor, ...], packed: bool, floor: int) -> Projection:
+def _projection(
+    parts: tuple[Tensor, ...], packed: bool, floor: int, any_count: bool = False
+) -> Projection:
     weight = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return Projection(parts, weight, pack(weight) if packed else None, floor, floor)
+    return Projection(parts, weight, pack(weight) if packed else None, floor, floor, any_count)
 
 
 def projection(weights: list[Tensor], deterministic: bool = False) -> Projection:
@@ -171,11 +191,15 @@ def projection(weights: list[Tensor], deterministic: bool = False) -> Projection
     :func:`is_exact` says so on this machine, stacked only, or as they are. ``deterministic``
     (a deterministic model's product, always called with rows padded to its ``exact_rows``):
     a packed product runs in one call from :func:`exact_floor` rows, not from
-    :func:`floor_rows` (below which a fast model's parts run alone, as ``F.linear`` would)."""
+    :func:`floor_rows` (below which a fast model's parts run alone, as ``F.linear`` would),
+    and with ``any_count`` where :func:`exact_any_count` holds from there."""
     parts, shapes = tuple(weights), tuple((w.shape[0], w.shape[1]) for w in weights)
     floor = floor_rows(shapes)
     if can_pack(weights[0]) and is_exact(shapes, True):
-        return _projection(parts, True, exact_floor(shapes) if deterministic else floor)
+        if not deterministic:
+            return _projection(parts, True, floor)
+        exact = exact_floor(shapes)
+        return _projection(parts, True, exact, exact_any_count(shapes, exact))
     if len(parts) > 1 and is_exact(shapes, False):
         return _projection(parts, False, floor)
     if len(parts) == 1:

@@ -375,7 +375,7 @@ class Qwen3ForCausalLM(nn.Module):
         """
         with bi.one_thread() if self.deterministic else contextlib.nullcontext():
             t = input_ids.shape[0]
-            rows = bi.bucket(t, self.det_min_rows()) if self.deterministic else t
+            rows = self.det_rows(t) if self.deterministic else t
             if rows > t:
                 input_ids = F.pad(input_ids, (0, rows - t))
                 positions = F.pad(positions, (0, rows - t))
@@ -391,13 +391,24 @@ class Qwen3ForCausalLM(nn.Module):
                 x = cast(Qwen3DecoderLayer, layer).forward(x, step, flat[i], kv_cache[i])
             return self.model.norm(x[:t])
 
+    def det_rows(self, t: int) -> int:
+        """Rows a deterministic step of ``t`` tokens runs its products with: ``t`` padded to
+        the bucket of :meth:`det_min_rows`, or only up to it where every prepared product is
+        exact for any count of rows from there (:attr:`model.fused.Projection.any_count`)."""
+        prepared = [p for p in self._products() if p is not None]
+        any_count = bool(prepared) and all(p.any_count for p in prepared)
+        return bi.bucket(t, self.det_min_rows(), any_count)
+
+    def _products(self) -> list[Projection | None]:
+        layers = [cast(Qwen3DecoderLayer, layer) for layer in self.model.layers]
+        products = [(x.self_attn.qkv, x.self_attn.o, x.mlp.gate_up, x.mlp.down) for x in layers]
+        return [p for four in products for p in four] + [self.head]
+
     def det_min_rows(self) -> int:
         """The most rows any of the decoder's matmuls needs to be row-invariant on this
         machine: the prepared products' ``exact_rows`` (:mod:`model.fused`), else
         :func:`model.batch_invariant.min_rows` over their shapes (probed once)."""
-        layers = [cast(Qwen3DecoderLayer, layer) for layer in self.model.layers]
-        products = [(x.self_attn.qkv, x.self_attn.o, x.mlp.gate_up, x.mlp.down) for x in layers]
-        prepared = [p.exact_rows for four in products for p in four if p is not None]
+        prepared = [p.exact_rows for p in self._products() if p is not None]
         if prepared:
             return max(prepared)
         if self._det_min_rows is None:
@@ -458,9 +469,10 @@ class Qwen3ForCausalLM(nn.Module):
         computes only the tokenizer's columns (:meth:`output_weight`): on the tiny model (2,042
         of 4,096) that halves the output layer, a quarter of a decode step's products."""
         if self.deterministic:
-            floor = None if self.head is None else self.head.exact_rows
+            head = self.head
+            floor, any_count = (None, False) if head is None else (head.exact_rows, head.any_count)
             with bi.one_thread():
-                logits = bi.linear(hidden, self.output_weight(), self.head, floor)
+                logits = bi.linear(hidden, self.output_weight(), head, floor, any_count)
         elif self.head is not None:
             logits = self.head(hidden)
         else:

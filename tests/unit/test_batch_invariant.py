@@ -192,3 +192,19 @@ def test_padding_to_the_probed_bucket_gives_the_bits_of_sixteen_rows(k: int, n: 
     rows = bi.padded_rows("qk", 64, bi.ATTENTION_CHUNK, 2)
     assert torch.equal(torch.matmul(q[:, :rows], keys.transpose(1, 2))[:, :2], scores[:, :2])
     assert bi.bucket(bi.MIN_GEMM_ROWS + 3, floor) == bi.MIN_GEMM_ROWS + 3
+
+
+def test_products_exact_for_any_count_are_padded_only_up_to_their_floor() -> None:
+    """``any_count`` (a prepared product exact for every count of rows from its floor) keeps
+    a count at or above the floor as it is; below it, or without it, the bucket."""
+    assert [bi.bucket(m, 4, any_count=True) for m in (1, 3, 4, 5, 13, 16, 19)] == [
+        4,
+        4,
+        4,
+        5,
+        13,
+        16,
+        19,
+    ]
+    assert [bi.bucket(m, 4) for m in (1, 3, 4, 5, 13, 16, 19)] == [4, 4, 4, 8, 16, 16, 19]
+    assert bi.bucket(5, 16, any_count=True) == 16

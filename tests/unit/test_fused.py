@@ -77,10 +77,12 @@ def step_logits(model: Qwen3ForCausalLM, batch: int) -> Tensor:
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [1, 5, 8])
 def test_prepared_products_give_the_plain_models_bits(
     model_dir: Path, deterministic: bool, batch: int
 ) -> None:
+    """Batch 5, not a bucket: where the prepared products are exact for any count
+    (``Projection.any_count``) a deterministic step runs 5 rows, the plain model 8 (or 16)."""
     cfg, tensors = load_model_config(model_dir), load_safetensors(model_dir)
     # Norm weights of their own (the tiny model's are ones), so that the prepared model's
     # one norm of the q and k heads must scale each head by the right weight.
@@ -148,6 +150,8 @@ def test_a_deterministic_projection_has_the_row_invariant_bits_from_its_floor(
     x = torch.randn(70, shapes[0][1], generator=gen)
     ref = torch.cat([F.linear(x, w) for w in parts], -1)
     counts = [b for b in bi.ROW_BUCKETS if b >= product.exact_rows] + [17, 33, 70]
+    if product.any_count:  # every count from the floor, not only the buckets
+        counts += list(range(product.exact_rows, bi.MIN_GEMM_ROWS))
     for m in counts:
         assert torch.equal(product(x[:m].clone()), ref[:m]), m
         assert torch.equal(product(x[70 - m :].clone()), ref[70 - m :]), m
