@@ -15,7 +15,7 @@ from torch import Tensor
 
 from model.paged import StepKeys
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.draft import PromptLookup
+from services.worker.engine.draft import PROMPT_LOOKUP_MAX, PromptLookup
 from services.worker.engine.llm_engine import LLMEngine
 from services.worker.engine.sequence import SamplingParams, Sequence
 from tests.unit.model_fixtures import make_engine, write_small_model
@@ -254,28 +254,37 @@ def test_sampled_drafts_are_verified_at_their_own_index(
 ) -> None:
     """Seeded sampling at temperature 1 (each draw depends on its index j): a drafter that
     proposes the one-token run's own next tokens (all kept) or the same with its last token
-    wrong (all but that one kept) changes no token or log-probability."""
+    wrong (all but that one kept) changes no token or log-probability. Always right, its
+    sequences are soon trusted and get rows past ``speculative_rows``."""
     seeded = [dataclasses.replace(SAMPLINGS["seeded"], seed=50 + i) for i in range(3)]
     prompts = [PROMPT, [3] * 5, list(range(300, 330))]
     plain = make_engine(small_model_dir, dataclasses.replace(DET, speculative_tokens=0))
     ref = plain.generate(prompts, seeded)
     truth = {tuple(p): p + r.token_ids for p, r in zip(prompts, ref, strict=True)}
 
-    def oracle(self: PromptLookup, tokens: list[int], k: int) -> list[int]:
+    def oracle(self: PromptLookup, tokens: list[int], k: int) -> tuple[list[int], int]:
         full = next(t for p, t in truth.items() if tuple(tokens[: len(p)]) == p)
         assert tokens == full[: len(tokens)], "a token differs from one-token decoding"
         draft = full[len(tokens) : len(tokens) + k]
         if wrong_last and draft:
             draft[-1] = (draft[-1] + 1) % 512
-        return draft
+        return draft, PROMPT_LOOKUP_MAX  # a full-length match: confident once trusted
 
-    monkeypatch.setattr(PromptLookup, "propose", oracle)
-    spec = make_engine(small_model_dir, dataclasses.replace(DET, speculative_tokens=3))
+    monkeypatch.setattr(PromptLookup, "guess", oracle)
+    config = dataclasses.replace(
+        DET, speculative_tokens=3, speculative_rows=3, speculative_rows_confident=6
+    )
+    spec = make_engine(small_model_dir, config)
+    rows: list[int] = []
+    drafts = spec._drafts
+    spec._drafts = lambda seqs: rows.append(sum(map(len, d := drafts(seqs)))) or d  # type: ignore[method-assign]  # records each step's draft rows
     got = spec.generate(prompts, seeded)
     assert [(r.token_ids, r.logprobs) for r in got] == [(r.token_ids, r.logprobs) for r in ref]
     proposed, kept = spec.draft_tokens_proposed, spec.draft_tokens_accepted
     assert kept > N  # many tokens came from draft rows
     assert kept == proposed if not wrong_last else 0 < kept < proposed
+    if not wrong_last:
+        assert rows[0] == 3 and max(rows) == 9  # trusted: 3 each, not 3 in all
 
 
 def test_default_mode_still_matches_to_rounding(small_model_dir: Path) -> None:

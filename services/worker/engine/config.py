@@ -38,6 +38,12 @@ class EngineConfig:
     batch-1 step gets ``speculative_tokens`` drafts for little (a step's cost is mostly per
     operation, not per row, on a small model), a batch-8 step about one per sequence (each
     row costs there)."""
+    speculative_rows_confident: int = 16
+    """Draft rows a decode step may feed beyond ``speculative_rows``, for confident guesses only:
+    found by a full-length (three-token) match, for a sequence whose drafts have been kept at
+    least 80 % of the time (``PromptLookup.trusted``). Measured on an AMD EPYC (2026-12-07,
+    batch 8, deterministic): SmolLM2-135M, whose drafts are kept 97 % of the time, 1.22x the
+    tokens/s of 8 draft rows in all; the tiny model (62 %) unchanged within the noise."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -49,10 +55,11 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.speculative_tokens < 0 or self.speculative_rows < 0:
+        drafts = (self.speculative_tokens, self.speculative_rows, self.speculative_rows_confident)
+        if min(drafts) < 0:
             raise ValueError(
-                f"speculative_tokens and speculative_rows must be >= 0, got "
-                f"{self.speculative_tokens}, {self.speculative_rows}"
+                "speculative_tokens, speculative_rows and speculative_rows_confident must be "
+                f">= 0, got {', '.join(map(str, drafts))}"
             )
         if self.max_num_batched_tokens < self.max_model_len:
             # A preempted sequence is recomputed in one prefill, up to max_model_len tokens.

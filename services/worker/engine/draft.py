@@ -19,6 +19,12 @@ PROMPT_LOOKUP_MAX = 3
 """Longest suffix n-gram looked up (vLLM's ``prompt_lookup_max``)."""
 
 
+TRUSTED_RATE = 0.8
+"""Fraction of a sequence's draft tokens kept from which :attr:`PromptLookup.trusted` holds."""
+TRUSTED_AFTER = 4
+"""Draft tokens a sequence is fed before :attr:`PromptLookup.trusted` can hold."""
+
+
 class PromptLookup:
     """An index of every n-gram (1 to ``max_ngram`` tokens) of one sequence, by end position."""
 
@@ -29,6 +35,16 @@ class PromptLookup:
         self._ends: dict[tuple[int, ...], list[int]] = {}
         """n-gram → the positions just past each of its occurrences, ascending."""
         self._indexed = 0
+        self.fed = 0
+        """Draft tokens fed from this sequence's guesses so far (the engine records them)."""
+        self.kept = 0
+        """Of those, the tokens kept."""
+
+    @property
+    def trusted(self) -> bool:
+        """Whether this sequence's drafts have been kept at least ``TRUSTED_RATE`` of the time
+        (over ``TRUSTED_AFTER`` or more): its full-length matches then get more draft rows."""
+        return self.fed >= TRUSTED_AFTER and self.kept >= TRUSTED_RATE * self.fed
 
     def _update(self, tokens: list[int]) -> None:
         if len(tokens) < self._indexed:
@@ -41,8 +57,14 @@ class PromptLookup:
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens guessed to follow ``tokens`` (the same growing list on every
         call); empty when no suffix n-gram occurred before."""
+        return self.guess(tokens, k)[0]
+
+    def guess(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """:meth:`propose`'s tokens and the length of the suffix n-gram they were found by
+        (0 with none): a guess from a ``max_ngram``-token match is kept far more often than
+        one from a shorter match (the engine gives it more draft rows)."""
         if k < 1:
-            return []
+            return [], 0
         self._update(tokens)
         length = len(tokens)
         for n in range(min(self.max_ngram, length - 1), 0, -1):
@@ -52,6 +74,22 @@ class PromptLookup:
             # Newest first, the suffix itself (ending at ``length``) excluded.
             for end in reversed(ends[:-1]):
                 if length - end >= k:
-                    return tokens[end : end + k]
-            return tokens[ends[0] : ends[0] + k]  # the oldest has the most after it
-        return []
+                    return tokens[end : end + k], n
+            return tokens[ends[0] : ends[0] + k], n  # the oldest has the most after it
+        return [], 0
+
+
+def share_rows(limits: list[int], budget: int, counts: list[int] | None = None) -> list[int]:
+    """Draft rows per sequence: one more for every sequence below its limit, in order, round
+    after round, until ``budget`` more rows are handed out or every limit is reached; from
+    ``counts`` (default none yet)."""
+    counts = [0] * len(limits) if counts is None else list(counts)
+    left = budget
+    while left > 0:
+        open_ = [i for i, (c, n) in enumerate(zip(counts, limits, strict=True)) if c < n]
+        if not open_:
+            break
+        for i in open_[:left]:
+            counts[i] += 1
+        left -= min(left, len(open_))
+    return counts

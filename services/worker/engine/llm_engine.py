@@ -32,7 +32,7 @@ from model.fused import prepare_for_inference
 from model.qwen3 import Qwen3ForCausalLM, build_model, kv_cache_shape
 from services.worker.engine.backend import EngineBackend
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.draft import PromptLookup
+from services.worker.engine.draft import PROMPT_LOOKUP_MAX, PromptLookup, share_rows
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sampler import Sampler
 from services.worker.engine.scheduler import Scheduler
@@ -208,6 +208,9 @@ class LLMEngine(EngineBackend):
             kept = 1
             while kept <= len(draft) and draft[kept - 1] == drawn[kept - 1]:
                 kept += 1
+            if draft:
+                lookup = self._lookups[seq.request_id]
+                lookup.fed, lookup.kept = lookup.fed + len(draft), lookup.kept + kept - 1
             n = self.scheduler.accept(seq, drawn[:kept], logprobs[row : row + kept])
             self.draft_tokens_proposed += len(draft)
             self.draft_tokens_accepted += n - 1
@@ -216,31 +219,29 @@ class LLMEngine(EngineBackend):
         return outputs
 
     def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Each sequence's guesses, cut to ``speculative_rows`` in all: a first draft token for
-        every sequence that has one, then a second, and so on."""
+        """Each sequence's guesses, cut to ``speculative_rows`` in all (a first draft token for
+        every sequence that has one, then a second, and so on), then up to
+        ``speculative_rows_confident`` more for confident guesses (:meth:`_guess`)."""
         guesses = [self._guess(seq) for seq in seqs]
-        counts = [0] * len(seqs)
-        left = self.config.speculative_rows
-        while left > 0:
-            open_ = [i for i, g in enumerate(guesses) if counts[i] < len(g)]
-            for i in open_[:left]:
-                counts[i] += 1
-            left -= min(left, len(open_))
-            if not open_:
-                break
+        cfg = self.config
+        counts = share_rows([len(g) for g, _ in guesses], cfg.speculative_rows)
+        confident = [len(g) if sure else 0 for g, sure in guesses]
+        counts = share_rows(confident, cfg.speculative_rows_confident, counts)
         manager = self.scheduler.block_manager
         drafts = []
-        for seq, guess, count in zip(seqs, guesses, counts, strict=True):
+        for seq, (guess, _), count in zip(seqs, guesses, counts, strict=True):
             if count:
                 room = manager.reserve(seq, seq.num_tokens + count, len(self.scheduler.running))
                 count = min(count, room - seq.num_tokens)
             drafts.append(guess[:count])
         return drafts
 
-    def _guess(self, seq: Sequence) -> list[int]:
+    def _guess(self, seq: Sequence) -> tuple[list[int], bool]:
         """Up to ``speculative_tokens`` guesses of ``seq``'s next tokens that its budget and the
         model length leave room for (KV blocks: :meth:`_drafts` takes one only while every
-        running sequence's next token still finds one free)."""
+        running sequence's next token still finds one free), and whether they are confident:
+        found by a full-length match for a sequence whose drafts have mostly been kept
+        (:attr:`~services.worker.engine.draft.PromptLookup.trusted`)."""
         cfg = self.config
         k = min(
             cfg.speculative_tokens,
@@ -248,11 +249,12 @@ class LLMEngine(EngineBackend):
             cfg.max_model_len - seq.num_tokens - 1,
         )
         if k < 1:
-            return []
+            return [], False
         lookup = self._lookups.get(seq.request_id)
         if lookup is None:
             lookup = self._lookups[seq.request_id] = PromptLookup()
-        return lookup.propose(seq.token_ids, k)
+        guess, match = lookup.guess(seq.token_ids, k)
+        return guess, match >= PROMPT_LOOKUP_MAX and lookup.trusted
 
     def has_unfinished(self) -> bool:
         """True while a request waits, runs, or has an abort not yet reported."""
