@@ -277,7 +277,13 @@ def test_sampled_drafts_are_verified_at_their_own_index(
     spec = make_engine(small_model_dir, config)
     rows: list[int] = []
     drafts = spec._drafts
-    spec._drafts = lambda seqs: rows.append(sum(map(len, d := drafts(seqs)))) or d  # type: ignore[method-assign]  # records each step's draft rows
+
+    def recorded(seqs: list[Sequence]) -> list[list[int]]:  # each step's draft rows
+        out = drafts(seqs)
+        rows.append(sum(map(len, out)))
+        return out
+
+    spec._drafts = recorded  # type: ignore[method-assign]  # records, then returns them
     got = spec.generate(prompts, seeded)
     assert [(r.token_ids, r.logprobs) for r in got] == [(r.token_ids, r.logprobs) for r in ref]
     proposed, kept = spec.draft_tokens_proposed, spec.draft_tokens_accepted
