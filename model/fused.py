@@ -54,6 +54,9 @@ PREPARE_MAX_BYTES = 64 * 2**20
 prepares: about what a shared L3 cache keeps between decode steps (see the module doc)."""
 
 _EXACT: dict[tuple[tuple[tuple[int, int], ...], bool, int], bool] = {}
+""":func:`is_exact`'s probes, by shapes, packed and floor."""
+_EXACT_ANY_COUNT: dict[tuple[tuple[tuple[int, int], ...], int], bool] = {}
+""":func:`exact_any_count`'s probes, by shapes and floor."""
 
 
 @dataclass(frozen=True)
@@ -150,11 +153,10 @@ def exact_any_count(shapes: tuple[tuple[int, int], ...], floor: int) -> bool:
     like :func:`is_exact`, every count from ``floor`` to ``MIN_GEMM_ROWS`` and a few larger).
     Measured true from 4 rows on an AMD EPYC (AVX2, 2026-12-07): MKL's packed GEMM runs one
     kernel for 4 or more rows, so a deterministic step of 13 rows need not pay for 16."""
-    key = (shapes, True, -floor)  # negative floors: this probe's entries
-    found = _EXACT.get(key)
+    found = _EXACT_ANY_COUNT.get((shapes, floor))
     if found is None:
         counts = list(range(floor, bi.MIN_GEMM_ROWS + 1))
-        found = _EXACT[key] = _probe(shapes, True, floor, counts)
+        found = _EXACT_ANY_COUNT[(shapes, floor)] = _probe(shapes, True, floor, counts)
     return found
 
 
