@@ -243,20 +243,13 @@ class Supervisor(Service[SupervisorConfig]):
             ),
             *env,
         )  # fmt: skip
+        # The engines, then the controller (it routes to them), beside the trainer: it needs
+        # only the weight store, and a worker that is still preparing when the trainer pushes
+        # reads the store's current version once it follows the store (``watch_weights``).
         await self.engines.start_all()
-        await self._wait_engines()
-        await self._start_and_wait(
-            self.child("controller", self._py("services.controller", dataclasses.replace(
-                c.controller, model_dir=str(model), log_file=str(self._log_file("controller")),
-                max_prompt_tokens=c.router.limits.max_prompt_tokens))),
-            self._controller_probe,
-        )  # fmt: skip
-        if c.training:
-            await self._start_and_wait(
-                self.child("trainer", self._py("services.trainer", self.trainer_config()),
-                    stop_timeout=TRAINER_STOP_TIMEOUT_S),
-                lambda nc: request(nc, subjects.trainer_status(), TrainerStatusRequest(), TrainerStatus, timeout=1),
-            )  # fmt: skip
+        await asyncio.gather(
+            self._start_controller(), *([self._start_trainer()] if c.training else [])
+        )
         await self._watch_children()
         if c.metrics_port >= 0:
             self.metrics = MetricsEndpoint(c.metrics_port, c.metrics_addr, log)
@@ -265,6 +258,24 @@ class Supervisor(Service[SupervisorConfig]):
         self._write_node()
         await self.publish(NodeReady(engines=self.engine_ids, run_id=self.run_id))
         log.info("node_ready", nats_url=self.nats_url, engines=self.engine_ids, run_id=self.run_id)
+
+    async def _start_controller(self) -> None:
+        c = self.config
+        await self._wait_engines()
+        await self._start_and_wait(
+            self.child("controller", self._py("services.controller", dataclasses.replace(
+                c.controller, model_dir=str(self.model_dir),
+                log_file=str(self._log_file("controller")),
+                max_prompt_tokens=c.router.limits.max_prompt_tokens))),
+            self._controller_probe,
+        )  # fmt: skip
+
+    async def _start_trainer(self) -> None:
+        await self._start_and_wait(
+            self.child("trainer", self._py("services.trainer", self.trainer_config()),
+                stop_timeout=TRAINER_STOP_TIMEOUT_S),
+            lambda nc: request(nc, subjects.trainer_status(), TrainerStatusRequest(), TrainerStatus, timeout=1),
+        )  # fmt: skip
 
     async def _watch_children(self) -> None:
         """Watch every child: the engines' workers and shadows through ``self.engines`` (with
