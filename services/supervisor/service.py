@@ -40,6 +40,7 @@ from common.logging import get_logger
 from common.natsserver import NatsServer, TlsFiles, start_nats_server
 from common.node import NodeInfo
 from common.service import Service, run_service
+from common.tasks import gather_all
 from schemas.base import Ok
 from schemas.events import EventBase, NodeReady, ServiceExited, ServiceRestarted
 from schemas.node import ProcInfo, StopNode, SupervisorStatus, SupervisorStatusRequest
@@ -222,7 +223,7 @@ class Supervisor(Service[SupervisorConfig]):
         # the router and the environment service; none imports torch, each starts in ~0.5 s);
         # the workers need the first three, so they start after.
         env = [self._start_environment()] if c.environment else []
-        await asyncio.gather(
+        await gather_all(
             self._start_and_wait(
                 self.child("weights", self._py("services.weights", dataclasses.replace(
                     c.weights, run_id=rid, model_dir=model, log_file=str(self._log_file("weights"))))),
@@ -247,9 +248,7 @@ class Supervisor(Service[SupervisorConfig]):
         # only the weight store, and a worker that is still preparing when the trainer pushes
         # reads the store's current version once it follows the store (``watch_weights``).
         await self.engines.start_all()
-        await asyncio.gather(
-            self._start_controller(), *([self._start_trainer()] if c.training else [])
-        )
+        await gather_all(self._start_controller(), *([self._start_trainer()] if c.training else []))
         await self._watch_children()
         if c.metrics_port >= 0:
             self.metrics = MetricsEndpoint(c.metrics_port, c.metrics_addr, log)
@@ -260,6 +259,8 @@ class Supervisor(Service[SupervisorConfig]):
         log.info("node_ready", nats_url=self.nats_url, engines=self.engine_ids, run_id=self.run_id)
 
     async def _start_controller(self) -> None:
+        """Start the controller once every engine answers (it adopts a previous incarnation's
+        rollouts at start and routes them to the engines) and wait until it answers."""
         c = self.config
         await self._wait_engines()
         await self._start_and_wait(
@@ -271,6 +272,8 @@ class Supervisor(Service[SupervisorConfig]):
         )  # fmt: skip
 
     async def _start_trainer(self) -> None:
+        """Start the trainer and wait until it answers its status request; it needs only the
+        weight store, so it starts beside the engines."""
         await self._start_and_wait(
             self.child("trainer", self._py("services.trainer", self.trainer_config()),
                 stop_timeout=TRAINER_STOP_TIMEOUT_S),
