@@ -69,7 +69,8 @@ class StepStats:
     grad_norm: float
     """Global gradient norm before clipping, of the last optimiser step."""
     lr: float
-    """Learning rate of the last optimiser step."""
+    """Learning rate the last optimiser step used (read before the scheduler moves on: after
+    it, the rate is the next step's — 0 at the end of a cosine that this step did not use)."""
     optimizer_steps: int
     """Optimiser steps taken (one per mini-batch)."""
     micro_batches: int
@@ -140,7 +141,7 @@ def train_step(
     t0 = time.perf_counter()
     params = trainable_parameters(model)
     model.train()
-    total, grad_norm, steps, micro = 0.0, 0.0, 0, 0
+    total, grad_norm, lr, steps, micro = 0.0, 0.0, 0.0, 0, 0
     for minibatch in minibatches:
         optimizer.zero_grad(set_to_none=True)
         for item in minibatch:
@@ -150,10 +151,10 @@ def train_step(
         grad_norm = float(norm)
         if not torch.isfinite(norm):
             raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
+        lr = float(optimizer.param_groups[0]["lr"])  # the rate this optimiser step uses
         optimizer.step()
         scheduler.step()
         steps += 1
-    lr = float(optimizer.param_groups[0]["lr"])
     return StepStats(
         loss=total,
         grad_norm=grad_norm,

@@ -177,7 +177,7 @@ def dp_grpo_step(
     recompute_s = time.perf_counter() - t0
     loss_fn = _ShareLoss(state, grpo, b.max_len, sum(len(m) for m in plan))
     t1 = time.perf_counter()
-    total, grad_norm = _train(state, minis, loss_fn, options["optim"].max_grad_norm, failed)
+    total, grad_norm, lr = _train(state, minis, loss_fn, options["optim"].max_grad_norm, failed)
     train_s = time.perf_counter() - t1
     state.model.eval()
     state.step += 1
@@ -214,7 +214,7 @@ def dp_grpo_step(
         clip_high=clip[1] / weight,
         kl=float((kl[:, 0] / kl[:, 1]).mean()) if len(kl) else 0.0,
         grad_norm=grad_norm,
-        lr=float(state.optimizer.param_groups[0]["lr"]),
+        lr=lr,
         recompute_s=recompute_s,
         train_s=train_s,
     )
@@ -226,13 +226,14 @@ def _train(
     loss_fn: _ShareLoss,
     max_grad_norm: float,
     failed: Exception | None,
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """Per mini-batch: this rank's gradients, their sum over the ranks, one optimiser step on
     every rank (``model.training.train_step`` with the reduction between accumulation and
-    clipping). Returns the summed loss of all mini-batches and the last gradient norm."""
+    clipping). Returns the summed loss of all mini-batches, the last gradient norm and the
+    learning rate the last optimiser step used."""
     params = trainable_parameters(state.model)
     state.model.train()
-    total, grad_norm = 0.0, 0.0
+    total, grad_norm, lr = 0.0, 0.0, 0.0
     for k, items in enumerate(minis):
         state.optimizer.zero_grad(set_to_none=True)
         local = 0.0
@@ -255,9 +256,10 @@ def _train(
         grad_norm = float(norm)
         if not torch.isfinite(norm):
             raise StepAborted(f"non-finite gradient norm {grad_norm}")
+        lr = float(state.optimizer.param_groups[0]["lr"])  # the rate this optimiser step uses
         state.optimizer.step()
         state.scheduler.step()
-    return total, grad_norm
+    return total, grad_norm, lr
 
 
 def _reduce_gradients(params: list[torch.nn.Parameter], used: list[bool]) -> None:

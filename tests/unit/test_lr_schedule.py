@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.training_config import OptimConfig
-from model.training import make_scheduler
+from model.training import make_scheduler, train_step
 
 
 def lrs(cfg: OptimConfig, steps: int) -> list[float]:
@@ -63,6 +63,41 @@ def test_a_resumed_scheduler_goes_on_exactly() -> None:
         resumed.step()
         rest.append(opt2.param_groups[0]["lr"])
     assert rest == whole[4:]
+
+
+def test_train_step_reports_the_rate_it_used() -> None:
+    """``StepStats.lr`` (a run's ``lr`` in metrics.jsonl) is the rate the update's last
+    optimiser step used, not the next one's: the last step of a cosine over the run reports
+    the small rate it trained with, not 0."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    cfg = OptimConfig(lr=1e-3, decay_steps=4)
+    opt = torch.optim.SGD([param], lr=cfg.lr)
+    sched = make_scheduler(opt, cfg)
+
+    def loss_fn(x: float) -> torch.Tensor:
+        return (param * x).sum()
+
+    one = [[1.0]]  # one mini-batch of one micro-batch: one optimiser step per update
+    got = [train_step(param_model(param), opt, sched, one, loss_fn, max_grad_norm=1e9).lr]
+    got += [train_step(param_model(param), opt, sched, one, loss_fn, max_grad_norm=1e9).lr]
+    two = [[1.0], [1.0]]  # two optimiser steps: the second one's rate
+    got += [train_step(param_model(param), opt, sched, two, loss_fn, max_grad_norm=1e9).lr]
+    want = [1e-3 * 0.5 * (1 + math.cos(math.pi * s / 4)) for s in (0, 1, 3)]
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got[-1] > 0.0
+    # SGD with lr r moves the parameter by -r per unit gradient: the rates reported were used
+    assert float(param.detach()) == pytest.approx(-sum(lrs_used(cfg, 4)), rel=1e-6)
+
+
+def param_model(param: torch.nn.Parameter) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.p = param
+    return model
+
+
+def lrs_used(cfg: OptimConfig, steps: int) -> list[float]:
+    """The rate each of the first ``steps`` optimiser steps uses."""
+    return [cfg.lr * 0.5 * (1 + math.cos(math.pi * s / cfg.decay_steps)) for s in range(steps)]
 
 
 def test_negative_decay_steps_refused() -> None:
