@@ -24,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import inspect
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -271,3 +272,18 @@ def main(
         log_file=Path(log_file) if log_file else None,
     )
     return run_main(lambda stop: run(config, stop=stop))
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a service's process with ``code`` once its ``main`` has returned: flush the
+    standard streams (the log file is line-buffered), then ``os._exit``, skipping the
+    interpreter's teardown. With torch imported that teardown is ~0.6 s of garbage collection
+    on two cores, and a node pays it once per service, one after another, at every stop.
+    Nothing is left to it: the service's ``close`` has run, its connection is drained and its
+    executor threads are joined (``asyncio.run``)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said
+            pass
+    os._exit(code)

@@ -1,12 +1,12 @@
 """Belayer controller: agentic rollouts (the agent loop of every trajectory, its sandbox, the
 checkpoint policy and recovery aligned with the LLM context), served on belayer.rollout.*."""
 
-from common.service import main
+from common.service import exit_process, main
 from services.controller.config import ControllerConfig
 from services.controller.service import run
 
 if __name__ == "__main__":
-    raise SystemExit(
+    exit_process(
         main(
             ControllerConfig,
             run,

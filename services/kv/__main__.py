@@ -3,11 +3,11 @@
 belayer.kv.get and belayer.kv.flush. The arenas outlive any rollout worker; SIGTERM removes
 them."""
 
-from common.service import main
+from common.service import exit_process, main
 from services.kv.config import KvArenaConfig
 from services.kv.service import run
 
 if __name__ == "__main__":
-    raise SystemExit(
+    exit_process(
         main(KvArenaConfig, run, name="kv", prog="python -m services.kv", description=__doc__)
     )

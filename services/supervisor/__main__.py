@@ -1,12 +1,12 @@
 """Belayer node supervisor: starts NATS and the services, restarts crashed ones (``belayer up``
 runs it). The nested ``--<service>-*`` flags are each service's own config, forwarded to it."""
 
-from common.service import main
+from common.service import exit_process, main
 from services.supervisor.config import SupervisorConfig
 from services.supervisor.service import run
 
 if __name__ == "__main__":
-    raise SystemExit(
+    exit_process(
         main(
             SupervisorConfig,
             run,

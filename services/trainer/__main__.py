@@ -4,12 +4,12 @@ the current weights, checkpoints (model, optimiser, scheduler, RNG, trained traj
 under --checkpoint-dir and pushes each new version to the weight store; a restarted trainer
 resumes from its latest checkpoint and trains every trajectory exactly once."""
 
-from common.service import main
+from common.service import exit_process, main
 from services.trainer.config import TrainerConfig
 from services.trainer.service import run
 
 if __name__ == "__main__":
-    raise SystemExit(
+    exit_process(
         main(
             TrainerConfig,
             run,

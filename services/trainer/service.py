@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import os
@@ -248,18 +249,29 @@ class TrainerService(Service[TrainerConfig]):
 
     # --- consuming ----------------------------------------------------------------------------
     async def consume_loop(self) -> None:
-        while not self.stop_requested.is_set():
-            try:
-                msgs = await self.sub.fetch(FETCH_BATCH, timeout=0.5)
-            except TimeoutError:
-                msgs = []
-            except nats.errors.Error as exc:
-                self.log.warning("fetch_failed", error=repr(exc))
-                await asyncio.sleep(0.2)  # the bus is reconnecting: retry shortly
-                continue
-            for msg in msgs:
-                await self._on_message(msg)
-            await self._train_ready()
+        try:
+            while not self.stop_requested.is_set():
+                try:
+                    msgs = await self.sub.fetch(FETCH_BATCH, timeout=0.5)
+                except TimeoutError:
+                    msgs = []
+                except nats.errors.Error as exc:
+                    self.log.warning("fetch_failed", error=repr(exc))
+                    await asyncio.sleep(0.2)  # the bus is reconnecting: retry shortly
+                    continue
+                for msg in msgs:
+                    await self._on_message(msg)
+                await self._train_ready()
+        finally:
+            await self._unsubscribe()
+
+    async def _unsubscribe(self) -> None:
+        """End the pull subscription when the loop ends (the durable consumer stays on the
+        server; what this trainer held unacked is redelivered to the next one). A pull request
+        left pending by a cancelled ``fetch`` is answered later, into a queue nobody reads: the
+        connection's drain at exit would wait its whole timeout (5 s) on it."""
+        with contextlib.suppress(nats.errors.Error, ValueError):
+            await self.sub.unsubscribe()
 
     async def heartbeat_loop(self) -> None:
         """Keep every held trajectory from being redelivered while this trainer lives."""

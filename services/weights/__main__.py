@@ -3,12 +3,12 @@ into shared memory as version 1, serves manifests on belayer.weights.get and acc
 versions on belayer.weights.push. Shared-memory files are
 /dev/shm/belayer-<run-id>-weights-v<N>; SIGTERM removes them."""
 
-from common.service import main
+from common.service import exit_process, main
 from services.weights.config import WeightStoreConfig
 from services.weights.service import run
 
 if __name__ == "__main__":
-    raise SystemExit(
+    exit_process(
         main(
             WeightStoreConfig,
             run,

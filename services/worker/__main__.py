@@ -6,7 +6,7 @@ dies or hangs (``services/worker/shadow.py``)."""
 
 import asyncio
 
-from common.service import main, run_service
+from common.service import exit_process, main, run_service
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerProcess, WorkerService
 from services.worker.shadow import ShadowService
@@ -24,7 +24,7 @@ async def run(
 
 
 if __name__ == "__main__":
-    raise SystemExit(
+    exit_process(
         main(
             WorkerConfig,
             run,
