@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
@@ -178,7 +177,7 @@ async def run_service(
         service.stop_requested.set()
         try:
             if nc is not None:
-                await _disconnect(nc)
+                await _disconnect(nc, service.log)
         finally:
             await service.close()
             service.set_status(Status.STOPPED)
@@ -198,12 +197,22 @@ def _first_error(group: BaseExceptionGroup[Any]) -> BaseException:
     return _first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
 
 
-async def _disconnect(nc: NATS) -> None:
+async def _disconnect(nc: NATS, log: Any) -> None:
+    """Drain the connection (what was published is flushed), within ``DISCONNECT_TIMEOUT_S``;
+    past it, say so and close it: a subscription whose messages nobody reads holds a drain.
+    (nats-py's ``drain`` swallows its cancellation and closes the connection, so ``wait_for``
+    would return as if it had finished in time.)"""
     if nc.is_closed:
         return
-    try:
-        await asyncio.wait_for(nc.drain(), DISCONNECT_TIMEOUT_S)
-    except (TimeoutError, nats.errors.Error):
+    drain = asyncio.ensure_future(nc.drain())
+    done, _ = await asyncio.wait({drain}, timeout=DISCONNECT_TIMEOUT_S)
+    if not done:
+        log.warning("disconnect_timeout", timeout=DISCONNECT_TIMEOUT_S)
+        drain.cancel()
+        await asyncio.wait({drain})
+    if not drain.cancelled() and drain.exception() is not None:
+        log.debug("disconnect_failed", error=repr(drain.exception()))
+    if not nc.is_closed:
         await nc.close()
 
 

@@ -185,3 +185,20 @@ def test_a_node_left_running_in_the_run_directory_is_stopped_before_a_resume(
     assert "stopping the node an earlier invocation left running" in said
     assert not process_alive(kept.supervisor_pid)
     assert processes_under(out / "node") == []
+    check_clean_stops(out / "node" / "logs")
+
+
+def check_clean_stops(logs: Path) -> None:
+    """Both nodes stopped gracefully, each after a trained step: no service's connection drain
+    ran out its time (the trainer's pull subscription once held it for 5 s at every stop), and
+    no traceback reached a service's output."""
+    timeouts = [
+        line
+        for f in sorted(logs.glob("*.jsonl"))
+        for line in f.read_text().splitlines()
+        if '"disconnect_timeout"' in line
+    ]
+    assert timeouts == []
+    outs = {f.name: f.read_text() for f in sorted(logs.glob("*.out"))}
+    assert "trainer.out" in outs
+    assert {name: text for name, text in outs.items() if "Traceback" in text} == {}
