@@ -102,8 +102,23 @@ async def capture(
     finally:
         if not paused and not watch.seen:  # Docker's pause keeps its freeze
             ops.thaw(control)
-    t4 = time.monotonic()
+    durations = {"freeze_s": time.monotonic() - t0, "fs_s": t2 - t1, "dump_s": t3 - t2}
     ops.remove_tree(tmp / "work")
+    ids = (rec, trajectory_id, prefix, ck_id)
+    return await _write_manifest(config, tmp, ids, method, fs_bytes, durations)
+
+
+async def _write_manifest(
+    config: EnvConfig,
+    tmp: Path,
+    ids: tuple[SandboxRecord, str, int, str],
+    method: str,
+    fs_bytes: int,
+    durations: dict[str, float],
+) -> Manifest:
+    """The manifest of the checkpoint captured in ``tmp`` (``ids``: the sandbox, trajectory,
+    prefix and checkpoint id), hashed, written and, with ``config.fsync``, on disk."""
+    rec, trajectory_id, prefix, ck_id = ids
     manifest = Manifest(
         sandbox_id=rec.id,
         trajectory_id=trajectory_id,
@@ -117,7 +132,7 @@ async def capture(
         criu_files=ops.dir_files(tmp / core.CRIU_DIR),
         criu_sha256=await asyncio.to_thread(ops.dir_digests, tmp / core.CRIU_DIR),
         method=method,
-        durations={"freeze_s": t4 - t0, "fs_s": t2 - t1, "dump_s": t3 - t2},
+        durations=durations,
     )
     manifest.criu_bytes = sum(manifest.criu_files.values())
     core.write_manifest(tmp, manifest)
